@@ -1,0 +1,28 @@
+"""hloplan: automatic sharding of exported JAX programs.
+
+    import hloplan
+    result = hloplan.compile("step.jaxexport", mesh="2x4", output="plan/")
+    step = hloplan.load("plan/")
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+
+def compile(path_or_bytes, mesh, output=None, **options):
+    """Plan `path_or_bytes` (StableHLO text, bytecode, portable artifact or serialized Exported)
+    for `mesh` ("8", "2x4", "data=2,model=4"); see hloplan.compiler.compile."""
+    from hloplan.compiler import compile as _compile
+
+    return _compile(path_or_bytes, mesh, output, **options)
+
+
+def load(plan_dir, devices=None):
+    """A callable running the plan in `plan_dir` on the mesh; takes the original pytrees."""
+    from hloplan.emit.loader import load as _load
+
+    return _load(plan_dir, devices)
+
+
+__all__ = ["__version__", "compile", "load"]

@@ -1,0 +1,281 @@
+"""Analytic alpha-beta cost of collectives over mesh axes, on the ring algorithm.
+
+A collective runs over a group of mesh axes (indices into the mesh). Its group size n is the
+product of their sizes; it moves data at the lowest bandwidth among the links those axes run over
+(`hardware.axis_links`) and pays the highest of their latencies per step. With S the bytes named
+below, bw the bandwidth and lat the latency:
+
+    all-reduce      2(n-1)/n * S / bw + 2(n-1) * lat   S = the buffer each device holds
+    all-gather       (n-1)/n * S / bw +  (n-1) * lat   S = the result on each device (after)
+    reduce-scatter   (n-1)/n * S / bw +  (n-1) * lat   S = the input on each device (before)
+    all-to-all       (n-1)/n * S / bw +  (n-1) * lat   S = the buffer each device holds
+
+Every collective costs 0 when n == 1 or S == 0. `bytes_sent` gives the bandwidth term's bytes
+(what each device sends), to compare with the collectives XLA actually compiled.
+
+A sharding here is a tuple with one entry per tensor dimension; each entry is the tuple of mesh
+axis indices (major to minor) that split that dimension, () for a replicated dimension. So on a
+mesh (data=2, model=4), ((0,), ()) splits dim 0 over data, ((), (0, 1)) splits dim 1 over all 8
+devices. `CommModel.reshard` prices changing one sharding into another; see its docstring.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from hloplan.cost_models.hardware import DeviceModel, Interconnect, axis_links
+from hloplan.mesh import MeshSpec
+
+__all__ = [
+    "ALL_GATHER",
+    "ALL_REDUCE",
+    "ALL_TO_ALL",
+    "COLLECTIVE_KINDS",
+    "REDUCE_SCATTER",
+    "AxisGroup",
+    "CommModel",
+    "ReshardCost",
+    "Sharding",
+    "local_bytes",
+]
+
+ALL_REDUCE = "all-reduce"
+ALL_GATHER = "all-gather"
+REDUCE_SCATTER = "reduce-scatter"
+ALL_TO_ALL = "all-to-all"
+COLLECTIVE_KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
+
+Sharding = tuple[tuple[int, ...], ...]
+Axes = tuple[int, ...]
+
+
+def _kind(kind: str) -> str:
+    name = kind.strip().lower().replace("_", "-")
+    if name not in COLLECTIVE_KINDS:
+        raise ValueError(f"unknown collective {kind!r} (known: {', '.join(COLLECTIVE_KINDS)})")
+    return name
+
+
+@dataclass(frozen=True)
+class AxisGroup:
+    """The devices a collective over some mesh axes runs among, and the link it is limited by."""
+
+    axes: Axes
+    size: int  # n: devices per group
+    bandwidth: float  # bytes/s: the slowest link among the axes
+    latency: float  # seconds per step: the highest latency among the axes
+
+
+@dataclass(frozen=True)
+class ReshardCost:
+    """Seconds to change a tensor's sharding, and the collectives that do it.
+
+    Each collective is (kind, mesh axes, bytes each device sends).
+    """
+
+    seconds: float
+    collectives: tuple[tuple[str, Axes, float], ...] = ()
+
+    @property
+    def bytes_sent(self) -> float:
+        """Total bytes each device sends over all the collectives."""
+        return sum(sent for _, _, sent in self.collectives)
+
+
+def local_bytes(
+    shape: Sequence[int], itemsize: int, sharding: Sequence[Sequence[int]], mesh: MeshSpec
+) -> int:
+    """Bytes of one device's shard: each dim divided by its axes' sizes, rounded up (as XLA pads)."""
+    total = itemsize
+    for dim, axes in zip(shape, sharding, strict=True):
+        parts = math.prod(mesh.axis_sizes[a] for a in axes)
+        total *= -(-dim // parts)
+    return total
+
+
+class CommModel:
+    """Alpha-beta ring costs of collectives over the axes of `mesh` on `model`'s interconnect.
+
+    `hosts`, if given, is how many hosts the mesh's devices are spread over (see
+    `hardware.axis_links`). `links[i]` is the interconnect level mesh axis i runs over.
+    """
+
+    def __init__(self, model: DeviceModel, mesh: MeshSpec, hosts: int | None = None) -> None:
+        self.model = model
+        self.mesh = mesh
+        self.hosts = hosts
+        self.links: tuple[Interconnect, ...] = axis_links(model, mesh, hosts)
+
+    def __repr__(self) -> str:
+        links = ", ".join(
+            f"{name}:{link.name}"
+            for name, link in zip(self.mesh.axis_names, self.links, strict=True)
+        )
+        hosts = f", hosts={self.hosts}" if self.hosts is not None else ""
+        return f"CommModel({self.model.name}, {self.mesh}{hosts}; {links})"
+
+    # --- axis groups ------------------------------------------------------------------------
+
+    def _axes(self, axes: int | str | Iterable[int | str]) -> Axes:
+        if isinstance(axes, int | str):
+            axes = (axes,)
+        result: list[int] = []
+        for axis in axes:
+            if isinstance(axis, str):
+                index = self.mesh.axis_index(axis)
+            elif isinstance(axis, bool) or not isinstance(axis, int):
+                raise ValueError(f"mesh axis {axis!r} is neither an index nor a name")
+            elif not 0 <= axis < self.mesh.ndim:
+                raise ValueError(f"mesh axis {axis} out of range for mesh {self.mesh}")
+            else:
+                index = axis
+            if index in result:
+                raise ValueError(f"mesh axis {axis!r} appears twice in {tuple(axes)!r}")
+            result.append(index)
+        return tuple(result)
+
+    def group(self, axes: int | str | Iterable[int | str]) -> AxisGroup:
+        """Group size, bottleneck bandwidth and latency of a collective over `axes`."""
+        index = self._axes(axes)
+        if not index:
+            return AxisGroup((), 1, math.inf, 0.0)
+        links = [self.links[a] for a in index]
+        return AxisGroup(
+            axes=index,
+            size=math.prod(self.mesh.axis_sizes[a] for a in index),
+            bandwidth=min(link.bandwidth for link in links),
+            latency=max(link.latency for link in links),
+        )
+
+    def axes_label(self, axes: int | str | Iterable[int | str]) -> str:
+        """Mesh axis names joined by ',' (e.g. 'data,model'); '' for no axes."""
+        return ",".join(self.mesh.axis_names[a] for a in self._axes(axes))
+
+    # --- collectives ------------------------------------------------------------------------
+
+    def bytes_sent(self, kind: str, nbytes: float, axes: int | str | Iterable[int | str]) -> float:
+        """Bytes each device sends in the ring algorithm: 2(n-1)/n*S for all-reduce, else (n-1)/n*S."""
+        kind = _kind(kind)
+        n = self.group(axes).size
+        if n == 1 or nbytes <= 0:
+            return 0.0
+        factor = 2.0 if kind == ALL_REDUCE else 1.0
+        return factor * (n - 1) / n * nbytes
+
+    def collective(self, kind: str, nbytes: float, axes: int | str | Iterable[int | str]) -> float:
+        """Seconds for a collective of `kind` ('all-reduce', 'all-gather', ...) over `axes`."""
+        kind = _kind(kind)
+        group = self.group(axes)
+        n = group.size
+        if n == 1 or nbytes <= 0:
+            return 0.0
+        steps = 2 * (n - 1) if kind == ALL_REDUCE else n - 1
+        return self.bytes_sent(kind, nbytes, group.axes) / group.bandwidth + steps * group.latency
+
+    def all_reduce(self, nbytes: float, axes: int | str | Iterable[int | str]) -> float:
+        """All-reduce of a buffer of `nbytes` on each device."""
+        return self.collective(ALL_REDUCE, nbytes, axes)
+
+    def all_gather(self, nbytes_full: float, axes: int | str | Iterable[int | str]) -> float:
+        """All-gather whose result is `nbytes_full` on each device."""
+        return self.collective(ALL_GATHER, nbytes_full, axes)
+
+    def reduce_scatter(self, nbytes_full: float, axes: int | str | Iterable[int | str]) -> float:
+        """Reduce-scatter of an input of `nbytes_full` on each device (before scattering)."""
+        return self.collective(REDUCE_SCATTER, nbytes_full, axes)
+
+    def all_to_all(self, nbytes_local: float, axes: int | str | Iterable[int | str]) -> float:
+        """All-to-all of a buffer of `nbytes_local` on each device."""
+        return self.collective(ALL_TO_ALL, nbytes_local, axes)
+
+    # --- compute ----------------------------------------------------------------------------
+
+    def compute_time(self, flops: float, bytes_accessed: float, dtype: object) -> float:
+        """Roofline time: max(flops / peak FLOP/s for `dtype`, bytes / HBM bandwidth)."""
+        return max(flops / self.model.flops_for(dtype), bytes_accessed / self.model.hbm_bandwidth)
+
+    # --- resharding -------------------------------------------------------------------------
+
+    def _check_sharding(self, sharding: Sequence[Sequence[int]], rank: int, what: str) -> Sharding:
+        if len(sharding) != rank:
+            raise ValueError(
+                f"{what} sharding {sharding!r} has {len(sharding)} entries for a rank-{rank} tensor"
+            )
+        seen: set[int] = set()
+        result = []
+        for entry in sharding:
+            axes = self._axes(entry)
+            for axis in axes:
+                if axis in seen:
+                    raise ValueError(f"{what} sharding {sharding!r} uses mesh axis {axis} twice")
+                seen.add(axis)
+            result.append(axes)
+        return tuple(result)
+
+    def reshard(
+        self,
+        shape: Sequence[int],
+        itemsize: int,
+        src: Sequence[Sequence[int]],
+        dst: Sequence[Sequence[int]],
+    ) -> ReshardCost:
+        """Cost of changing a tensor of `shape` from sharding `src` to sharding `dst`.
+
+        On each dim d, the longest common prefix of src[d] and dst[d] stays put. Every src axis
+        after that prefix leaves dim d, minor-most first:
+          1. all-gathers: axes that leave d and are not on another dim in dst (including axes
+             that only change position within d), one all-gather per dim over those axes; its
+             size is the per-device tensor after the gather;
+          2. all-to-alls: axes that move to another dim d', one all-to-all per (d, d') pair over
+             those axes, sized by the per-device tensor at that moment;
+          3. slices: dst axes not yet in place are free (each device keeps its part).
+        The per-device size is tracked through the steps (dims rounded up, as XLA pads). This is
+        exact for the common cases, S->R (all-gather), S(d)->S(d') (all-to-all) and R->S (free);
+        more tangled changes are priced as that sequence of steps.
+        """
+        rank = len(shape)
+        src_s = self._check_sharding(src, rank, "source")
+        dst_s = self._check_sharding(dst, rank, "destination")
+        dst_dim = {axis: d for d, axes in enumerate(dst_s) for axis in axes}
+
+        current = [list(axes) for axes in src_s]
+        leaving: list[list[int]] = []
+        for d in range(rank):
+            keep = 0
+            while (
+                keep < len(src_s[d]) and keep < len(dst_s[d]) and src_s[d][keep] == dst_s[d][keep]
+            ):
+                keep += 1
+            leaving.append(list(src_s[d][keep:]))
+
+        def size() -> int:
+            return local_bytes(shape, itemsize, current, self.mesh)
+
+        steps: list[tuple[str, Axes, float]] = []
+        seconds = 0.0
+
+        def record(kind: str, nbytes: float, axes: Axes) -> None:
+            nonlocal seconds
+            sent = self.bytes_sent(kind, nbytes, axes)
+            if sent > 0:
+                seconds += self.collective(kind, nbytes, axes)
+                steps.append((kind, axes, sent))
+
+        # 1. all-gathers
+        for d in range(rank):
+            gathered = tuple(a for a in leaving[d] if dst_dim.get(a, d) == d)
+            if gathered:
+                current[d] = [a for a in current[d] if a not in gathered]
+                record(ALL_GATHER, size(), gathered)
+        # 2. all-to-alls
+        for d in range(rank):
+            targets = sorted({dst_dim[a] for a in leaving[d] if dst_dim.get(a, d) != d})
+            for target in targets:
+                moved = tuple(a for a in leaving[d] if dst_dim.get(a) == target)
+                record(ALL_TO_ALL, size(), moved)
+                current[d] = [a for a in current[d] if a not in moved]
+                current[target].extend(moved)
+        # 3. slices: free.
+        return ReshardCost(seconds, tuple(steps))

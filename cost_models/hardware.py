@@ -1,0 +1,433 @@
+"""Device models: what one accelerator can do, read from TOML files.
+
+A device model gives the per-device numbers the analytic cost model needs: memory, HBM bandwidth,
+peak FLOP/s by dtype, and the interconnect as a list of levels, innermost first. Shipped models
+live next to this file (h100.toml, h100-slow-ib.toml, tpu-v5e.toml, cpu.toml); any other TOML file
+with the same schema can be passed by path.
+
+Schema (all fields required unless marked optional)::
+
+    name = "h100"                # short name used to select the model
+    aliases = ["h100-sxm"]       # optional: other names for it
+    description = "..."          # optional: one line for humans
+    platform = "cuda"            # jax platform name: cpu, cuda, rocm, tpu
+    memory = "80GiB"             # per device: a byte count or a string such as "80GiB", "16GB"
+    hbm_bandwidth = 3.35e12      # bytes/s, per device
+
+    [flops]                      # peak dense FLOP/s per device, by dtype
+    f32 = 494.7e12               # keys are HLO-style dtype names: f64, f32, bf16, f16, f8, ...
+    bf16 = 989.4e12
+    default = 66.9e12            # required: used for integer dtypes and any dtype not listed
+
+    [[interconnect]]             # one table per level, innermost (fastest) first
+    name = "nvlink"
+    devices = 8                  # devices reachable at this level (e.g. GPUs in a node); 0 = unbounded
+    bandwidth = 450e9            # bytes/s per device per direction, as the ring algorithm sees it
+    latency = 3e-6               # seconds per collective step
+
+    [[interconnect]]
+    name = "infiniband"
+    devices = 0
+    bandwidth = 50e9
+    latency = 10e-6
+
+Levels must have strictly increasing `devices`, with 0 (unbounded) allowed only on the last one.
+Unknown fields are errors, to catch typos.
+
+`axis_links` maps each mesh axis to the level it communicates over; see its docstring.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from dataclasses import dataclass, field, replace
+from functools import cache, lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from hloplan.mesh import MeshError, MeshSpec
+from hloplan.units import parse_bytes
+
+__all__ = [
+    "PLATFORMS",
+    "DeviceModel",
+    "DeviceModelError",
+    "Interconnect",
+    "available_device_models",
+    "axis_links",
+    "load_device_model",
+    "normalize_dtype",
+]
+
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+_TOP_FIELDS = {
+    "name",
+    "aliases",
+    "description",
+    "platform",
+    "memory",
+    "hbm_bandwidth",
+    "flops",
+    "interconnect",
+}
+_LEVEL_FIELDS = {"name", "devices", "bandwidth", "latency"}
+
+
+class DeviceModelError(ValueError):
+    """A device model that cannot be found or read."""
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """One level of the interconnect hierarchy."""
+
+    name: str
+    devices: int  # devices reachable at this level; 0 = unbounded
+    bandwidth: float  # bytes/s per device per direction, as the ring algorithm sees it
+    latency: float  # seconds per collective step
+
+    def __post_init__(self) -> None:
+        if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 0:
+            raise DeviceModelError(
+                f"interconnect {self.name!r}: devices must be a non-negative integer"
+            )
+        if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
+            raise DeviceModelError(f"interconnect {self.name!r}: bandwidth must be positive")
+        if not (self.latency >= 0 and math.isfinite(self.latency)):
+            raise DeviceModelError(f"interconnect {self.name!r}: latency must be non-negative")
+
+
+_NUMPY_DTYPES = {
+    "float64": "f64",
+    "double": "f64",
+    "float32": "f32",
+    "float": "f32",
+    "float16": "f16",
+    "half": "f16",
+    "bfloat16": "bf16",
+    "int8": "s8",
+    "int16": "s16",
+    "int32": "s32",
+    "int64": "s64",
+    "uint8": "u8",
+    "uint16": "u16",
+    "uint32": "u32",
+    "uint64": "u64",
+    "bool": "pred",
+    "i1": "pred",
+}
+
+
+def normalize_dtype(dtype: object) -> str:
+    """HLO-style lower-case dtype name: 'float32' -> 'f32', 'bfloat16' -> 'bf16', 'i32' -> 's32'.
+
+    Accepts HLO names (f32, bf16, s32, u8, pred, f8E4M3FN), MLIR names (i32, i8) and NumPy names
+    (float32, int32, float8_e4m3fn) or anything whose str() is one of these.
+    """
+    name = str(dtype).strip().lower()
+    if name.startswith("float8") or name.startswith("f8"):
+        return "f8"
+    if name in _NUMPY_DTYPES:
+        return _NUMPY_DTYPES[name]
+    if len(name) > 1 and name[0] == "i" and name[1:].isdigit():
+        return "s" + name[1:]
+    if len(name) > 2 and name[:2] == "ui" and name[2:].isdigit():
+        return "u" + name[2:]
+    return name
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """Per-device performance figures and the interconnect hierarchy (innermost level first)."""
+
+    name: str
+    description: str
+    platform: str
+    memory_bytes: int
+    hbm_bandwidth: float
+    flops: dict[str, float] = field(hash=False)
+    interconnect: tuple[Interconnect, ...]
+    source: str = "<memory>"  # where it was loaded from: a path, or package:<file>
+
+    def flops_for(self, dtype_name: object) -> float:
+        """Peak FLOP/s for arithmetic in `dtype_name`.
+
+        Exact entries win ('f32', 'bf16', or e.g. 's8' if the table has it); any fp8 variant
+        ('f8E4M3FN', 'float8_e5m2', ...) uses 'f8'; everything else, integers included, uses
+        'default'.
+        """
+        name = normalize_dtype(dtype_name)
+        if name in self.flops:
+            return self.flops[name]
+        raw = str(dtype_name).strip().lower()
+        if raw in self.flops:
+            return self.flops[raw]
+        return self.flops["default"]
+
+    def level(self, name: str) -> Interconnect:
+        """The interconnect level called `name`."""
+        for level in self.interconnect:
+            if level.name == name:
+                return level
+        known = ", ".join(level.name for level in self.interconnect)
+        raise DeviceModelError(f"device model {self.name!r} has no interconnect {name!r} ({known})")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "<dict>") -> DeviceModel:
+        """Build a model from parsed TOML (the schema in this module's docstring)."""
+        return _parse_model(data, source)
+
+
+# --- parsing ---------------------------------------------------------------------------------
+
+
+def _fail(source: str, message: str) -> DeviceModelError:
+    return DeviceModelError(f"{source}: {message}")
+
+
+def _require(data: dict[str, Any], key: str, source: str, where: str = "") -> Any:
+    if key not in data:
+        raise _fail(source, f"missing field '{where}{key}'")
+    return data[key]
+
+
+def _string(value: Any, source: str, field_name: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _fail(source, f"field '{field_name}' must be a non-empty string, got {value!r}")
+    return value
+
+
+def _number(value: Any, source: str, field_name: str, *, positive: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise _fail(source, f"field '{field_name}' must be a number, got {value!r}")
+    if positive and value <= 0:
+        raise _fail(source, f"field '{field_name}' must be positive, got {value!r}")
+    if not positive and value < 0:
+        raise _fail(source, f"field '{field_name}' must not be negative, got {value!r}")
+    return float(value)
+
+
+def _parse_model(data: dict[str, Any], source: str) -> DeviceModel:
+    if not isinstance(data, dict):
+        raise _fail(source, "expected a table at the top level")
+    unknown = sorted(set(data) - _TOP_FIELDS)
+    if unknown:
+        raise _fail(
+            source,
+            f"unknown field(s) {', '.join(map(repr, unknown))} "
+            f"(known: {', '.join(sorted(_TOP_FIELDS))})",
+        )
+    name = _string(_require(data, "name", source), source, "name")
+    aliases = data.get("aliases", [])
+    if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
+        raise _fail(source, f"field 'aliases' must be a list of strings, got {aliases!r}")
+    description = data.get("description", "")
+    if not isinstance(description, str):
+        raise _fail(source, f"field 'description' must be a string, got {description!r}")
+    platform = _string(_require(data, "platform", source), source, "platform")
+    if platform not in PLATFORMS:
+        raise _fail(
+            source, f"field 'platform' must be one of {', '.join(PLATFORMS)}, got {platform!r}"
+        )
+    memory = _require(data, "memory", source)
+    try:
+        memory_bytes = parse_bytes(memory)
+    except ValueError as exc:
+        raise _fail(source, f"field 'memory': {exc}") from None
+    if memory_bytes <= 0:
+        raise _fail(source, "field 'memory' must be positive")
+    hbm = _number(_require(data, "hbm_bandwidth", source), source, "hbm_bandwidth")
+
+    flops_table = _require(data, "flops", source)
+    if not isinstance(flops_table, dict):
+        raise _fail(source, "field 'flops' must be a table ([flops])")
+    flops: dict[str, float] = {}
+    for key, value in flops_table.items():
+        flops[normalize_dtype(key)] = _number(value, source, f"flops.{key}")
+    if "default" not in flops:
+        raise _fail(source, "missing field 'flops.default'")
+
+    levels_data = _require(data, "interconnect", source)
+    if not isinstance(levels_data, list) or not levels_data:
+        raise _fail(
+            source, "field 'interconnect' must be a non-empty array of tables ([[interconnect]])"
+        )
+    levels: list[Interconnect] = []
+    for i, level in enumerate(levels_data):
+        where = f"interconnect[{i}]."
+        if not isinstance(level, dict):
+            raise _fail(source, f"field 'interconnect[{i}]' must be a table")
+        unknown = sorted(set(level) - _LEVEL_FIELDS)
+        if unknown:
+            raise _fail(source, f"unknown field(s) {', '.join(where + k for k in unknown)}")
+        level_name = _string(_require(level, "name", source, where), source, where + "name")
+        devices = _require(level, "devices", source, where)
+        if isinstance(devices, bool) or not isinstance(devices, int) or devices < 0:
+            raise _fail(
+                source,
+                f"field '{where}devices' must be a non-negative integer "
+                f"(0 = unbounded), got {devices!r}",
+            )
+        bandwidth = _number(
+            _require(level, "bandwidth", source, where), source, where + "bandwidth"
+        )
+        latency = _number(
+            _require(level, "latency", source, where), source, where + "latency", positive=False
+        )
+        levels.append(Interconnect(level_name, devices, bandwidth, latency))
+    for i, level in enumerate(levels):
+        if level.devices == 0 and i != len(levels) - 1:
+            raise _fail(
+                source,
+                f"field 'interconnect[{i}].devices': only the last level may be unbounded (0)",
+            )
+        if i and level.devices and level.devices <= levels[i - 1].devices:
+            raise _fail(
+                source,
+                f"field 'interconnect[{i}].devices': levels must reach strictly "
+                f"more devices than the level inside them ({level.devices} <= "
+                f"{levels[i - 1].devices})",
+            )
+    return DeviceModel(
+        name=name,
+        description=description,
+        platform=platform,
+        memory_bytes=memory_bytes,
+        hbm_bandwidth=hbm,
+        flops=flops,
+        interconnect=tuple(levels),
+        source=source,
+    )
+
+
+def _load_text(text: str, source: str) -> DeviceModel:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise _fail(source, f"invalid TOML: {exc}") from None
+    return _parse_model(data, source)
+
+
+def _key(name: str) -> str:
+    return name.strip().lower().replace("_", "-")
+
+
+@lru_cache(maxsize=1)
+def _package_index() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Shipped model files: file name -> (model name, aliases), read once."""
+    index: dict[str, tuple[str, tuple[str, ...]]] = {}
+    root = resources.files(__package__ or "hloplan.cost_models")
+    for entry in sorted(root.iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".toml"):
+            try:
+                data = tomllib.loads(entry.read_text(encoding="utf-8"))
+            except tomllib.TOMLDecodeError as exc:
+                raise _fail(f"package:{entry.name}", f"invalid TOML: {exc}") from None
+            name = data.get("name", entry.name[: -len(".toml")])
+            aliases = data.get("aliases", [])
+            index[entry.name] = (str(name), tuple(str(a) for a in aliases))
+    return index
+
+
+def available_device_models() -> list[str]:
+    """Names of the shipped device models, sorted."""
+    return sorted(name for name, _ in _package_index().values())
+
+
+def _resolve_name(name: str) -> str | None:
+    """The shipped file for a model name, alias or file stem, or None."""
+    wanted = _key(name)
+    for file_name, (model_name, aliases) in _package_index().items():
+        keys = {_key(model_name), _key(file_name[: -len(".toml")])} | {_key(a) for a in aliases}
+        if wanted in keys:
+            return file_name
+    return None
+
+
+def _looks_like_path(text: str) -> bool:
+    # Deliberately not "exists on disk": a stray file called "cpu" must not shadow the model.
+    return text.endswith(".toml") or os.sep in text or "/" in text
+
+
+def load_device_model(name_or_path: str | os.PathLike[str]) -> DeviceModel:
+    """Load a shipped model by name or alias ("h100", "h100-sxm", "tpu-v5e", "cpu"), or a TOML file.
+
+    A Path, or a string ending in ".toml" or containing a path separator, is read as a file;
+    anything else is a model name. Names are case-insensitive and '_' matches '-'. Raises DeviceModelError for an unknown name
+    (listing the known ones), an unreadable file, invalid TOML, or a missing or malformed field
+    (naming the file and the field).
+    """
+    if isinstance(name_or_path, os.PathLike) or _looks_like_path(str(name_or_path)):
+        path = Path(name_or_path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise DeviceModelError(
+                f"cannot read device model file {str(path)!r}: {exc.strerror or exc}"
+            ) from None
+        return _load_text(text, str(path))
+    file_name = _resolve_name(str(name_or_path))
+    if file_name is None:
+        known = ", ".join(available_device_models())
+        raise DeviceModelError(
+            f"unknown device model {str(name_or_path)!r}; known models: {known} "
+            "(or pass a path to a TOML file)"
+        )
+    model = _load_shipped(file_name)
+    # A fresh flops dict, so that callers who edit it do not change the cached model.
+    return replace(model, flops=dict(model.flops))
+
+
+@cache
+def _load_shipped(file_name: str) -> DeviceModel:
+    root = resources.files(__package__ or "hloplan.cost_models")
+    text = root.joinpath(file_name).read_text(encoding="utf-8")
+    return _load_text(text, f"package:{file_name}")
+
+
+# --- mesh axes onto links ---------------------------------------------------------------------
+
+
+def axis_links(
+    model: DeviceModel, mesh: MeshSpec, hosts: int | None = None
+) -> tuple[Interconnect, ...]:
+    """The interconnect level each mesh axis communicates over, one entry per axis.
+
+    Devices are laid out row-major over the mesh (last axis fastest). Mesh axis i with size n and
+    stride s (the product of the sizes of the axes after it) groups devices s apart, so each of
+    its groups lies within a block of s*n consecutive devices. The axis runs over the innermost
+    level that holds such a block whole: `devices` == 0 (unbounded), or `devices` >= s*n and a
+    multiple of it, so that blocks do not straddle a level boundary (for power-of-two sizes this
+    is just `devices` >= s*n). That is the slowest link the axis crosses. If no level holds the
+    block (the mesh is larger than the outermost bounded level), the outermost level is used.
+
+    If `hosts` is given, the innermost level is taken to hold mesh.size // hosts devices (one host
+    each), so an axis that crosses hosts runs over the next level out.
+    """
+    levels = model.interconnect
+    # Devices each level holds, for this mesh; 0 = unbounded.
+    capacity = [level.devices for level in levels]
+    if hosts is not None:
+        if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts <= 0:
+            raise MeshError(f"hosts must be a positive integer, got {hosts!r}")
+        if mesh.size % hosts:
+            raise MeshError(
+                f"mesh {mesh} has {mesh.size} devices, which do not split evenly over {hosts} hosts"
+            )
+        capacity[0] = mesh.size // hosts
+
+    def holds(i: int, span: int) -> bool:
+        return capacity[i] == 0 or (capacity[i] >= span and capacity[i] % span == 0)
+
+    links: list[Interconnect] = []
+    stride = 1
+    for size in reversed(mesh.axis_sizes):
+        span = stride * size
+        index = next((i for i in range(len(levels)) if holds(i, span)), len(levels) - 1)
+        links.append(levels[index])
+        stride = span
+    return tuple(reversed(links))

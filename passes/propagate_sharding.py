@@ -1,0 +1,65 @@
+"""propagate-sharding: write the chosen shardings into the module in Shardy form.
+
+The mesh goes in as `sdy.mesh @mesh`; main's arguments and results get `sdy.sharding`; every
+planned op gets its result shardings (closed: XLA may not change them); where a strategy needs an
+operand in another layout than its producer gives, an `sdy.sharding_constraint` makes the
+resharding explicit at that point, so XLA's partitioner does what the plan priced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hloplan import ir
+from hloplan.state import CompileState
+from hloplan.strategies import replicated, spec_names
+
+
+@dataclass(frozen=True)
+class PropagateSharding:
+    name: str = "propagate-sharding"
+    # Insert sharding constraints where a consumer needs another layout than its producer's.
+    constrain_operands: bool = True
+
+    def apply(self, state: CompileState) -> None:
+        mesh = state.options.mesh
+        graph, handles = state.graph, state.handles
+        annotator = ir.Annotator(state.program.module, handles)
+        annotator.set_mesh(mesh.axis_names, mesh.axis_sizes)
+        per_mlir_op: dict[int, tuple[object, dict[int, tuple]]] = {}
+        constraints = 0
+        for op_index in state.space.strategies:
+            op = graph.ops[op_index]
+            chosen = state.chosen(op_index)
+            if op.name == "arg":
+                annotator.set_argument(op.attrs["index"], spec_names(chosen.results[0], mesh))
+                continue
+            mlir_op, result_indices = handles.ops[op_index]
+            entry = per_mlir_op.setdefault(id(mlir_op), (mlir_op, {}))
+            for result_index, spec in zip(result_indices, chosen.results):
+                entry[1][result_index] = spec_names(spec, mesh)
+            if not self.constrain_operands or op.name == "case.result":
+                continue
+            for k, value_id in enumerate(op.operands):
+                required = chosen.operands[k] if k < len(chosen.operands) else None
+                given = self._given(state, value_id)
+                if required is None or given is None or given == required:
+                    continue
+                operand_index = op.attrs["result"] if op.name in ("while.carry", "barrier.result") else k
+                annotator.constrain_operand(mlir_op, operand_index, spec_names(required, mesh))
+                constraints += 1
+        for mlir_op, specs in per_mlir_op.values():
+            annotator.set_op(mlir_op, [specs[i] for i in sorted(specs)])
+        for index, value_id in enumerate(graph.outputs):
+            spec = self._given(state, value_id)
+            if spec is None:
+                spec = replicated(graph.type_of(value_id).rank)
+            annotator.set_result(index, spec_names(spec, mesh))
+        state.facts["sharding_constraints"] = constraints
+
+    @staticmethod
+    def _given(state: CompileState, value_id: int):
+        value = state.graph.values[value_id]
+        if value_id in state.space.free_values or value.producer not in state.space.strategies:
+            return None
+        return state.chosen(value.producer).results[value.result_index]

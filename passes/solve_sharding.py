@@ -1,0 +1,52 @@
+"""solve-sharding: pick one strategy per node with the ILP, under the memory budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hloplan.diagnostics import Diagnostic, HloplanError
+from hloplan.solver.ilp import InfeasibleError, solve
+from hloplan.state import CompileState
+from hloplan.units import format_bytes
+
+
+@dataclass(frozen=True)
+class SolveSharding:
+    name: str = "solve-sharding"
+
+    def apply(self, state: CompileState) -> None:
+        options = state.options
+        try:
+            state.solution, state.stats = solve(state.problem, time_limit=options.time_limit,
+                                                solver=options.solver)
+        except InfeasibleError as exc:
+            raise HloplanError(_infeasible_diagnostic(state, exc)) from None
+        if state.stats.status != "optimal":
+            state.log.warn(
+                f"solver stopped at its time limit ({options.time_limit:g} s) with a feasible plan; "
+                f"gap to the best bound {state.stats.gap:.2%}",
+                notes=("raise --time-limit for a proven optimum",))
+
+
+def _infeasible_diagnostic(state: CompileState, exc: InfeasibleError) -> Diagnostic:
+    budget = state.options.budget
+    notes = [str(exc)]
+    details = getattr(exc, "details", None) or {}
+    minimum = details.get("min_peak") if isinstance(details, dict) else None
+    if minimum is not None:
+        notes.append(f"the smallest peak any plan reaches is {format_bytes(minimum)}, "
+                     f"{format_bytes(max(minimum - budget, 0))} over the budget")
+    dominant = _largest_values(state)
+    if dominant:
+        notes.append("largest tensors: " + ", ".join(dominant))
+    notes.append("raise --memory-budget, use a larger mesh, or shrink the program")
+    return Diagnostic("error", f"no plan fits the memory budget of {format_bytes(budget)} per device "
+                      f"on mesh {state.options.mesh}", None, tuple(notes))
+
+
+def _largest_values(state: CompileState, count: int = 3) -> list[str]:
+    graph = state.graph
+    sized = sorted(((graph.type_of(v).nbytes, name) for v, name in
+                    zip(graph.arguments, graph.argument_names) if graph.type_of(v) is not None),
+                   reverse=True)[:count]
+    return [f"{name} ({format_bytes(size)} unsharded)" for size, name in sized]

@@ -1,0 +1,89 @@
+"""The Python API behind `hloplan compile`: bytes in, a plan (files in memory) out."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hloplan import ir
+from hloplan.cost_models import DeviceModelError, load_device_model
+from hloplan.diagnostics import HloplanError, UsageError
+from hloplan.emit.artifact import render, write_plan_dir
+from hloplan.mesh import MeshError, MeshSpec, parse_mesh
+from hloplan.pipeline import run_pipeline
+from hloplan.state import CompileOptions, CompileState
+from hloplan.units import parse_bytes
+
+
+@dataclass
+class CompileResult:
+    state: CompileState
+    files: dict[str, bytes]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def plan(self) -> dict:
+        import json
+
+        return json.loads(self.files["plan.json"])
+
+    def write(self, output) -> Path:
+        return write_plan_dir(output, self.files, self.timings)
+
+
+def make_options(mesh: str | MeshSpec, device: str = "h100", memory_budget: str | int | None = None,
+                 time_limit: float = 60.0, solver: str = "auto", hosts: int | None = None) -> CompileOptions:
+    try:
+        mesh_spec = parse_mesh(mesh) if isinstance(mesh, str) else mesh
+    except MeshError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        model = load_device_model(device)
+    except DeviceModelError as exc:
+        raise UsageError(str(exc)) from None
+    budget = None
+    if memory_budget is not None:
+        try:
+            budget = parse_bytes(memory_budget)
+        except ValueError as exc:
+            raise UsageError(f"--memory-budget: {exc}") from None
+    if solver not in ("auto", "cbc", "highs"):
+        raise UsageError(f"unknown solver {solver!r} (auto, cbc, highs)")
+    if hosts is not None and (hosts < 1 or mesh_spec.size % hosts):
+        raise UsageError(f"--hosts {hosts} does not divide the {mesh_spec.size} devices of the mesh")
+    return CompileOptions(mesh=mesh_spec, device=model, memory_budget=budget,
+                          time_limit=time_limit, solver=solver, hosts=hosts)
+
+
+def compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pass=None) -> CompileResult:
+    started = time.perf_counter()
+    program = ir.load_program(data, filename)
+    parse_time = time.perf_counter() - started
+    original_text = ir.module_text(program.module)
+    state = run_pipeline(program, options, after_pass=after_pass)
+    emit_start = time.perf_counter()
+    files = render(state, data, original_text)
+    timings = {"parse": parse_time, **state.timings, "emit": time.perf_counter() - emit_start}
+    if state.stats is not None:
+        timings["solver_seconds"] = state.stats.seconds
+    return CompileResult(state, files, timings)
+
+
+def compile(path_or_bytes, mesh: str | MeshSpec, output: str | None = None, **kwargs) -> CompileResult:
+    """Plan an exported JAX program for a mesh; write the plan directory when `output` is given."""
+    if isinstance(path_or_bytes, (bytes, bytearray)):
+        data, filename = bytes(path_or_bytes), "<input>"
+    else:
+        filename = str(path_or_bytes)
+        try:
+            data = Path(filename).read_bytes()
+        except OSError as exc:
+            raise UsageError(f"cannot read {filename}: {exc.strerror}") from None
+    result = compile_bytes(data, filename, make_options(mesh, **kwargs))
+    if output is not None:
+        result.write(output)
+    return result
+
+
+__all__ = ["CompileResult", "HloplanError", "compile", "compile_bytes", "make_options"]

@@ -1,0 +1,90 @@
+"""Diagnostics in the mlir-opt style: `file:line:col: error: message` plus `note:` lines."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+# Exit codes shared by the CLI and the Python API.
+EXIT_OK = 0
+EXIT_DIAGNOSTICS = 1  # unsupported program, infeasible plan
+EXIT_USAGE = 2  # usage, configuration or I/O error
+EXIT_INTERNAL = 101
+
+
+@dataclass(frozen=True)
+class SourceLoc:
+    file: str
+    line: int
+    col: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    severity: str  # "error" | "warning" | "note" | "remark"
+    message: str
+    location: SourceLoc | None = None
+    notes: tuple[str, ...] = ()
+    # The StableHLO op this is about, e.g. "stablehlo.custom_call @lapack_sgetrf".
+    op: str | None = None
+
+    def format(self, default_file: str = "<input>") -> str:
+        where = str(self.location) if self.location else default_file
+        lines = [f"{where}: {self.severity}: {self.message}"]
+        if self.op:
+            lines.append(f"{where}: note: in op '{self.op}'")
+        lines.extend(f"{where}: note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {
+            "severity": self.severity,
+            "message": self.message,
+            "location": None
+            if self.location is None
+            else {"file": self.location.file, "line": self.location.line, "col": self.location.col},
+            "op": self.op,
+            "notes": list(self.notes),
+        }
+
+
+class HloplanError(Exception):
+    """An error the user can act on; carries located diagnostics and an exit code."""
+
+    def __init__(self, diagnostics: list[Diagnostic] | Diagnostic | str, exit_code: int = EXIT_DIAGNOSTICS):
+        if isinstance(diagnostics, str):
+            diagnostics = Diagnostic("error", diagnostics)
+        if isinstance(diagnostics, Diagnostic):
+            diagnostics = [diagnostics]
+        self.diagnostics = list(diagnostics)
+        self.exit_code = exit_code
+        super().__init__("\n".join(d.format() for d in self.diagnostics))
+
+
+class UsageError(HloplanError):
+    def __init__(self, message: str, notes: tuple[str, ...] = ()):
+        super().__init__(Diagnostic("error", message, notes=notes), exit_code=EXIT_USAGE)
+
+
+@dataclass
+class DiagnosticLog:
+    """Warnings and remarks gathered while compiling; errors are raised as HloplanError."""
+
+    entries: list[Diagnostic] = field(default_factory=list)
+
+    def warn(self, message: str, location: SourceLoc | None = None, op: str | None = None,
+             notes: tuple[str, ...] = ()) -> None:
+        self.entries.append(Diagnostic("warning", message, location, notes, op))
+
+    def remark(self, message: str, location: SourceLoc | None = None, op: str | None = None) -> None:
+        self.entries.append(Diagnostic("remark", message, location, (), op))
+
+    @property
+    def warnings(self) -> list[Diagnostic]:
+        return [d for d in self.entries if d.severity == "warning"]
+
+    def to_json(self) -> str:
+        return json.dumps([d.to_json() for d in self.entries], indent=2)

@@ -1,0 +1,988 @@
+"""Measure what XLA actually compiled: collectives and memory of a partitioned HLO module.
+
+The planner predicts which collectives a sharding needs; this module reads the per-device HLO
+text that XLA produced after SPMD partitioning (`jax.jit(f).lower(...).compile().as_text()`) and
+lists the collectives it really contains, with their sizes, replica-group sizes, the mesh axes the
+groups span and how many times each runs per step (collectives inside a while body run once per
+iteration).
+
+Entry points:
+
+* `collective_stats(hlo_text, num_devices=..., mesh_axes=...)` -> `CollectiveStats`
+* `memory_stats(compiled)` -> dict of `compiled.memory_analysis()` byte counts
+* `parse_replica_groups(text, num_devices=...)` and `shape_bytes(shape)` are exposed for reuse.
+
+Device ids in replica groups are the SPMD partition ids, i.e. positions in the mesh's row-major
+device order (`mesh.devices.flat`), not `jax.Device.id`; `mesh_axes` is interpreted that way.
+
+Per-device bytes (`CollectiveOp.bytes_sent`) follow the ring algorithm, with S the per-device
+operand bytes (result bytes for all-gather) and n the group size:
+all-reduce 2(n-1)/n*S, all-gather (n-1)/n*S_result, reduce-scatter and all-to-all (n-1)/n*S,
+collective-permute and collective-broadcast S.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "CollectiveOp",
+    "CollectiveStats",
+    "collective_stats",
+    "memory_stats",
+    "parse_replica_groups",
+    "shape_bytes",
+]
+
+COLLECTIVE_KINDS: tuple[str, ...] = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+)
+
+# Opcode -> (kind, is_async). `-done` halves are not listed: an async pair is counted at `-start`.
+_OPCODES: dict[str, tuple[str, bool]] = {k: (k, False) for k in COLLECTIVE_KINDS}
+_OPCODES.update(
+    {
+        "all-reduce-start": ("all-reduce", True),
+        "all-gather-start": ("all-gather", True),
+        "collective-permute-start": ("collective-permute", True),
+    }
+)
+
+# Bits per element of each HLO primitive type.
+_ELEMENT_BITS: dict[str, int] = {
+    "pred": 8,
+    "s1": 1,
+    "u1": 1,
+    "s2": 2,
+    "u2": 2,
+    "s4": 4,
+    "u4": 4,
+    "s8": 8,
+    "u8": 8,
+    "s16": 16,
+    "u16": 16,
+    "s32": 32,
+    "u32": 32,
+    "s64": 64,
+    "u64": 64,
+    "f16": 16,
+    "bf16": 16,
+    "f32": 32,
+    "f64": 64,
+    "c64": 64,
+    "c128": 128,
+    "token": 0,
+    "opaque": 0,
+}
+
+
+def _element_bits(dtype: str) -> int:
+    dtype = dtype.lower()
+    if dtype in _ELEMENT_BITS:
+        return _ELEMENT_BITS[dtype]
+    if dtype.startswith("f8"):  # f8e4m3fn, f8e5m2, f8e4m3fnuz, f8e8m0fnu, ...
+        return 8
+    if dtype.startswith("f6"):
+        return 6
+    if dtype.startswith("f4"):
+        return 4
+    raise ValueError(f"unknown HLO element type {dtype!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes
+
+
+_ARRAY_SHAPE_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
+
+
+def _strip_comments(text: str) -> str:
+    return re.sub(r"/\*.*?\*/", "", text)
+
+
+def _split_top_level(text: str, sep: str = ",") -> list[str]:
+    """Split on `sep` outside (), [], {} and quotes."""
+    parts: list[str] = []
+    depth = 0
+    quote = ""
+    start = 0
+    for i, ch in enumerate(text):
+        if quote:
+            if ch == quote and text[i - 1] != "\\":
+                quote = ""
+            continue
+        if ch in "\"'":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _tuple_elements(shape: str) -> list[str] | None:
+    """The top-level element shapes of a tuple shape string, or None for an array shape."""
+    shape = _strip_comments(shape).strip()
+    if not shape.startswith("("):
+        return None
+    return _split_top_level(shape[1:-1])
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape string: `f32[16,32]{1,0}`, `bf16[]`, `(s32[], f32[8])`, `token[]`.
+
+    Tuples sum their elements; dynamic dimensions (`<=16`) count at their bound; sub-byte types
+    are rounded up to whole bytes per array.
+    """
+    shape = _strip_comments(shape).strip()
+    elements = _tuple_elements(shape)
+    if elements is not None:
+        return sum(shape_bytes(e) for e in elements)
+    m = _ARRAY_SHAPE_RE.match(shape)
+    if m is None:
+        if shape in ("token", "token[]"):
+            return 0
+        raise ValueError(f"cannot parse HLO shape {shape!r}")
+    dims = [d.strip().lstrip("<=").strip() for d in m.group(2).split(",") if d.strip()]
+    count = math.prod(int(d) for d in dims)
+    return (count * _element_bits(m.group(1)) + 7) // 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing the module text into computations and instructions
+
+
+@dataclass(frozen=True)
+class _Instr:
+    name: str
+    shape: str
+    opcode: str
+    operands: tuple[str, ...]  # operand names (without %), or literal text for constants
+    operand_shapes: tuple[str | None, ...]  # shapes when the text prints them inline
+    attrs: str  # everything after the operand list, metadata removed
+    is_root: bool
+
+
+@dataclass
+class _Computation:
+    name: str
+    is_entry: bool
+    instrs: list[_Instr] = field(default_factory=list)
+    shapes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def root(self) -> _Instr | None:
+        for ins in self.instrs:
+            if ins.is_root:
+                return ins
+        return self.instrs[-1] if self.instrs else None
+
+    def get(self, name: str) -> _Instr | None:
+        for ins in self.instrs:
+            if ins.name == name:
+                return ins
+        return None
+
+
+_HEADER_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\)\s*->\s*.*?)?\s*\{$")
+_INSTR_HEAD_RE = re.compile(r"^(ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_NAME_RE = re.compile(r"^[\w.\-]+$")
+
+
+def _scan_balanced(text: str, start: int) -> int:
+    """Index just past the bracket group opening at `start` (quotes respected)."""
+    pairs = {"(": ")", "[": "]", "{": "}"}
+    stack = [pairs[text[start]]]
+    quote = ""
+    i = start + 1
+    while i < len(text):
+        ch = text[i]
+        if quote:
+            if ch == "\\":
+                i += 2
+                continue
+            if ch == quote:
+                quote = ""
+        elif ch == '"':
+            quote = ch
+        elif ch in pairs:
+            stack.append(pairs[ch])
+        elif ch in ")]}":
+            if not stack or ch != stack[-1]:
+                raise ValueError(f"unbalanced brackets in {text!r}")
+            stack.pop()
+            if not stack:
+                return i + 1
+        i += 1
+    raise ValueError(f"unbalanced brackets in {text!r}")
+
+
+def _remove_attr(text: str, key: str) -> str:
+    """Remove `key={...}` / `key="..."` blocks (e.g. metadata) so they cannot confuse matching."""
+    out = text
+    while True:
+        m = re.search(r",?\s*\b" + re.escape(key) + r"=", out)
+        if m is None:
+            return out
+        j = m.end()
+        if j < len(out) and out[j] in "({[":
+            end = _scan_balanced(out, j)
+        elif j < len(out) and out[j] == '"':
+            end = j + 1
+            while end < len(out) and out[end] != '"':
+                end += 2 if out[end] == "\\" else 1
+            end += 1
+        else:
+            end = j
+            while end < len(out) and out[end] not in ", ":
+                end += 1
+        out = out[: m.start()] + out[end:]
+
+
+def _parse_instruction(line: str) -> _Instr | None:
+    m = _INSTR_HEAD_RE.match(line)
+    if m is None:
+        return None
+    pos = m.end()
+    text = line
+    if pos >= len(text):
+        return None
+    # Result shape: a balanced tuple or a single token.
+    if text[pos] == "(":
+        end = _scan_balanced(text, pos)
+    else:
+        end = pos
+        while end < len(text) and not text[end].isspace():
+            end += 1
+    shape = text[pos:end]
+    rest = text[end:].lstrip()
+    om = re.match(r"([\w\-]+)\(", rest)
+    if om is None:
+        return None
+    opcode = om.group(1)
+    close = _scan_balanced(rest, om.end() - 1)
+    operand_text = _strip_comments(rest[om.end() : close - 1])
+    attrs = rest[close:]
+    attrs = _remove_attr(attrs, "metadata")
+    attrs = _remove_attr(attrs, "frontend_attributes")
+    attrs = _remove_attr(attrs, "statistics")
+    names: list[str] = []
+    shapes: list[str | None] = []
+    if opcode == "constant":
+        names.append(operand_text.strip())
+        shapes.append(None)
+    else:
+        for tok in _split_top_level(operand_text):
+            # Operands print as `%name` or, in older dumps, `f32[8]{0} %name`.
+            parts = tok.rsplit(None, 1)
+            if len(parts) == 2 and parts[1].lstrip("%") and _NAME_RE.match(parts[1].lstrip("%")):
+                shapes.append(parts[0])
+                names.append(parts[1].lstrip("%"))
+            else:
+                shapes.append(None)
+                names.append(tok.lstrip("%"))
+    return _Instr(
+        name=m.group(2),
+        shape=shape,
+        opcode=opcode,
+        operands=tuple(names),
+        operand_shapes=tuple(shapes),
+        attrs=attrs,
+        is_root=bool(m.group(1)),
+    )
+
+
+@dataclass
+class _Module:
+    computations: dict[str, _Computation]
+    entry: str | None
+    num_partitions: int | None
+    replica_count: int | None
+
+
+def _parse_module(hlo_text: str) -> _Module:
+    comps: dict[str, _Computation] = {}
+    entry: str | None = None
+    current: _Computation | None = None
+    num_partitions = replica_count = None
+    for raw in hlo_text.splitlines():
+        line = raw.strip()
+        if not line:
+            continue
+        if line.startswith("HloModule"):
+            if m := re.search(r"\bnum_partitions=(\d+)", line):
+                num_partitions = int(m.group(1))
+            if m := re.search(r"\breplica_count=(\d+)", line):
+                replica_count = int(m.group(1))
+            continue
+        if current is None:
+            hm = _HEADER_RE.match(line)
+            if hm is not None and "=" not in line.split("(", 1)[0]:
+                current = _Computation(name=hm.group(2), is_entry=bool(hm.group(1)))
+                comps[current.name] = current
+                if current.is_entry:
+                    entry = current.name
+            continue
+        if line == "}":
+            current = None
+            continue
+        ins = _parse_instruction(line)
+        if ins is None:
+            continue
+        current.instrs.append(ins)
+        current.shapes[ins.name] = ins.shape
+    return _Module(comps, entry, num_partitions, replica_count)
+
+
+# ---------------------------------------------------------------------------------------------
+# Replica groups
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(t) for t in text.replace(" ", "").split(",") if t]
+
+
+def _iota_array(reshape_dims: Sequence[int], perm: Sequence[int] | None) -> np.ndarray:
+    arr = np.arange(math.prod(reshape_dims), dtype=np.int64).reshape(tuple(reshape_dims))
+    if perm is not None:
+        arr = arr.transpose(tuple(perm))
+    return arr.reshape(-1)
+
+
+_IOTA_RE = re.compile(r"^\[([\d,\s]+)\]<=\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?$")
+_MESH_RE = re.compile(
+    r"^mesh\[(?P<axes>[^\]]*)\]"
+    r"(?:\s*,\s*device_ids=\((?P<ids>[^()]*(?:\([^()]*\))?[^()]*)\))?"
+    r"\s*\{(?P<refs>[^}]*)\}$"
+)
+_MESH_AXIS_RE = re.compile(r"^'?([^'=]+?)'?\s*=\s*(\d+)$")
+_AXIS_REF_RE = re.compile(r"^'?([^':]+?)'?(?::\((\d+)\)(\d+))?$")
+
+
+def _mesh_groups(m: re.Match[str]) -> np.ndarray:
+    """Replica groups of the mesh form `mesh['a'=2,'b'=4], device_ids=(...) {'b'}`."""
+    names: list[str] = []
+    sizes: list[int] = []
+    for tok in _split_top_level(m.group("axes")):
+        am = _MESH_AXIS_RE.match(tok)
+        if am is None:
+            raise ValueError(f"cannot parse mesh axis {tok!r}")
+        names.append(am.group(1))
+        sizes.append(int(am.group(2)))
+    total = math.prod(sizes)
+    ids_text = (m.group("ids") or "").strip()
+    if not ids_text:
+        devices = np.arange(total, dtype=np.int64)
+    elif ids_text.startswith("["):
+        im = re.match(r"^\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?$", ids_text)
+        if im is None:
+            raise ValueError(f"cannot parse mesh device_ids {ids_text!r}")
+        perm = _int_list(im.group(2)) if im.group(2) else None
+        devices = _iota_array(_int_list(im.group(1)), perm)
+    else:
+        devices = np.array(_int_list(ids_text), dtype=np.int64)
+    if devices.size != total:
+        raise ValueError(f"mesh device_ids has {devices.size} ids for {total} devices")
+
+    # Axis refs, each a full axis or a sub-axis `name:(pre_size)size`.
+    refs: list[tuple[int, int, int | None]] = []  # (mesh dim, pre_size, size) ; size None = full
+    for tok in _split_top_level(m.group("refs")):
+        rm = _AXIS_REF_RE.match(tok)
+        if rm is None or rm.group(1) not in names:
+            raise ValueError(f"cannot parse mesh axis ref {tok!r}")
+        dim = names.index(rm.group(1))
+        if rm.group(2) is None:
+            refs.append((dim, 1, None))
+        else:
+            refs.append((dim, int(rm.group(2)), int(rm.group(3))))
+
+    # Split each referenced mesh dim into sub-dims so every ref is one whole (sub-)dim, then move
+    # the referenced sub-dims (in ref order) to the end.
+    new_sizes: list[int] = []
+    ref_index: dict[int, int] = {}
+    for dim, size in enumerate(sizes):
+        dim_refs = [(i, r) for i, r in enumerate(refs) if r[0] == dim]
+        if not dim_refs:
+            new_sizes.append(size)
+            continue
+        if any(r[2] is None for _, r in dim_refs):
+            ref_index[dim_refs[0][0]] = len(new_sizes)
+            new_sizes.append(size)
+            continue
+        prefix = 1
+        for i, (_, pre, sub) in sorted(dim_refs, key=lambda t: t[1][1]):
+            assert sub is not None
+            if pre != prefix:
+                new_sizes.append(pre // prefix)
+                prefix = pre
+            ref_index[i] = len(new_sizes)
+            new_sizes.append(sub)
+            prefix *= sub
+        if prefix != size:
+            new_sizes.append(size // prefix)
+    grouped = [ref_index[i] for i in range(len(refs))]
+    order = [d for d in range(len(new_sizes)) if d not in grouped] + grouped
+    group_size = math.prod(new_sizes[d] for d in grouped)
+    arr = devices.reshape(tuple(new_sizes)).transpose(tuple(order))
+    return arr.reshape(-1, group_size)
+
+
+def parse_replica_groups(text: str, *, num_devices: int | None = None) -> np.ndarray | None:
+    """Replica groups as a (num_groups, group_size) int array.
+
+    Accepts the explicit form `{{0,1},{2,3}}`, the iota forms `[2,4]<=[8]` and
+    `[4,2]<=[2,4]T(1,0)`, and the mesh form `mesh['x'=2,'y'=4], device_ids=([2,4]T(1,0)) {'y'}`.
+    `{}` means one group of all devices: returns that group when `num_devices` is known, else None.
+    """
+    text = text.strip()
+    if text.startswith("{"):
+        inner = text[1:-1].strip()
+        if not inner:
+            if num_devices is None:
+                return None
+            return np.arange(num_devices, dtype=np.int64).reshape(1, -1)
+        groups = [_int_list(g.strip()[1:-1]) for g in _split_top_level(inner)]
+        if len({len(g) for g in groups}) > 1:
+            # Ragged groups are legal HLO; pad with -1 so the array stays rectangular.
+            width = max(len(g) for g in groups)
+            groups = [g + [-1] * (width - len(g)) for g in groups]
+        return np.array(groups, dtype=np.int64).reshape(len(groups), -1)
+    if m := _IOTA_RE.match(text):
+        dims = _int_list(m.group(1))
+        perm = _int_list(m.group(3)) if m.group(3) else None
+        arr = _iota_array(_int_list(m.group(2)), perm)
+        if len(dims) != 2:
+            raise ValueError(f"iota replica groups must have 2 dims: {text!r}")
+        return arr.reshape(dims[0], dims[1])
+    if m := _MESH_RE.match(text):
+        return _mesh_groups(m)
+    raise ValueError(f"cannot parse replica groups {text!r}")
+
+
+def _extract_replica_groups(attrs: str) -> str | None:
+    m = re.search(r"\breplica_groups=", attrs)
+    if m is None:
+        return None
+    i = m.end()
+    if attrs.startswith("{", i):
+        return attrs[i : _scan_balanced(attrs, i)]
+    if attrs.startswith("[", i):
+        im = re.match(r"\[[\d,\s]+\]<=\[[\d,\s]+\](?:T\([\d,\s]+\))?", attrs[i:])
+        if im is None:
+            raise ValueError(f"cannot parse replica groups in {attrs!r}")
+        return im.group(0)
+    if attrs.startswith("mesh[", i):
+        j = _scan_balanced(attrs, i + 4)
+        dm = re.match(r"\s*,\s*device_ids=", attrs[j:])
+        if dm is not None:
+            j = _scan_balanced(attrs, j + dm.end())
+        bm = re.match(r"\s*\{", attrs[j:])
+        if bm is None:
+            raise ValueError(f"cannot parse mesh replica groups in {attrs!r}")
+        j = _scan_balanced(attrs, j + bm.end() - 1)
+        return attrs[i:j]
+    raise ValueError(f"cannot parse replica groups in {attrs!r}")
+
+
+def _axes_of_groups(groups: np.ndarray, mesh_axes: Sequence[tuple[str, int]]) -> tuple[str, ...]:
+    """Mesh axes spanned by every group (major to minor in group order), or () if not a product
+    of whole mesh axes."""
+    sizes = [s for _, s in mesh_axes]
+    total = math.prod(sizes)
+    if groups.size == 0 or groups.min() < 0 or groups.max() >= total:
+        return ()
+    if groups.shape[1] == 1:
+        return ()
+    coords = np.stack(np.unravel_index(groups, tuple(sizes)), axis=-1)  # (G, n, ndims)
+    varying = [d for d in range(len(sizes)) if (coords[:, :, d] != coords[:, :1, d]).any()]
+    if math.prod(sizes[d] for d in varying) != groups.shape[1]:
+        return ()
+    # Every group must be the full product of the varying axes (no repeats).
+    for g in coords:
+        if len({tuple(c) for c in g[:, varying]}) != groups.shape[1]:
+            return ()
+
+    # Order: the axis that changes latest along the group listing is the most major one.
+    def first_change(d: int) -> int:
+        col = coords[0, :, d]
+        return int(np.argmax(col != col[0]))
+
+    ordered = sorted(varying, key=first_change, reverse=True)
+    return tuple(mesh_axes[d][0] for d in ordered)
+
+
+def _axes_of_pairs(
+    pairs: Sequence[tuple[int, int]], mesh_axes: Sequence[tuple[str, int]]
+) -> tuple[str, ...]:
+    sizes = tuple(s for _, s in mesh_axes)
+    total = math.prod(sizes)
+    axes: set[int] = set()
+    for src, dst in pairs:
+        if not (0 <= src < total and 0 <= dst < total):
+            return ()
+        a = np.unravel_index(src, sizes)
+        b = np.unravel_index(dst, sizes)
+        axes.update(d for d in range(len(sizes)) if a[d] != b[d])
+    return tuple(mesh_axes[d][0] for d in sorted(axes))
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclass(frozen=True)
+class CollectiveOp:
+    """One collective instruction of the compiled module.
+
+    `bytes_sent` is per device and per execution; `trip_count` is how many times it runs per step
+    (product of the trip counts of the while loops around it). `trip_count_known` is False when
+    some enclosing loop's trip count could not be determined (it then counts as 1).
+    For collective-permute, `group_size` is 2 and `replica_groups` holds the source-target pairs.
+    """
+
+    kind: str
+    name: str
+    computation: str
+    shape: str
+    result_bytes: int
+    operand_bytes: int
+    group_size: int
+    num_groups: int
+    axes: tuple[str, ...]
+    bytes_sent: float
+    trip_count: int = 1
+    trip_count_known: bool = True
+    is_async: bool = False
+    replica_groups: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def total_bytes_sent(self) -> float:
+        """Per-device bytes over one step: `bytes_sent * trip_count`."""
+        return self.bytes_sent * self.trip_count
+
+
+@dataclass(frozen=True)
+class CollectiveStats:
+    ops: tuple[CollectiveOp, ...]
+    num_devices: int | None = None
+
+    def by_kind(self) -> dict[str, tuple[int, float]]:
+        """kind -> (executions per step, per-device bytes per step); loops multiply both."""
+        out: dict[str, tuple[int, float]] = {}
+        for op in self.ops:
+            count, nbytes = out.get(op.kind, (0, 0.0))
+            out[op.kind] = (count + op.trip_count, nbytes + op.total_bytes_sent)
+        return out
+
+    @property
+    def total_bytes(self) -> float:
+        """Per-device bytes sent over one step by all collectives."""
+        return sum(op.total_bytes_sent for op in self.ops)
+
+    @property
+    def count(self) -> int:
+        """Collective executions per step."""
+        return sum(op.trip_count for op in self.ops)
+
+    @property
+    def all_trip_counts_known(self) -> bool:
+        return all(op.trip_count_known for op in self.ops)
+
+    def of_kind(self, kind: str) -> tuple[CollectiveOp, ...]:
+        return tuple(op for op in self.ops if op.kind == kind)
+
+
+# ---------------------------------------------------------------------------------------------
+# Call graph and trip counts
+
+
+_CALL_ATTRS = ("calls", "to_apply", "true_computation", "false_computation")
+
+
+def _callees(ins: _Instr) -> list[str]:
+    names: list[str] = []
+    if ins.opcode in ("async-done", "async-update"):
+        return names  # same computation as the async-start; count once
+    for key in _CALL_ATTRS:
+        for m in re.finditer(r"\b" + key + r"=%?([\w.\-]+)", ins.attrs):
+            names.append(m.group(1))
+    for key in ("branch_computations", "called_computations"):
+        m = re.search(r"\b" + key + r"=\{([^}]*)\}", ins.attrs)
+        if m:
+            names.extend(t.strip().lstrip("%") for t in m.group(1).split(",") if t.strip())
+    return names
+
+
+def _known_trip_count(attrs: str) -> int | None:
+    m = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?', attrs)
+    return int(m.group(1)) if m else None
+
+
+def _constant_value(comp: _Computation, name: str) -> int | None:
+    ins = comp.get(name)
+    seen = 0
+    while ins is not None and ins.opcode in ("copy", "bitcast", "reshape", "convert") and seen < 8:
+        ins = comp.get(ins.operands[0])
+        seen += 1
+    if ins is None or ins.opcode != "constant":
+        return None
+    text = ins.operands[0].strip().strip("{}").strip()
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            return None
+        return int(value) if value.is_integer() else None
+
+
+def _gte_index(comp: _Computation, name: str) -> int | None:
+    ins = comp.get(name)
+    seen = 0
+    while ins is not None and ins.opcode in ("copy", "bitcast", "reshape", "convert") and seen < 8:
+        ins = comp.get(ins.operands[0])
+        seen += 1
+    if ins is None or ins.opcode != "get-tuple-element":
+        return None
+    m = re.search(r"\bindex=(\d+)", ins.attrs)
+    return int(m.group(1)) if m else None
+
+
+_FLIP = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE", "EQ": "EQ", "NE": "NE"}
+
+
+def _trip_count_from_condition(
+    module: _Module, caller: _Computation, while_ins: _Instr, cond_name: str
+) -> int | None:
+    """Trip count of `i < c`-style loops: the condition compares the induction variable (a
+    tuple element of the loop state) with a constant; init comes from the while's operand tuple
+    (0 if it cannot be found); step is assumed to be 1."""
+    cond = module.computations.get(cond_name)
+    if cond is None or cond.root is None:
+        return None
+    root = cond.root
+    operands: list[tuple[_Computation, str]] = [(cond, o) for o in root.operands]
+    compare = root
+    if root.opcode == "fusion":
+        callees = _callees(root)
+        fused = module.computations.get(callees[0]) if callees else None
+        if fused is None or fused.root is None or fused.root.opcode != "compare":
+            return None
+        compare = fused.root
+        mapped: list[tuple[_Computation, str]] = []
+        for o in compare.operands:
+            p = fused.get(o)
+            pm = (
+                re.fullmatch(r"\s*(\d+)\s*", p.operands[0])
+                if p and p.opcode == "parameter"
+                else None
+            )
+            if pm is not None and int(pm.group(1)) < len(root.operands):
+                mapped.append((cond, root.operands[int(pm.group(1))]))
+            else:
+                mapped.append((fused, o))
+        operands = mapped
+    if compare.opcode != "compare" or len(operands) != 2:
+        return None
+    dm = re.search(r"\bdirection=(\w+)", compare.attrs)
+    if dm is None:
+        return None
+    direction = dm.group(1)
+    (ca, a), (cb, b) = operands
+    const_b = _constant_value(cb, b)
+    const_a = _constant_value(ca, a)
+    if const_b is not None and const_a is None:
+        index, limit = _gte_index(ca, a), const_b
+    elif const_a is not None and const_b is None:
+        index, limit = _gte_index(cb, b), const_a
+        direction = _FLIP[direction]
+    else:
+        return None
+    init = None
+    if index is not None and while_ins.operands:
+        state = caller.get(while_ins.operands[0])
+        if state is not None and state.opcode == "tuple" and index < len(state.operands):
+            init = _constant_value(caller, state.operands[index])
+    if direction in ("LT", "NE"):
+        return max(0, limit - (init or 0))
+    if direction == "LE":
+        return max(0, limit - (init or 0) + 1)
+    if init is not None and direction == "GT":
+        return max(0, init - limit)
+    if init is not None and direction == "GE":
+        return max(0, init - limit + 1)
+    return None
+
+
+def _multipliers(module: _Module) -> dict[str, tuple[int, bool]]:
+    """computation -> (executions per step, all enclosing trip counts known)."""
+    edges: dict[str, list[tuple[str, int, bool]]] = {}
+    called: set[str] = set()
+    for comp in module.computations.values():
+        out: list[tuple[str, int, bool]] = []
+        for ins in comp.instrs:
+            if ins.opcode == "while":
+                body = re.search(r"\bbody=%?([\w.\-]+)", ins.attrs)
+                cond = re.search(r"\bcondition=%?([\w.\-]+)", ins.attrs)
+                trip = _known_trip_count(ins.attrs)
+                if trip is None and cond is not None:
+                    trip = _trip_count_from_condition(module, comp, ins, cond.group(1))
+                known = trip is not None
+                trip = trip if trip is not None else 1
+                if body:
+                    out.append((body.group(1), trip, known))
+                if cond:
+                    out.append((cond.group(1), trip + 1 if known else 1, known))
+                continue
+            for callee in _callees(ins):
+                out.append((callee, 1, True))
+        out = [e for e in out if e[0] in module.computations]
+        edges[comp.name] = out
+        called.update(e[0] for e in out)
+
+    roots = [module.entry] if module.entry else [c for c in module.computations if c not in called]
+    # Topological order (reverse DFS post-order) over computations reachable from the roots.
+    order: list[str] = []
+    visited: set[str] = set()
+    for root in roots:
+        stack: list[tuple[str, int]] = [(root, 0)]
+        while stack:
+            name, i = stack.pop()
+            if i == 0:
+                if name in visited:
+                    continue
+                visited.add(name)
+            succ = edges.get(name, [])
+            if i < len(succ):
+                stack.append((name, i + 1))
+                if succ[i][0] not in visited:
+                    stack.append((succ[i][0], 0))
+            else:
+                order.append(name)
+    order.reverse()
+    mult: dict[str, int] = {r: 1 for r in roots}
+    known: dict[str, bool] = {r: True for r in roots}
+    for name in order:
+        m, k = mult.get(name, 0), known.get(name, True)
+        for callee, factor, edge_known in edges.get(name, []):
+            mult[callee] = mult.get(callee, 0) + m * factor
+            known[callee] = known.get(callee, True) and k and edge_known
+    return {n: (mult.get(n, 0), known.get(n, True)) for n in order}
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives
+
+
+def _operand_bytes(comp: _Computation, ins: _Instr) -> int | None:
+    total = 0
+    for name, inline in zip(ins.operands, ins.operand_shapes, strict=True):
+        shape = inline or comp.shapes.get(name)
+        if shape is None:
+            return None
+        total += shape_bytes(shape)
+    return total
+
+
+def _ring_bytes(kind: str, n: int, operand: int, result: int) -> float:
+    if kind in ("collective-permute", "collective-broadcast"):
+        return float(operand)
+    if n <= 1:
+        return 0.0
+    frac = (n - 1) / n
+    if kind == "all-reduce":
+        return 2 * frac * operand
+    if kind == "all-gather":
+        return frac * result
+    return frac * operand  # reduce-scatter, all-to-all
+
+
+def _collective(
+    comp: _Computation,
+    ins: _Instr,
+    kind: str,
+    is_async: bool,
+    num_devices: int | None,
+    mesh_axes: Sequence[tuple[str, int]] | None,
+    trip: int,
+    known: bool,
+) -> CollectiveOp:
+    # Result bytes. Async starts return tuples: all-gather-start (in, out),
+    # collective-permute-start (in, out, u32[], u32[]); all-reduce-start returns the result.
+    result_shape = ins.shape
+    elements = _tuple_elements(result_shape)
+    if (
+        is_async
+        and kind in ("all-gather", "collective-permute")
+        and elements
+        and len(elements) >= 2
+    ):
+        result_bytes = shape_bytes(elements[1])
+    else:
+        result_bytes = shape_bytes(result_shape)
+
+    groups: np.ndarray | None = None
+    pairs: list[tuple[int, int]] | None = None
+    if kind == "collective-permute":
+        pm = re.search(r"\bsource_target_pairs=", ins.attrs)
+        if pm is not None:
+            j = _scan_balanced(ins.attrs, pm.end())
+            inner = ins.attrs[pm.end() + 1 : j - 1]
+            pairs = []
+            for p in _split_top_level(inner):
+                src, dst = _int_list(p.strip()[1:-1])
+                pairs.append((src, dst))
+        n = 2
+        num_groups = len(pairs) if pairs is not None else 0
+    else:
+        rg = _extract_replica_groups(ins.attrs)
+        groups = parse_replica_groups(rg if rg is not None else "{}", num_devices=num_devices)
+        if groups is None:
+            n, num_groups = (num_devices or 1), 1
+        else:
+            n = int((groups[0] >= 0).sum())
+            num_groups = groups.shape[0]
+
+    operand_bytes = _operand_bytes(comp, ins)
+    if operand_bytes is None:  # infer from the result when an operand shape is unknown
+        if kind == "all-gather":
+            operand_bytes = result_bytes // max(n, 1)
+        elif kind == "reduce-scatter":
+            operand_bytes = result_bytes * n
+        else:
+            operand_bytes = result_bytes
+
+    axes: tuple[str, ...] = ()
+    if mesh_axes:
+        if pairs is not None:
+            axes = _axes_of_pairs(pairs, mesh_axes)
+        elif groups is not None and (groups >= 0).all():
+            axes = _axes_of_groups(groups, mesh_axes)
+    if pairs is not None:
+        rg_tuple: tuple[tuple[int, ...], ...] | None = tuple(pairs)
+    elif groups is not None:
+        rg_tuple = tuple(tuple(int(d) for d in g if d >= 0) for g in groups)
+    else:
+        rg_tuple = None
+    return CollectiveOp(
+        kind=kind,
+        name=ins.name,
+        computation=comp.name,
+        shape=result_shape,
+        result_bytes=result_bytes,
+        operand_bytes=operand_bytes,
+        group_size=n,
+        num_groups=num_groups,
+        axes=axes,
+        bytes_sent=_ring_bytes(kind, n, operand_bytes, result_bytes),
+        trip_count=trip,
+        trip_count_known=known,
+        is_async=is_async,
+        replica_groups=rg_tuple,
+    )
+
+
+def collective_stats(
+    hlo_text: str,
+    *,
+    num_devices: int | None = None,
+    mesh_axes: Sequence[tuple[str, int]] | None = None,
+) -> CollectiveStats:
+    """The collectives in a compiled (post-SPMD) HLO module's text, with per-device byte counts.
+
+    `num_devices` resolves `replica_groups={}` (all devices); it defaults to the module header's
+    `num_partitions` (times `replica_count`), or the mesh size. `mesh_axes` (name, size) pairs in
+    row-major device order let each op report which mesh axes its groups span.
+    Computations unreachable from the entry are ignored; ops in while bodies are multiplied by
+    the loop trip count (from `known_trip_count` in the backend config, else from the loop
+    condition), calls and conditional branches count once.
+    """
+    module = _parse_module(hlo_text)
+    if num_devices is None:
+        if module.num_partitions is not None or module.replica_count is not None:
+            num_devices = (module.num_partitions or 1) * (module.replica_count or 1)
+        elif mesh_axes:
+            num_devices = math.prod(s for _, s in mesh_axes)
+    mesh = tuple((str(a), int(s)) for a, s in mesh_axes) if mesh_axes else None
+    multipliers = _multipliers(module)
+    ops: list[CollectiveOp] = []
+    for comp_name, (mult, known) in multipliers.items():
+        comp = module.computations[comp_name]
+        for ins in comp.instrs:
+            spec = _OPCODES.get(ins.opcode)
+            if spec is None:
+                continue
+            kind, is_async = spec
+            ops.append(_collective(comp, ins, kind, is_async, num_devices, mesh, mult, known))
+    return CollectiveStats(ops=tuple(ops), num_devices=num_devices)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+
+
+_MEMORY_FIELDS = {
+    "argument_bytes": "argument_size_in_bytes",
+    "output_bytes": "output_size_in_bytes",
+    "temp_bytes": "temp_size_in_bytes",
+    "alias_bytes": "alias_size_in_bytes",
+    "generated_code_bytes": "generated_code_size_in_bytes",
+}
+
+
+def memory_stats(compiled: Any) -> dict[str, int | None]:
+    """Byte counts from `compiled.memory_analysis()` (a jax `Compiled`, the analysis object
+    itself, or a mapping of its fields).
+
+    Keys: argument_bytes, output_bytes, temp_bytes, alias_bytes, generated_code_bytes,
+    peak_bytes (= argument + output + temp - alias) and xla_peak_bytes (XLA's own
+    `peak_memory_in_bytes` where the backend reports one). Missing fields are None; if the
+    analysis is unavailable every value is None.
+    """
+    analysis: Any = compiled
+    if hasattr(compiled, "memory_analysis"):
+        try:
+            analysis = compiled.memory_analysis()
+        except Exception:  # some backends raise NotImplemented / Unimplemented
+            analysis = None
+    if isinstance(analysis, Iterable) and not isinstance(analysis, Mapping | str | bytes):
+        analysis = next(iter(analysis), None)  # older jax returned one entry per device
+
+    def get(attr: str) -> int | None:
+        if analysis is None:
+            return None
+        value = (
+            analysis.get(attr) if isinstance(analysis, Mapping) else getattr(analysis, attr, None)
+        )
+        if value is None:
+            return None
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            return None
+
+    out: dict[str, int | None] = {key: get(attr) for key, attr in _MEMORY_FIELDS.items()}
+    parts = [out["argument_bytes"], out["output_bytes"], out["temp_bytes"]]
+    if all(p is not None for p in parts):
+        out["peak_bytes"] = sum(p for p in parts if p is not None) - (out["alias_bytes"] or 0)
+    else:
+        out["peak_bytes"] = None
+    out["xla_peak_bytes"] = get("peak_memory_in_bytes")
+    return out

@@ -1,0 +1,802 @@
+"""The one module that touches jaxlib's MLIR bindings and JAX's private helpers.
+
+Everything else in hloplan works on the plain-data `Graph` this module extracts, and asks this
+module to read, rewrite (inline, annotate) and serialize modules. Private JAX APIs are used only in
+the section marked "Private JAX APIs" at the bottom.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from jax.extend.lowering import upstream_dialects
+from jaxlib.mlir import ir, passmanager
+from jaxlib.mlir.dialects import sdy, stablehlo
+
+from hloplan.diagnostics import Diagnostic, HloplanError, SourceLoc
+from hloplan.graph import Graph, TensorType
+
+MESH_NAME = "mesh"
+MLIR_BYTECODE_MAGIC = b"ML\xefR"
+
+
+# --------------------------------------------------------------------------------------------
+# Context and loading
+# --------------------------------------------------------------------------------------------
+
+
+def make_context() -> ir.Context:
+    """A context that knows every dialect an exported JAX program (sharded or not) can hold."""
+    ctx = ir.Context()
+    ctx.append_dialect_registry(upstream_dialects)
+    ctx.load_all_available_dialects()
+    stablehlo.register_dialect(ctx)
+    sdy.register_dialect(ctx)
+    # Shape-polymorphic and multi-platform exports refer to these too.
+    try:
+        from jaxlib.mlir.dialects import chlo
+
+        chlo.register_dialect(ctx)
+    except (ImportError, AttributeError):
+        pass
+    return ctx
+
+
+@dataclass
+class Program:
+    """A parsed input: the module, where it came from, and the Exported when the input was one."""
+
+    context: ir.Context
+    module: ir.Module
+    filename: str
+    input_kind: str  # "mlir-text", "portable-artifact", "mlir-bytecode", "jax-exported"
+    exported: object | None = None  # jax.export.Exported
+    warnings: list[Diagnostic] = field(default_factory=list)
+
+
+class _DiagnosticCollector:
+    def __init__(self, ctx: ir.Context):
+        self.messages: list[tuple[str, str]] = []
+        self._handle = ctx.attach_diagnostic_handler(self)
+
+    def __call__(self, diagnostic) -> bool:
+        self.messages.append((str(diagnostic.location), str(diagnostic.message)))
+        for note in diagnostic.notes:
+            self.messages.append((str(note.location), str(note.message)))
+        return True
+
+    def detach(self) -> None:
+        self._handle.detach()
+
+
+def _located_parse_error(filename: str, messages: list[tuple[str, str]], fallback: str) -> HloplanError:
+    diags = []
+    for location, message in messages:
+        loc = _parse_loc_text(location, filename)
+        diags.append(Diagnostic("error", message, loc))
+    if not diags:
+        diags.append(Diagnostic("error", fallback, SourceLoc(filename, 1, 1)))
+    return HloplanError(diags)
+
+
+def _parse_loc_text(text: str, filename: str) -> SourceLoc | None:
+    # MLIR prints parse locations as loc("file":line:col).
+    import re
+
+    match = re.search(r'"([^"]*)":(\d+):(\d+)', text)
+    if not match:
+        return None
+    file = match.group(1) or filename
+    if file == "-" or file.startswith("<"):
+        file = filename
+    return SourceLoc(file, int(match.group(2)), int(match.group(3)))
+
+
+def load_program(data: bytes, filename: str) -> Program:
+    """Parse StableHLO text, MLIR bytecode, a VHLO portable artifact or a serialized Exported."""
+    ctx = make_context()
+    if data.startswith(MLIR_BYTECODE_MAGIC):
+        return _load_bytecode(ctx, data, filename)
+    text = _as_text(data)
+    if text is not None and ("func.func" in text or "module" in text):
+        return _load_text(ctx, text, filename)
+    return _load_exported(ctx, data, filename)
+
+
+def _as_text(data: bytes) -> str | None:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return text if "\x00" not in text else None
+
+
+def _load_text(ctx: ir.Context, text: str, filename: str) -> Program:
+    collector = _DiagnosticCollector(ctx)
+    try:
+        with ctx:
+            module = ir.Module.parse(text)
+    except Exception as exc:  # MLIRError: the collector holds the located messages
+        messages = collector.messages or _mlir_error_messages(exc)
+        raise _located_parse_error(filename, messages, f"cannot parse MLIR: {exc}") from None
+    finally:
+        collector.detach()
+    return Program(ctx, module, filename, "mlir-text")
+
+
+def _mlir_error_messages(exc: Exception) -> list[tuple[str, str]]:
+    details = getattr(exc, "error_diagnostics", None) or []
+    return [(str(d.location), str(d.message)) for d in details]
+
+
+def _load_bytecode(ctx: ir.Context, data: bytes, filename: str) -> Program:
+    collector = _DiagnosticCollector(ctx)
+    try:
+        with ctx:
+            try:
+                module = stablehlo.deserialize_portable_artifact(ctx, data)
+                kind = "portable-artifact"
+            except Exception:
+                module = ir.Module.parse(data)
+                kind = "mlir-bytecode"
+    except Exception as exc:
+        raise _located_parse_error(
+            filename, collector.messages, f"cannot read MLIR bytecode: {exc}") from None
+    finally:
+        collector.detach()
+    return Program(ctx, module, filename, kind)
+
+
+def _load_exported(ctx: ir.Context, data: bytes, filename: str) -> Program:
+    import jax.export
+
+    try:
+        exported = jax.export.deserialize(bytearray(data))
+    except Exception as exc:
+        raise HloplanError(Diagnostic(
+            "error",
+            "input is neither StableHLO text, MLIR bytecode, nor a serialized jax.export.Exported",
+            SourceLoc(filename, 1, 1),
+            notes=(f"deserializing as Exported failed: {type(exc).__name__}: {exc}",
+                   "export with jax.export.export(jax.jit(f))(*args) and save "
+                   "exported.serialize(), exported.mlir_module() or "
+                   "exported.mlir_module_serialized"),
+        )) from None
+    with ctx:
+        module = stablehlo.deserialize_portable_artifact(ctx, exported.mlir_module_serialized)
+    return Program(ctx, module, filename, "jax-exported", exported=exported)
+
+
+# --------------------------------------------------------------------------------------------
+# Module structure and locations
+# --------------------------------------------------------------------------------------------
+
+
+def op_name(op) -> str:
+    return op.operation.name
+
+
+def symbol_name(op) -> str | None:
+    attrs = op.operation.attributes
+    return ir.StringAttr(attrs["sym_name"]).value if "sym_name" in attrs else None
+
+
+def functions(module: ir.Module) -> dict[str, object]:
+    return {symbol_name(op): op for op in module.body.operations if op_name(op) == "func.func"}
+
+
+def _is_private(func_op) -> bool:
+    attrs = func_op.operation.attributes
+    return "sym_visibility" in attrs and ir.StringAttr(attrs["sym_visibility"]).value == "private"
+
+
+def main_function(module: ir.Module, filename: str):
+    funcs = functions(module)
+    if "main" in funcs:
+        return funcs["main"]
+    public = [f for f in funcs.values() if not _is_private(f)]
+    if len(public) == 1:
+        return public[0]
+    raise HloplanError(Diagnostic(
+        "error", "the module has no @main function" if not public else
+        "the module has several public functions and none is named @main",
+        SourceLoc(filename, 1, 1)))
+
+
+def walk_location(loc: ir.Location) -> tuple[SourceLoc | None, str]:
+    """The user's source line and the op's name label, from a NameLoc/CallSiteLoc/FileLineColLoc tree.
+
+    CallSiteLoc.callee leads to the innermost frame: the user's own line.
+    """
+    label = ""
+    current = loc
+    for _ in range(64):
+        if isinstance(current, ir.NameLoc):
+            if not label:
+                label = current.name_str
+            current = current.child_loc
+        elif isinstance(current, ir.CallSiteLoc):
+            current = current.callee
+        elif isinstance(current, ir.FileLineColLoc):
+            return SourceLoc(current.filename, current.start_line, current.start_col), label
+        elif isinstance(current, ir.FusedLoc):
+            for sub in current.locations:
+                found, sub_label = walk_location(sub)
+                label = label or sub_label
+                if found:
+                    return found, label
+            return None, label
+        else:
+            return None, label
+    return None, label
+
+
+def op_location(op) -> tuple[SourceLoc | None, str]:
+    return walk_location(op.operation.location)
+
+
+def value_location(value: ir.Value) -> tuple[SourceLoc | None, str]:
+    return walk_location(value.location)
+
+
+def tensor_type(value: ir.Value) -> TensorType | None:
+    """Static tensor type, or None for tokens/tuples. Raises ValueError on dynamic shapes."""
+    ranked = value.type
+    if not isinstance(ranked, ir.RankedTensorType):
+        if isinstance(ranked, ir.UnrankedTensorType):
+            raise ValueError(f"unranked tensor type {ranked}")
+        return None
+    if not ranked.has_static_shape:
+        raise ValueError(f"dynamic shape {ranked}")
+    return TensorType(tuple(ranked.shape), str(ranked.element_type))
+
+
+# --------------------------------------------------------------------------------------------
+# Rewrites: inlining private functions
+# --------------------------------------------------------------------------------------------
+
+
+def _walk_ops(block) -> Iterator:
+    for op in block.operations:
+        yield op
+        for region in op.operation.regions:
+            for inner in region.blocks:
+                yield from _walk_ops(inner)
+
+
+def _remap_operands(op, mapping: dict) -> None:
+    operation = op.operation
+    for index, operand in enumerate(operation.operands):
+        replacement = mapping.get(operand)
+        if replacement is not None:
+            operation.operands[index] = replacement
+    for region in operation.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                _remap_operands(inner, mapping)
+
+
+def inline_calls(module: ir.Module, filename: str) -> int:
+    """Inline every func.call reachable from main (callees first cloned, so several call sites
+    of one function get their own copies). Returns the number of call sites inlined.
+
+    The upstream MLIR inliner leaves these modules unchanged, so this clones ops by hand.
+    """
+    with module.context, ir.Location.unknown():
+        main = main_function(module, filename)
+        funcs = functions(module)
+        inlined = 0
+        while True:
+            calls = [op for op in _walk_ops(main.regions[0].blocks[0]) if op_name(op) == "func.call"]
+            if not calls:
+                break
+            for call in calls:
+                callee_name = ir.FlatSymbolRefAttr(call.operation.attributes["callee"]).value
+                callee = funcs.get(callee_name)
+                if callee is None:
+                    loc, _ = op_location(call)
+                    raise HloplanError(Diagnostic(
+                        "error", f"call to unknown function @{callee_name}", loc, op="func.call"))
+                _inline_one(call, callee)
+                inlined += 1
+            if inlined > 100_000:
+                raise HloplanError("recursive function calls cannot be inlined")
+        # Private functions are now unreachable.
+        for name, func_op in funcs.items():
+            if name != symbol_name(main) and _is_private(func_op):
+                func_op.operation.erase()
+    return inlined
+
+
+def _inline_one(call, callee) -> None:
+    block = callee.regions[0].blocks[0]
+    mapping = {arg: operand for arg, operand in zip(block.arguments, call.operation.operands)}
+    insertion = ir.InsertionPoint(call)
+    results = []
+    for op in block.operations:
+        if op_name(op) == "func.return":
+            results = [mapping.get(v, v) for v in op.operation.operands]
+            break
+        clone = op.operation.clone(insertion)
+        _remap_operands(clone, mapping)
+        for old, new in zip(op.operation.results, clone.results):
+            mapping[old] = new
+    for old, new in zip(call.operation.results, results):
+        old.replace_all_uses_with(new)
+    call.operation.erase()
+
+
+def run_passes(module: ir.Module, pipeline: str) -> None:
+    with module.context:
+        passmanager.PassManager.parse(f"builtin.module({pipeline})").run(module.operation)
+
+
+def module_text(module: ir.Module, debug_info: bool = True) -> str:
+    return module.operation.get_asm(enable_debug_info=debug_info, large_elements_limit=None)
+
+
+def verify(module: ir.Module) -> None:
+    with module.context:
+        module.operation.verify()
+
+
+# --------------------------------------------------------------------------------------------
+# Extraction of the plain-data graph
+# --------------------------------------------------------------------------------------------
+
+# Ops whose only region is a scalar combiner (not program structure).
+_COMBINER_OPS = {
+    "stablehlo.reduce", "stablehlo.reduce_window", "stablehlo.scatter", "stablehlo.sort",
+    "stablehlo.select_and_scatter", "stablehlo.all_reduce", "stablehlo.reduce_scatter",
+}
+
+
+@dataclass
+class Handles:
+    """Links from graph ops back to MLIR, for annotation. Kept out of the plain-data graph."""
+
+    ops: dict[int, tuple[object, tuple[int, ...]]] = field(default_factory=dict)
+    main: object | None = None
+
+
+class _Extractor:
+    def __init__(self, module: ir.Module, filename: str):
+        self.module = module
+        self.filename = filename
+        self.graph = Graph()
+        self.handles = Handles()
+        self.values: dict = {}  # ir.Value -> value id
+
+    def fail(self, op, message: str, notes: tuple[str, ...] = ()) -> HloplanError:
+        loc, _ = op_location(op)
+        return HloplanError(Diagnostic("error", message, loc, notes, op=op_name(op)))
+
+    def run(self) -> tuple[Graph, Handles]:
+        main = main_function(self.module, self.filename)
+        self.handles.main = main
+        block = main.regions[0].blocks[0]
+        for index, arg in enumerate(block.arguments):
+            loc, label = value_location(arg)
+            try:
+                type_ = tensor_type(arg)
+            except ValueError as exc:
+                raise HloplanError(Diagnostic(
+                    "error", f"argument {index} ({label or 'unnamed'}) has a {exc}; hloplan plans "
+                    "static shapes only", loc or SourceLoc(self.filename, 1, 1),
+                    notes=("export with concrete shapes (no jax.export.symbolic_shape)",))) from None
+            op = self.graph.add_op("arg", (), [type_], location=loc, label=label or f"arg{index}",
+                                   attrs={"index": index})
+            self.values[arg] = op.results[0]
+            self.graph.arguments.append(op.results[0])
+            self.graph.argument_names.append(label or f"arg{index}")
+        self.block(block, parent=None, region=0, multiplier=1.0, is_main=True)
+        result_attrs = main.operation.attributes["res_attrs"] if "res_attrs" in main.operation.attributes else None
+        for i, _ in enumerate(self.graph.outputs):
+            name = f"result[{i}]"
+            if result_attrs is not None:
+                attrs = ir.DictAttr(ir.ArrayAttr(result_attrs)[i])
+                if "jax.result_info" in attrs:
+                    name = ir.StringAttr(attrs["jax.result_info"]).value
+            self.graph.output_names.append(name)
+        return self.graph, self.handles
+
+    def value(self, op, value) -> int:
+        if value not in self.values:
+            raise self.fail(op, "operand defined outside what hloplan can follow")
+        return self.values[value]
+
+    def types(self, op) -> list[TensorType | None]:
+        try:
+            return [tensor_type(r) for r in op.operation.results]
+        except ValueError as exc:
+            raise self.fail(op, f"result has a {exc}; hloplan plans static shapes only",
+                            ("export with concrete shapes (no jax.export.symbolic_shape)",)) from None
+
+    def block(self, block, parent, region, multiplier, is_main=False) -> list[int]:
+        """Extract ops of a block; returns the value ids of its terminator's operands."""
+        for op in block.operations:
+            name = op_name(op)
+            if name in ("func.return", "stablehlo.return"):
+                returned = [self.value(op, v) for v in op.operation.operands]
+                if is_main:
+                    self.graph.outputs = returned
+                return returned
+            if name == "func.call":
+                raise self.fail(op, "func.call remains after inlining")
+            if name == "stablehlo.while":
+                self.while_op(op, parent, region, multiplier)
+            elif name == "stablehlo.case" or name == "stablehlo.if":
+                self.case_op(op, parent, region, multiplier)
+            elif name == "stablehlo.optimization_barrier":
+                self.per_result_op(op, parent, region, multiplier, "barrier.result")
+            else:
+                self.plain_op(op, parent, region, multiplier)
+        return []
+
+    def common(self, op, parent, region, multiplier) -> dict:
+        loc, label = op_location(op)
+        return {"location": loc, "label": label, "parent": parent, "region": region,
+                "multiplier": multiplier}
+
+    def plain_op(self, op, parent, region, multiplier) -> None:
+        name = op_name(op)
+        if op.operation.regions and name not in _COMBINER_OPS:
+            raise self.fail(op, f"op with regions '{name}' is not supported")
+        operands = tuple(self.value(op, v) for v in op.operation.operands)
+        node = self.graph.add_op(name, operands, self.types(op), attrs=op_attributes(op),
+                                 **self.common(op, parent, region, multiplier))
+        for value, value_id in zip(op.operation.results, node.results):
+            self.values[value] = value_id
+        self.handles.ops[node.index] = (op, tuple(range(len(node.results))))
+
+    def per_result_op(self, op, parent, region, multiplier, pseudo: str) -> None:
+        types = self.types(op)
+        for i, (value, operand) in enumerate(zip(op.operation.results, op.operation.operands)):
+            node = self.graph.add_op(pseudo, (self.value(op, operand),), [types[i]],
+                                     attrs={"result": i}, **self.common(op, parent, region, multiplier))
+            self.values[value] = node.results[0]
+            self.handles.ops[node.index] = (op, (i,))
+
+    def while_op(self, op, parent, region, multiplier) -> None:
+        common = self.common(op, parent, region, multiplier)
+        marker = self.graph.add_op("stablehlo.while", (), [], attrs={}, planned=False, **common)
+        trip = while_trip_count(op)
+        marker.attrs["trip_count"] = trip
+        inner = multiplier * (trip if trip is not None else 1)
+        types = self.types(op)
+        carries = []
+        for i, operand in enumerate(op.operation.operands):
+            carry = self.graph.add_op("while.carry", (self.value(op, operand),), [types[i]],
+                                      attrs={"result": i}, **common)
+            self.handles.ops[carry.index] = (op, (i,))
+            carries.append(carry)
+        cond, body = op.operation.regions
+        for block_, region_index in ((cond.blocks[0], 0), (body.blocks[0], 1)):
+            for arg, carry in zip(block_.arguments, carries):
+                self.values[arg] = carry.results[0]
+        self.block(cond.blocks[0], marker.index, 0, inner)
+        yielded = self.block(body.blocks[0], marker.index, 1, inner)
+        for carry, value_id in zip(carries, yielded):
+            carry.attrs["yield"] = value_id
+            carry.attrs["yield_multiplier"] = inner
+            self.graph.values[value_id].users.append(carry.index)
+        for value, carry in zip(op.operation.results, carries):
+            self.values[value] = carry.results[0]
+        marker.attrs["carries"] = [c.index for c in carries]
+
+    def case_op(self, op, parent, region, multiplier) -> None:
+        common = self.common(op, parent, region, multiplier)
+        index_operand = self.value(op, op.operation.operands[0])
+        marker = self.graph.add_op(op_name(op), (index_operand,), [], attrs={}, planned=False,
+                                   **common)
+        branch_results = []
+        for region_index, branch in enumerate(op.operation.regions):
+            branch_results.append(self.block(branch.blocks[0], marker.index, region_index, multiplier))
+        types = self.types(op)
+        results = []
+        for i, value in enumerate(op.operation.results):
+            operands = tuple(branch[i] for branch in branch_results)
+            node = self.graph.add_op("case.result", operands, [types[i]], attrs={"result": i},
+                                     **common)
+            self.values[value] = node.results[0]
+            self.handles.ops[node.index] = (op, (i,))
+            results.append(node.index)
+        marker.attrs["results"] = results
+
+
+def while_trip_count(op) -> int | None:
+    """Trip count of a jax-style counted loop: cond is `i < N` with N constant and i starting at a
+    constant; None when the pattern is not recognised."""
+    cond = op.operation.regions[0].blocks[0]
+    ops = list(cond.operations)
+    terminator = ops[-1]
+    if not terminator.operation.operands:
+        return None
+    compare = terminator.operation.operands[0].owner
+    if not isinstance(compare, ir.Operation) and not hasattr(compare, "name"):
+        return None
+    try:
+        if compare.name != "stablehlo.compare":
+            return None
+    except AttributeError:
+        return None
+    direction = str(compare.attributes["comparison_direction"])
+    if "LT" not in direction:
+        return None
+    lhs, rhs = compare.operands
+    bound = _constant_int(rhs)
+    if bound is None or not isinstance(lhs.owner, ir.Block):
+        return None
+    arg_number = ir.BlockArgument(lhs).arg_number
+    start = _constant_int(op.operation.operands[arg_number])
+    if start is None:
+        return None
+    return max(bound - start, 0)
+
+
+def _constant_int(value) -> int | None:
+    owner = value.owner
+    if isinstance(owner, ir.Block):
+        return None
+    if owner.name != "stablehlo.constant":
+        return None
+    attr = owner.attributes["value"]
+    if not isinstance(attr, ir.DenseIntElementsAttr) or attr.type.rank != 0:
+        return None
+    return int(attr[0]) if not attr.is_splat else int(attr.get_splat_value().value)
+
+
+def _i64s(attr) -> list[int]:
+    try:
+        return list(ir.DenseI64ArrayAttr(attr))
+    except (ValueError, TypeError):
+        return [int(x) for x in ir.DenseIntElementsAttr(attr)]
+
+
+def op_attributes(op) -> dict:
+    """The attributes the planner needs, as plain Python data."""
+    name = op_name(op)
+    attrs = op.operation.attributes
+    out: dict = {}
+    if name == "stablehlo.dot_general":
+        dims = stablehlo.DotDimensionNumbers(attrs["dot_dimension_numbers"])
+        out.update(lhs_batch=list(dims.lhs_batching_dimensions),
+                   rhs_batch=list(dims.rhs_batching_dimensions),
+                   lhs_contracting=list(dims.lhs_contracting_dimensions),
+                   rhs_contracting=list(dims.rhs_contracting_dimensions))
+    elif name == "stablehlo.convolution":
+        dims = stablehlo.ConvDimensionNumbers(attrs["dimension_numbers"])
+        out.update(
+            input_batch=dims.input_batch_dimension, input_feature=dims.input_feature_dimension,
+            input_spatial=list(dims.input_spatial_dimensions),
+            kernel_input_feature=dims.kernel_input_feature_dimension,
+            kernel_output_feature=dims.kernel_output_feature_dimension,
+            kernel_spatial=list(dims.kernel_spatial_dimensions),
+            output_batch=dims.output_batch_dimension, output_feature=dims.output_feature_dimension,
+            output_spatial=list(dims.output_spatial_dimensions),
+            feature_group_count=ir.IntegerAttr(attrs["feature_group_count"]).value,
+            batch_group_count=ir.IntegerAttr(attrs["batch_group_count"]).value)
+    elif name == "stablehlo.gather":
+        dims = stablehlo.GatherDimensionNumbers(attrs["dimension_numbers"])
+        out.update(offset_dims=list(dims.offset_dims), collapsed=list(dims.collapsed_slice_dims),
+                   start_index_map=list(dims.start_index_map),
+                   index_vector_dim=dims.index_vector_dim,
+                   operand_batching=list(dims.operand_batching_dims),
+                   indices_batching=list(dims.start_indices_batching_dims),
+                   slice_sizes=_i64s(attrs["slice_sizes"]))
+    elif name == "stablehlo.scatter":
+        dims = stablehlo.ScatterDimensionNumbers(attrs["scatter_dimension_numbers"])
+        out.update(update_window_dims=list(dims.update_window_dims),
+                   inserted_window_dims=list(dims.inserted_window_dims),
+                   scatter_to_operand=list(dims.scattered_dims_to_operand_dims),
+                   index_vector_dim=dims.index_vector_dim,
+                   operand_batching=list(dims.input_batching_dims),
+                   indices_batching=list(dims.scatter_indices_batching_dims),
+                   combiner=_combiner(op))
+    elif name in ("stablehlo.reduce", "stablehlo.reduce_window", "stablehlo.all_reduce"):
+        out["combiner"] = _combiner(op)
+    for key in ("dimensions", "broadcast_dimensions", "permutation", "start_indices",
+                "limit_indices", "strides", "edge_padding_low", "edge_padding_high",
+                "interior_padding", "slice_sizes", "window_dimensions", "window_strides",
+                "padding", "base_dilations", "window_dilations"):
+        if key in attrs and key not in out:
+            try:
+                out[key] = _i64s(attrs[key])
+            except (ValueError, TypeError):
+                out[key] = [int(x) for x in ir.DenseIntElementsAttr(attrs[key])]
+    for key in ("dimension", "iota_dimension", "concatenate_dimension"):
+        if key in attrs:
+            out[key] = ir.IntegerAttr(attrs[key]).value
+    if name == "stablehlo.custom_call" and "call_target_name" in attrs:
+        out["target"] = ir.StringAttr(attrs["call_target_name"]).value
+    if name == "stablehlo.compare":
+        out["direction"] = str(attrs["comparison_direction"])
+    return out
+
+
+def _combiner(op) -> str:
+    """The op applied by a reduction's body, e.g. "stablehlo.add"; "complex" otherwise."""
+    body = op.operation.regions[-1].blocks[0]
+    ops = [op_name(o) for o in body.operations if op_name(o) != "stablehlo.return"]
+    if len(ops) == 1:
+        return ops[0]
+    return "complex"
+
+
+def extract_graph(module: ir.Module, filename: str) -> tuple[Graph, Handles]:
+    with module.context:
+        return _Extractor(module, filename).run()
+
+
+# --------------------------------------------------------------------------------------------
+# Annotation with Shardy shardings
+# --------------------------------------------------------------------------------------------
+
+
+def sharding_text(spec: tuple[tuple[str, ...], ...]) -> str:
+    """Shardy text of one tensor sharding: spec has, per dim, the mesh axis names splitting it."""
+    dims = ", ".join("{" + ", ".join(f'"{a}"' for a in axes) + "}" for axes in spec)
+    return f"#sdy.sharding<@{MESH_NAME}, [{dims}]>"
+
+
+def _per_value_text(specs) -> str:
+    parts = [sharding_text(s)[len("#sdy.sharding"):] for s in specs]
+    return "#sdy.sharding_per_value<[" + ", ".join(parts) + "]>"
+
+
+class Annotator:
+    """Writes the mesh and shardings into a module (the propagate-sharding pass drives it)."""
+
+    def __init__(self, module: ir.Module, handles: Handles):
+        self.module = module
+        self.handles = handles
+        self.context = module.context
+
+    def set_mesh(self, axis_names, axis_sizes) -> None:
+        with self.context, ir.Location.unknown():
+            for op in list(self.module.body.operations):
+                if op_name(op) == "sdy.mesh":
+                    op.operation.erase()
+            axes = ", ".join(f'"{n}"={s}' for n, s in zip(axis_names, axis_sizes))
+            with ir.InsertionPoint.at_block_begin(self.module.body):
+                sdy.MeshOp(MESH_NAME, ir.Attribute.parse(f"#sdy.mesh<[{axes}]>"))
+            total = 1
+            for size in axis_sizes:
+                total *= size
+            self.module.operation.attributes["mhlo.num_partitions"] = ir.IntegerAttr.get(
+                ir.IntegerType.get_signless(32), total)
+
+    def _set_func_attr(self, key: str, count: int, index: int, spec) -> None:
+        main = self.handles.main.operation
+        existing = list(ir.ArrayAttr(main.attributes[key])) if key in main.attributes else []
+        existing += [ir.DictAttr.get({})] * (count - len(existing))
+        entry = ir.DictAttr(existing[index])
+        items = {entry[i].name: entry[i].attr for i in range(len(entry))}
+        items["sdy.sharding"] = ir.Attribute.parse(sharding_text(spec))
+        existing[index] = ir.DictAttr.get(items)
+        main.attributes[key] = ir.ArrayAttr.get(existing)
+
+    def set_argument(self, index: int, spec) -> None:
+        with self.context:
+            count = len(self.handles.main.regions[0].blocks[0].arguments)
+            self._set_func_attr("arg_attrs", count, index, spec)
+
+    def set_result(self, index: int, spec) -> None:
+        with self.context:
+            count = len(ir.FunctionType(ir.TypeAttr(self.handles.main.operation.attributes["function_type"]).value).results)
+            self._set_func_attr("res_attrs", count, index, spec)
+
+    def set_op(self, op, specs) -> None:
+        with self.context:
+            op.operation.attributes["sdy.sharding"] = ir.Attribute.parse(_per_value_text(specs))
+
+    def constrain_operand(self, op, operand_index: int, spec) -> None:
+        """Insert sdy.sharding_constraint before `op` so its operand arrives in `spec`."""
+        with self.context:
+            operation = op.operation
+            value = operation.operands[operand_index]
+            with operation.location, ir.InsertionPoint(operation):
+                constraint = sdy.ShardingConstraintOp(value, ir.Attribute.parse(sharding_text(spec)))
+            operation.operands[operand_index] = constraint.result
+
+
+# --------------------------------------------------------------------------------------------
+# Serialization
+# --------------------------------------------------------------------------------------------
+
+
+def portable_artifact(module: ir.Module) -> bytes:
+    """VHLO portable artifact, as jax.export stores in Exported.mlir_module_serialized."""
+    with module.context:
+        target = stablehlo.get_version_from_compatibility_requirement(
+            stablehlo.StablehloCompatibilityRequirement.WEEK_4)
+        return stablehlo.serialize_portable_artifact(module, target, True)
+
+
+def argument_and_result_types(graph: Graph) -> tuple[list[TensorType], list[TensorType]]:
+    return ([graph.type_of(v) for v in graph.arguments], [graph.type_of(v) for v in graph.outputs])
+
+
+# --------------------------------------------------------------------------------------------
+# Private JAX APIs (the only place hloplan uses them)
+# --------------------------------------------------------------------------------------------
+# - Exported._in_named_shardings / _out_named_shardings / _has_named_shardings: the fields that
+#   carry NamedShardings; without them a sharded Exported cannot tell a loader how to place inputs.
+
+
+def sharded_exported(base, *, serialized: bytes, axis_names, axis_sizes, in_specs, out_specs,
+                     platforms: tuple[str, ...] | None = None, fun_name: str | None = None):
+    """A new Exported: `base`'s calling convention, the annotated module, named shardings.
+
+    in_specs/out_specs: per flat argument/result, a PartitionSpec-like tuple of axis-name tuples.
+    """
+    import jax
+    from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
+
+    mesh = AbstractMesh(tuple(axis_sizes), tuple(axis_names),
+                        axis_types=(AxisType.Auto,) * len(axis_names))
+
+    def named(spec):
+        entries = [None if not axes else (axes[0] if len(axes) == 1 else tuple(axes)) for axes in spec]
+        while entries and entries[-1] is None:
+            entries.pop()
+        return NamedSharding(mesh, PartitionSpec(*entries))
+
+    ins = tuple(named(s) for s in in_specs)
+    outs = tuple(named(s) for s in out_specs)
+    total = 1
+    for size in axis_sizes:
+        total *= size
+    changes = dict(
+        mlir_module_serialized=serialized, nr_devices=total, _has_named_shardings=True,
+        _in_named_shardings=ins, _out_named_shardings=outs,
+        in_shardings_hlo=(None,) * len(ins), out_shardings_hlo=(None,) * len(outs),
+        _get_vjp=None)
+    if platforms is not None:
+        changes["platforms"] = tuple(platforms)
+    if fun_name is not None:
+        changes["fun_name"] = fun_name
+    del jax  # imported for its side effect of initialising the sharding types
+    return dataclasses.replace(base, **changes)
+
+
+def exported_from_module(graph: Graph, platforms: tuple[str, ...], fun_name: str):
+    """An unsharded Exported for a module given as MLIR (no pytree information: flat args)."""
+    import jax
+    import numpy as np
+    from jax import export
+
+    def aval(t: TensorType):
+        return jax.core.ShapedArray(t.shape, np.dtype(_numpy_dtype(t.dtype)))
+
+    arg_types, res_types = argument_and_result_types(graph)
+    in_avals = tuple(aval(t) for t in arg_types)
+    out_avals = tuple(aval(t) for t in res_types)
+    in_tree = jax.tree.structure((tuple(range(len(in_avals))), {}))
+    out_tree = jax.tree.structure(tuple(range(len(out_avals))))
+    return export.Exported(
+        fun_name=fun_name, in_tree=in_tree, in_avals=in_avals, out_tree=out_tree,
+        out_avals=out_avals, _has_named_shardings=False,
+        _in_named_shardings=(None,) * len(in_avals), _out_named_shardings=(None,) * len(out_avals),
+        in_shardings_hlo=(None,) * len(in_avals), out_shardings_hlo=(None,) * len(out_avals),
+        nr_devices=1, platforms=platforms, ordered_effects=(), unordered_effects=(),
+        disabled_safety_checks=(), mlir_module_serialized=b"", calling_convention_version=10,
+        module_kept_var_idx=tuple(range(len(in_avals))), uses_global_constants=False,
+        _get_vjp=None)
+
+
+def _numpy_dtype(dtype: str) -> str:
+    import ml_dtypes  # noqa: F401  (registers bfloat16 & co with numpy)
+
+    table = {"f32": "float32", "f64": "float64", "f16": "float16", "bf16": "bfloat16",
+             "i1": "bool", "i8": "int8", "i16": "int16", "i32": "int32", "i64": "int64",
+             "ui8": "uint8", "ui16": "uint16", "ui32": "uint32", "ui64": "uint64",
+             "f8E4M3FN": "float8_e4m3fn", "f8E5M2": "float8_e5m2"}
+    if dtype not in table:
+        raise HloplanError(f"element type {dtype} is not supported in arguments or results")
+    return table[dtype]
+
+
+Callback = Callable[..., None]

@@ -1,0 +1,434 @@
+"""Sharding rules per op, as factors (the Shardy formulation), on plain data.
+
+Every dimension of every operand and result maps to factors (a tuple, major to minor; a reshape
+can merge or split dims). Sharding a factor over mesh axes shards every tensor dimension whose
+leading factor it is. Factor kinds:
+- "pass": the dimension passes through the op (batch, free dims of a matmul, elementwise dims);
+- "reduce": contracted or reduced away; sharding it leaves partial sums, so the result needs an
+  all-reduce over those axes;
+- "replicate": must not be sharded for the op to run locally (concatenated, sliced, sorted dims).
+The problem builder enumerates mesh-axis-to-factor assignments over these rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hloplan.graph import Graph, Op, TensorType
+
+Dims = tuple[tuple[int, ...], ...]  # per tensor dim: factor ids, major to minor
+
+
+@dataclass(frozen=True)
+class Factor:
+    size: int
+    kind: str = "pass"  # "pass" | "reduce" | "replicate"
+
+
+@dataclass(frozen=True)
+class OpRule:
+    factors: tuple[Factor, ...]
+    operands: tuple[Dims | None, ...]  # None: not a tensor we plan (token), any layout is fine
+    results: tuple[Dims, ...]
+    flops: float = 0.0
+    reduction: str = "sum"  # combiner of a "reduce" factor: sum, max, min, prod, and, or
+    # The op creates its result from nothing (constant, iota): any sharding is free.
+    free: bool = False
+    # Why the op is planned replicated, when it is (unknown op, unsupported form).
+    fallback: str | None = None
+    # Pointwise: each operand dim has the same factor as the result dim: candidates to follow.
+    pointwise: bool = False
+
+
+ELEMENTWISE = {
+    "abs", "add", "and", "atan2", "cbrt", "ceil", "clamp", "compare", "complex", "convert",
+    "cosine", "count_leading_zeros", "divide", "exponential", "exponential_minus_one", "floor",
+    "imag", "is_finite", "log", "log_plus_one", "logistic", "maximum", "minimum", "multiply",
+    "negate", "not", "or", "popcnt", "power", "real", "reduce_precision", "remainder",
+    "round_nearest_afz", "round_nearest_even", "rsqrt", "select", "shift_left",
+    "shift_right_arithmetic", "shift_right_logical", "sign", "sine", "sqrt", "subtract", "tan",
+    "tanh", "xor", "bitcast_convert",
+}
+CHLO_ELEMENTWISE = {
+    "acos", "acosh", "asin", "asinh", "atan", "atanh", "bessel_i1e", "conj", "cosh", "digamma",
+    "erf", "erf_inv", "erfc", "is_inf", "is_neg_inf", "is_pos_inf", "lgamma", "next_after",
+    "polygamma", "sinh", "tan", "zeta", "square",
+}
+TRANSCENDENTAL = {"exponential", "exponential_minus_one", "log", "log_plus_one", "logistic",
+                  "tanh", "sine", "cosine", "tan", "rsqrt", "sqrt", "cbrt", "power", "atan2", "erf",
+                  "erf_inv", "lgamma", "digamma"}
+FREE_OPS = {"stablehlo.constant", "stablehlo.iota", "sdy.constant"}
+IDENTITY_PSEUDO = {"barrier.result", "while.carry"}
+
+_COMBINERS = {"stablehlo.add": "sum", "stablehlo.maximum": "max", "stablehlo.minimum": "min",
+              "stablehlo.multiply": "prod", "stablehlo.and": "and", "stablehlo.or": "or"}
+
+
+class _Builder:
+    """Collects factors while a rule is being written."""
+
+    def __init__(self) -> None:
+        self.factors: list[Factor] = []
+
+    def new(self, size: int, kind: str = "pass") -> tuple[int, ...]:
+        if size <= 1:
+            return ()
+        self.factors.append(Factor(size, kind))
+        return (len(self.factors) - 1,)
+
+    def fresh_dims(self, shape, kind: str = "pass") -> Dims:
+        return tuple(self.new(s, kind) for s in shape)
+
+    def rule(self, operands, results, **kwargs) -> OpRule:
+        return OpRule(tuple(self.factors), tuple(operands), tuple(results), **kwargs)
+
+
+def _replicated(graph: Graph, op: Op, reason: str | None, flops: float = 0.0) -> OpRule:
+    """Every dim unsharded (the fallback, and ops whose form we do not split)."""
+    operands = [None if graph.type_of(v) is None else tuple(() for _ in graph.type_of(v).shape)
+                for v in op.operands]
+    results = [tuple(() for _ in (graph.type_of(v).shape if graph.type_of(v) else ()))
+               for v in op.results]
+    return OpRule((), tuple(operands), tuple(results), flops=flops, fallback=reason)
+
+
+def _type(graph: Graph, value_id: int) -> TensorType:
+    type_ = graph.type_of(value_id)
+    assert type_ is not None
+    return type_
+
+
+def rule_for(graph: Graph, op: Op) -> OpRule:
+    """The sharding rule of one op. Unknown ops get the replicated fallback, with a reason."""
+    name = op.name
+    short = name.split(".", 1)[1] if "." in name else name
+    if any(graph.type_of(v) is None for v in op.results) and name not in ("stablehlo.while",):
+        return _replicated(graph, op, None)
+    if name in FREE_OPS:
+        b = _Builder()
+        return b.rule([], [b.fresh_dims(_type(graph, op.results[0]).shape)], free=True)
+    if name in ("arg",) or name in IDENTITY_PSEUDO:
+        b = _Builder()
+        dims = b.fresh_dims(_type(graph, op.results[0]).shape)
+        return b.rule([dims for _ in op.operands], [dims], pointwise=name != "arg")
+    if name == "case.result":
+        b = _Builder()
+        dims = b.fresh_dims(_type(graph, op.results[0]).shape)
+        return b.rule([dims for _ in op.operands], [dims])
+    if (name.startswith("stablehlo.") and short in ELEMENTWISE) or (
+            name.startswith("chlo.") and short in CHLO_ELEMENTWISE):
+        return _elementwise(graph, op, short)
+    handler = _HANDLERS.get(name)
+    if handler is not None:
+        return handler(graph, op)
+    if name == "stablehlo.custom_call":
+        target = op.attrs.get("target", "?")
+        return _replicated(graph, op, f"custom_call @{target} is not understood by the planner")
+    if name.startswith("sdy.") or name in ("stablehlo.all_reduce", "stablehlo.all_gather",
+                                           "stablehlo.reduce_scatter", "stablehlo.all_to_all",
+                                           "stablehlo.collective_permute"):
+        return _replicated(graph, op, "the program already contains sharding or collective ops")
+    return _replicated(graph, op, f"op '{name}' is not known to the planner")
+
+
+def _elementwise(graph: Graph, op: Op, short: str) -> OpRule:
+    out = _type(graph, op.results[0])
+    b = _Builder()
+    dims = b.fresh_dims(out.shape)
+    operands = []
+    for v in op.operands:
+        t = graph.type_of(v)
+        # clamp and select accept scalar operands
+        operands.append(dims if t is not None and t.rank == out.rank else tuple(() for _ in (t.shape if t else ())))
+    per_element = 8.0 if short in TRANSCENDENTAL else 1.0
+    return b.rule(operands, [dims], flops=per_element * out.elements, pointwise=True)
+
+
+def _dot_general(graph: Graph, op: Op) -> OpRule:
+    a = op.attrs
+    lhs, rhs = _type(graph, op.operands[0]), _type(graph, op.operands[1])
+    b = _Builder()
+    lhs_dims: list[tuple[int, ...]] = [()] * lhs.rank
+    rhs_dims: list[tuple[int, ...]] = [()] * rhs.rank
+    result: list[tuple[int, ...]] = []
+    for ld, rd in zip(a["lhs_batch"], a["rhs_batch"]):
+        f = b.new(lhs.shape[ld])
+        lhs_dims[ld] = rhs_dims[rd] = f
+        result.append(f)
+    contracting = 1
+    for ld, rd in zip(a["lhs_contracting"], a["rhs_contracting"]):
+        f = b.new(lhs.shape[ld], "reduce")
+        lhs_dims[ld] = rhs_dims[rd] = f
+        contracting *= lhs.shape[ld]
+    for d in range(lhs.rank):
+        if d not in a["lhs_batch"] and d not in a["lhs_contracting"]:
+            lhs_dims[d] = b.new(lhs.shape[d])
+            result.append(lhs_dims[d])
+    for d in range(rhs.rank):
+        if d not in a["rhs_batch"] and d not in a["rhs_contracting"]:
+            rhs_dims[d] = b.new(rhs.shape[d])
+            result.append(rhs_dims[d])
+    out = _type(graph, op.results[0])
+    return b.rule([tuple(lhs_dims), tuple(rhs_dims)], [tuple(result)],
+                  flops=2.0 * out.elements * contracting)
+
+
+def _convolution(graph: Graph, op: Op) -> OpRule:
+    a = op.attrs
+    lhs, rhs = _type(graph, op.operands[0]), _type(graph, op.operands[1])
+    out = _type(graph, op.results[0])
+    b = _Builder()
+    lhs_dims: list[tuple[int, ...]] = [()] * lhs.rank
+    rhs_dims: list[tuple[int, ...]] = [()] * rhs.rank
+    out_dims: list[tuple[int, ...]] = [()] * out.rank
+    grouped = a["feature_group_count"] > 1 or a["batch_group_count"] > 1
+    batch = b.new(lhs.shape[a["input_batch"]], "replicate" if a["batch_group_count"] > 1 else "pass")
+    lhs_dims[a["input_batch"]] = batch
+    if lhs.shape[a["input_batch"]] == out.shape[a["output_batch"]]:
+        out_dims[a["output_batch"]] = batch
+    if not grouped:
+        feature = b.new(lhs.shape[a["input_feature"]], "reduce")
+        lhs_dims[a["input_feature"]] = rhs_dims[a["kernel_input_feature"]] = feature
+        out_feature = b.new(rhs.shape[a["kernel_output_feature"]])
+        rhs_dims[a["kernel_output_feature"]] = out_dims[a["output_feature"]] = out_feature
+    kernel_volume = 1
+    for d in a["kernel_spatial"]:
+        kernel_volume *= rhs.shape[d]
+    in_features = rhs.shape[a["kernel_input_feature"]]
+    return b.rule([tuple(lhs_dims), tuple(rhs_dims)], [tuple(out_dims)],
+                  flops=2.0 * out.elements * kernel_volume * in_features)
+
+
+def _reduce(graph: Graph, op: Op) -> OpRule:
+    count = len(op.results)
+    inputs = op.operands[:count]
+    operand = _type(graph, inputs[0])
+    reduced = set(op.attrs.get("dimensions", []))
+    combiner = op.attrs.get("combiner", "complex")
+    kind = "reduce" if count == 1 and combiner in _COMBINERS else "replicate"
+    b = _Builder()
+    dims = []
+    result = []
+    for d, size in enumerate(operand.shape):
+        if d in reduced:
+            dims.append(b.new(size, kind))
+        else:
+            f = b.new(size)
+            dims.append(f)
+            result.append(f)
+    operands = [tuple(dims)] * count + [tuple()] * (len(op.operands) - count)
+    return b.rule(operands, [tuple(result)] * count, flops=float(operand.elements * count),
+                  reduction=_COMBINERS.get(combiner, "sum"))
+
+
+def _broadcast_in_dim(graph: Graph, op: Op) -> OpRule:
+    operand, out = _type(graph, op.operands[0]), _type(graph, op.results[0])
+    b = _Builder()
+    result = b.fresh_dims(out.shape)
+    dims = []
+    for i, d in enumerate(op.attrs.get("broadcast_dimensions", [])):
+        dims.append(result[d] if operand.shape[i] == out.shape[d] else ())
+    return b.rule([tuple(dims)], [result], flops=0.0, pointwise=False)
+
+
+def _transpose(graph: Graph, op: Op) -> OpRule:
+    operand = _type(graph, op.operands[0])
+    b = _Builder()
+    dims = b.fresh_dims(operand.shape)
+    perm = op.attrs["permutation"]
+    return b.rule([dims], [tuple(dims[p] for p in perm)])
+
+
+def _reshape(graph: Graph, op: Op) -> OpRule:
+    """Groups of dims with equal products; within a group, the factors of the finer side.
+
+    A dim made of several factors can be sharded by its major factor only."""
+    src, dst = _type(graph, op.operands[0]).shape, _type(graph, op.results[0]).shape
+    b = _Builder()
+    src_dims: list[tuple[int, ...]] = [()] * len(src)
+    dst_dims: list[tuple[int, ...]] = [()] * len(dst)
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        # skip size-1 dims: they carry no factor
+        if i < len(src) and src[i] == 1:
+            i += 1
+            continue
+        if j < len(dst) and dst[j] == 1:
+            j += 1
+            continue
+        if i >= len(src) or j >= len(dst):
+            break
+        gi, gj = [i], [j]
+        ps, pd = src[i], dst[j]
+        while ps != pd:
+            if ps < pd:
+                i += 1
+                gi.append(i)
+                ps *= src[i]
+            else:
+                j += 1
+                gj.append(j)
+                pd *= dst[j]
+        i += 1
+        j += 1
+        if len(gi) == 1:  # one src dim splits into dst dims: factors are the dst dims
+            factors = [b.new(dst[d]) for d in gj]
+            for d, f in zip(gj, factors):
+                dst_dims[d] = f
+            src_dims[gi[0]] = tuple(x for f in factors for x in f)
+        elif len(gj) == 1:  # src dims merge into one dst dim
+            factors = [b.new(src[d]) for d in gi]
+            for d, f in zip(gi, factors):
+                src_dims[d] = f
+            dst_dims[gj[0]] = tuple(x for f in factors for x in f)
+        # many-to-many groups stay unsharded
+    return b.rule([tuple(src_dims)], [tuple(dst_dims)])
+
+
+def _same_except(graph: Graph, op: Op, fixed: set[int], operand_count: int | None = None) -> OpRule:
+    """Operands and result share every dim but those in `fixed`, which stay unsharded."""
+    out = _type(graph, op.results[0])
+    b = _Builder()
+    dims = tuple(() if d in fixed else b.new(s) for d, s in enumerate(out.shape))
+    operands = []
+    for k, v in enumerate(op.operands):
+        t = graph.type_of(v)
+        if operand_count is not None and k >= operand_count:
+            operands.append(tuple(() for _ in t.shape) if t else None)
+        elif t is not None and t.rank == out.rank:
+            operands.append(dims)
+        else:
+            operands.append(tuple(() for _ in t.shape) if t else None)
+    return b.rule(operands, [dims] * len(op.results), flops=float(out.elements))
+
+
+def _concatenate(graph: Graph, op: Op) -> OpRule:
+    return _same_except(graph, op, {op.attrs["dimension"]})
+
+
+def _slice(graph: Graph, op: Op) -> OpRule:
+    operand, out = _type(graph, op.operands[0]), _type(graph, op.results[0])
+    fixed = {d for d in range(out.rank) if operand.shape[d] != out.shape[d]}
+    return _same_except(graph, op, fixed, operand_count=1)
+
+
+def _pad(graph: Graph, op: Op) -> OpRule:
+    operand, out = _type(graph, op.operands[0]), _type(graph, op.results[0])
+    fixed = {d for d in range(out.rank) if operand.shape[d] != out.shape[d]}
+    return _same_except(graph, op, fixed, operand_count=1)
+
+
+def _dynamic_update_slice(graph: Graph, op: Op) -> OpRule:
+    operand, update = _type(graph, op.operands[0]), _type(graph, op.operands[1])
+    fixed = {d for d in range(operand.rank) if operand.shape[d] != update.shape[d]}
+    return _same_except(graph, op, fixed, operand_count=2)
+
+
+def _reverse(graph: Graph, op: Op) -> OpRule:
+    return _same_except(graph, op, set(op.attrs.get("dimensions", [])))
+
+
+def _sort(graph: Graph, op: Op) -> OpRule:
+    return _same_except(graph, op, {op.attrs.get("dimension", -1) % _type(graph, op.results[0]).rank})
+
+
+def _windowed(graph: Graph, op: Op) -> OpRule:
+    """reduce_window / select_and_scatter: dims with a window or stride > 1 stay unsharded."""
+    out = _type(graph, op.results[0])
+    window = op.attrs.get("window_dimensions", [1] * out.rank)
+    strides = op.attrs.get("window_strides", [1] * out.rank)
+    fixed = {d for d in range(out.rank) if window[d] != 1 or strides[d] != 1}
+    count = len(op.results) if op.name == "stablehlo.reduce_window" else 2
+    rule = _same_except(graph, op, fixed, operand_count=count)
+    volume = 1
+    for w in window:
+        volume *= w
+    return OpRule(rule.factors, rule.operands, rule.results, flops=float(out.elements * volume))
+
+
+def _gather(graph: Graph, op: Op) -> OpRule:
+    a = op.attrs
+    operand, indices = _type(graph, op.operands[0]), _type(graph, op.operands[1])
+    out = _type(graph, op.results[0])
+    b = _Builder()
+    operand_dims: list[tuple[int, ...]] = [()] * operand.rank
+    indices_dims: list[tuple[int, ...]] = [()] * indices.rank
+    out_dims: list[tuple[int, ...]] = [()] * out.rank
+    batch_out = [d for d in range(out.rank) if d not in a["offset_dims"]]
+    batch_idx = [d for d in range(indices.rank) if d != a["index_vector_dim"]]
+    for od, idd in zip(batch_out, batch_idx):
+        f = b.new(out.shape[od])
+        out_dims[od] = indices_dims[idd] = f
+        if idd in a["indices_batching"]:
+            operand_dims[a["operand_batching"][a["indices_batching"].index(idd)]] = f
+    window_operand = [d for d in range(operand.rank)
+                      if d not in a["collapsed"] and d not in a["operand_batching"]]
+    for od, d in zip(a["offset_dims"], window_operand):
+        full = a["slice_sizes"][d] == operand.shape[d] and d not in a["start_index_map"]
+        f = b.new(out.shape[od])
+        out_dims[od] = f
+        if full:
+            operand_dims[d] = f
+    return b.rule([tuple(operand_dims), tuple(indices_dims)], [tuple(out_dims)],
+                  flops=float(out.elements))
+
+
+def _scatter(graph: Graph, op: Op) -> OpRule:
+    """Window dims pass through; scatter (batch) dims of the updates are summed when the
+    combiner is an add, else they stay unsharded."""
+    a = op.attrs
+    count = len(op.results)
+    operand = _type(graph, op.operands[0])
+    indices = _type(graph, op.operands[count])
+    updates = _type(graph, op.operands[count + 1])
+    if count != 1:
+        return _replicated(graph, op, None)
+    b = _Builder()
+    operand_dims: list[tuple[int, ...]] = [()] * operand.rank
+    indices_dims: list[tuple[int, ...]] = [()] * indices.rank
+    update_dims: list[tuple[int, ...]] = [()] * updates.rank
+    window_operand = [d for d in range(operand.rank)
+                      if d not in a["inserted_window_dims"] and d not in a["operand_batching"]]
+    for ud, d in zip(a["update_window_dims"], window_operand):
+        if updates.shape[ud] == operand.shape[d] and d not in a["scatter_to_operand"]:
+            f = b.new(operand.shape[d])
+            operand_dims[d] = update_dims[ud] = f
+    kind = "reduce" if a.get("combiner") == "stablehlo.add" else "replicate"
+    scatter_updates = [d for d in range(updates.rank) if d not in a["update_window_dims"]]
+    scatter_indices = [d for d in range(indices.rank) if d != a["index_vector_dim"]]
+    for ud, idd in zip(scatter_updates, scatter_indices):
+        if idd in a["indices_batching"]:
+            continue
+        f = b.new(updates.shape[ud], kind)
+        update_dims[ud] = indices_dims[idd] = f
+    return b.rule([tuple(operand_dims), tuple(indices_dims), tuple(update_dims)],
+                  [tuple(operand_dims)], flops=float(updates.elements))
+
+
+def _dynamic_slice(graph: Graph, op: Op) -> OpRule:
+    operand, out = _type(graph, op.operands[0]), _type(graph, op.results[0])
+    fixed = {d for d in range(out.rank) if operand.shape[d] != out.shape[d]}
+    return _same_except(graph, op, fixed, operand_count=1)
+
+
+_HANDLERS = {
+    "stablehlo.dot_general": _dot_general,
+    "stablehlo.dot": None,
+    "stablehlo.convolution": _convolution,
+    "stablehlo.reduce": _reduce,
+    "stablehlo.broadcast_in_dim": _broadcast_in_dim,
+    "stablehlo.transpose": _transpose,
+    "stablehlo.reshape": _reshape,
+    "stablehlo.concatenate": _concatenate,
+    "stablehlo.slice": _slice,
+    "stablehlo.pad": _pad,
+    "stablehlo.dynamic_slice": _dynamic_slice,
+    "stablehlo.dynamic_update_slice": _dynamic_update_slice,
+    "stablehlo.reverse": _reverse,
+    "stablehlo.sort": _sort,
+    "stablehlo.reduce_window": _windowed,
+    "stablehlo.select_and_scatter": _windowed,
+    "stablehlo.gather": _gather,
+    "stablehlo.scatter": _scatter,
+}
+_HANDLERS = {k: v for k, v in _HANDLERS.items() if v is not None}

@@ -1,0 +1,39 @@
+"""The compile pipeline, top to bottom. Each step's name labels --print-after and --time-passes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from hloplan import ir
+from hloplan.passes.build_sharding_problem import BuildShardingProblem
+from hloplan.passes.extract_graph import ExtractGraph
+from hloplan.passes.inline_calls import InlineCalls
+from hloplan.passes.propagate_sharding import PropagateSharding
+from hloplan.passes.solve_sharding import SolveSharding
+from hloplan.state import CompileOptions, CompileState, Pass
+
+
+def compile_pipeline() -> list[Pass]:
+    return [
+        InlineCalls(),            # private functions -> main, one copy per call site
+        ExtractGraph(),           # MLIR -> plain-data graph (shapes, attrs, locations, trip counts)
+        BuildShardingProblem(),   # strategies per op, resharding edges, memory points
+        SolveSharding(),          # ILP: one strategy per op under the memory budget
+        PropagateSharding(),      # write sdy shardings and constraints into the module
+    ]
+
+
+PASS_NAMES = [p.name for p in compile_pipeline()]
+
+
+def run_pipeline(program: ir.Program, options: CompileOptions, passes: list[Pass] | None = None,
+                 after_pass: Callable[[str, CompileState], None] | None = None) -> CompileState:
+    state = CompileState(program=program, options=options)
+    for step in passes if passes is not None else compile_pipeline():
+        start = time.perf_counter()
+        step.apply(state)
+        state.timings[step.name] = time.perf_counter() - start
+        if after_pass is not None:
+            after_pass(step.name, state)
+    return state

@@ -1,0 +1,126 @@
+"""plan.json: what was decided, what it is estimated to cost, and how it was found.
+
+Deterministic by construction: no wall-clock times (those go to timings.json), sorted keys,
+floats rounded to a fixed number of significant digits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import metadata
+
+from hloplan.solver.evaluate import evaluate
+from hloplan.state import CompileState
+from hloplan.strategies import local_bytes, replicated, spec_names
+
+PLAN_FORMAT = 1
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.6g}")
+
+
+def _versions() -> dict:
+    out = {}
+    for package in ("hloplan", "jax", "jaxlib"):
+        try:
+            out[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            out[package] = "unknown"
+    return out
+
+
+def _tensor_entry(state: CompileState, name: str, value_id: int, spec) -> dict:
+    type_ = state.graph.type_of(value_id)
+    mesh = state.options.mesh
+    return {
+        "name": name,
+        "shape": list(type_.shape),
+        "dtype": type_.dtype,
+        "spec": [list(axes) for axes in spec_names(spec, mesh)],
+        "bytes": type_.nbytes,
+        "bytes_per_device": int(local_bytes(type_, spec, mesh)),
+    }
+
+
+def value_spec(state: CompileState, value_id: int):
+    value = state.graph.values[value_id]
+    if value.producer in state.space.strategies and value_id not in state.space.free_values:
+        return state.chosen(value.producer).results[value.result_index]
+    return replicated(value.type.rank if value.type else 0)
+
+
+def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -> dict:
+    graph, options = state.graph, state.options
+    evaluation = evaluate(state.problem, state.solution)
+    arguments = [_tensor_entry(state, name, v, value_spec(state, v))
+                 for name, v in zip(graph.argument_names, graph.arguments)]
+    results = [_tensor_entry(state, name, v, value_spec(state, v))
+               for name, v in zip(graph.output_names, graph.outputs)]
+    ops = []
+    collectives: dict[str, dict] = {}
+    for op_index in sorted(state.space.strategies):
+        op = graph.ops[op_index]
+        chosen = state.chosen(op_index)
+        node = state.space.node_of[op_index]
+        compute, communication, resharding = evaluation.per_node[node]
+        for kind, axes, sent in chosen.collectives:
+            entry = collectives.setdefault(f"{kind}({axes})", {"kind": kind, "axes": axes,
+                                                               "count": 0, "bytes": 0.0})
+            entry["count"] += 1
+            entry["bytes"] += sent
+        if op.name == "arg":
+            continue
+        ops.append({
+            "id": f"%{op_index}",
+            "op": op.name,
+            "label": op.label,
+            "location": str(op.location) if op.location else None,
+            "strategy": chosen.name,
+            "results": [[list(a) for a in spec_names(s, options.mesh)] for s in chosen.results],
+            "compute_s": _round(compute),
+            "communication_s": _round(communication),
+            "resharding_in_s": _round(resharding),
+            "times_per_step": op.multiplier,
+            "replicated_fallback": state.space.fallbacks.get(op_index),
+        })
+    stats = state.stats
+    return {
+        "format": PLAN_FORMAT,
+        "versions": _versions(),
+        "input": {"file": state.filename.rsplit("/", 1)[-1], "kind": state.program.input_kind,
+                  "sha256": hashlib.sha256(input_bytes).hexdigest()},
+        "mesh": {"axis_names": list(options.mesh.axis_names),
+                 "axis_sizes": list(options.mesh.axis_sizes), "devices": options.mesh.size,
+                 "hosts": options.hosts,
+                 "links": [link.name for link in state.comm.links]},
+        "device_model": {"name": options.device.name, "platform": options.device.platform,
+                         "memory_bytes": options.device.memory_bytes},
+        "memory_budget_bytes": int(options.budget) if options.budget != float("inf") else None,
+        "arguments": arguments,
+        "results": results,
+        "estimate": {
+            "step_time_s": _round(evaluation.total),
+            "compute_s": _round(evaluation.compute),
+            "communication_s": _round(evaluation.communication),
+            "resharding_s": _round(evaluation.resharding),
+            "peak_memory_bytes": int(evaluation.peak_memory),
+            "collectives": [{**c, "bytes": _round(c["bytes"])} for _, c in sorted(collectives.items())],
+        },
+        "solver": {
+            "name": stats.solver, "status": stats.status, "objective_s": _round(stats.objective),
+            "bound_s": _round(stats.bound), "gap": _round(stats.gap),
+            "variables": stats.variables, "constraints": stats.constraints,
+            "nodes": len(state.problem.nodes), "edges": len(state.problem.edges),
+            "memory_points": len(state.problem.live_points),
+            "time_limit_s": options.time_limit,
+        },
+        "ops": ops,
+        "diagnostics": [d.to_json() for d in state.log.entries],
+        "files": files,
+    }
+
+
+def dumps(plan: dict) -> str:
+    return json.dumps(plan, indent=1, sort_keys=True) + "\n"

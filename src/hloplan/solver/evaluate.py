@@ -1,0 +1,147 @@
+"""Recompute what a solution costs, without any solver.
+
+The ILP reports an objective, but that number passes through scaling, solver tolerances and the
+linearisation of edges; `evaluate` is the independent arithmetic that tests, the explainer and the
+CLI trust. It reads only the plain-data problem and a strategy index per node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from numbers import Integral
+
+from hloplan.solver.problem import ShardingProblem, Solution
+from hloplan.units import format_bytes
+
+__all__ = ["MEMORY_RTOL", "Evaluation", "evaluate", "live_point_bytes", "memory_fits"]
+
+# Relative slack on the memory budget: sums of float byte counts taken in a different order (here
+# and inside the solver) may differ in the last bits; a solution that sits exactly on the budget must
+# not flip to "infeasible" because of that.
+MEMORY_RTOL = 1e-9
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The cost and memory of one solution; all times in seconds, memory in bytes per device."""
+
+    compute: float
+    communication: float
+    resharding: float
+    total: float
+    # Bytes at each live point, in the order of `problem.live_points`.
+    memory: tuple[float, ...]
+    peak_memory: float
+    # Index of the live point with the largest footprint; None when the problem has none.
+    peak_point: int | None
+    budget: float
+    feasible: bool
+    violations: tuple[str, ...]
+    # Per node: (compute, communication, resharding into the node). An edge's cost is charged to
+    # its destination, so the third column sums to `resharding`.
+    per_node: tuple[tuple[float, float, float], ...]
+
+
+def memory_fits(used: float, budget: float) -> bool:
+    """Whether `used` bytes fit in `budget`, allowing for float summation noise."""
+    return used <= budget + MEMORY_RTOL * abs(budget)
+
+
+def _check_solution(problem: ShardingProblem, solution: Solution) -> None:
+    """Raise ValueError when `solution` cannot be a choice for `problem`."""
+    if len(solution.choice) != len(problem.nodes):
+        raise ValueError(
+            f"solution has {len(solution.choice)} choices for {len(problem.nodes)} nodes"
+        )
+    for index, (node, pick) in enumerate(zip(problem.nodes, solution.choice, strict=True)):
+        if not isinstance(pick, Integral) or not 0 <= pick < len(node.strategies):
+            raise ValueError(
+                f"node {index} ({node.name}) has {len(node.strategies)} strategies; "
+                f"the solution picks {pick!r}"
+            )
+
+
+def live_point_bytes(problem: ShardingProblem, solution: Solution) -> tuple[float, ...]:
+    """Bytes at each live point: its fixed bytes plus the chosen strategies' memory.
+
+    A node listed twice at one point is counted once: a value is either live there or not.
+    """
+    totals = []
+    for point in problem.live_points:
+        used = point.fixed_bytes
+        for index in dict.fromkeys(point.nodes):
+            used += problem.nodes[index].strategies[solution.choice[index]].memory
+        totals.append(used)
+    return tuple(totals)
+
+
+def _tie_violations(problem: ShardingProblem, solution: Solution) -> list[str]:
+    """One message per tie group whose members do not all pick the same strategy index."""
+    groups: dict[int, list[int]] = {}
+    for index, node in enumerate(problem.nodes):
+        if node.tie is not None:
+            groups.setdefault(node.tie, []).append(index)
+    messages = []
+    for tie, members in groups.items():
+        picks = {solution.choice[index] for index in members}
+        if len(picks) > 1:
+            named = ", ".join(
+                f"{problem.nodes[i].name}={problem.nodes[i].strategies[solution.choice[i]].name!r}"
+                for i in members
+            )
+            messages.append(f"tie group {tie} must pick one strategy but picks: {named}")
+    return messages
+
+
+def _memory_violations(problem: ShardingProblem, memory: tuple[float, ...]) -> list[str]:
+    """One message per live point over the budget."""
+    messages = []
+    for index, (point, used) in enumerate(zip(problem.live_points, memory, strict=True)):
+        if not memory_fits(used, problem.memory_budget):
+            label = point.label or f"#{index}"
+            messages.append(
+                f"live point {label} needs {format_bytes(used)} "
+                f"> {format_bytes(problem.memory_budget)} budget "
+                f"(over by {format_bytes(used - problem.memory_budget)})"
+            )
+    return messages
+
+
+def evaluate(problem: ShardingProblem, solution: Solution) -> Evaluation:
+    """Cost, memory and feasibility of `solution`, by plain arithmetic.
+
+    Raises ValueError when the solution has the wrong length or picks a strategy that does not
+    exist. Infeasibility (memory over budget, broken ties) is reported, not raised, so that callers
+    can show how far off a candidate is.
+    """
+    _check_solution(problem, solution)
+    chosen = [
+        node.strategies[pick] for node, pick in zip(problem.nodes, solution.choice, strict=True)
+    ]
+    resharding_in = [0.0] * len(problem.nodes)
+    for edge in problem.edges:
+        resharding_in[edge.dst] += edge.costs[solution.choice[edge.src]][solution.choice[edge.dst]]
+    per_node = tuple(
+        (strategy.compute_cost, strategy.communication_cost, resharding_in[index])
+        for index, strategy in enumerate(chosen)
+    )
+    compute = sum(s.compute_cost for s in chosen)
+    communication = sum(s.communication_cost for s in chosen)
+    resharding = sum(resharding_in)
+    memory = live_point_bytes(problem, solution)
+    peak_point = max(range(len(memory)), key=memory.__getitem__) if memory else None
+    peak = memory[peak_point] if peak_point is not None else 0.0
+    violations = _memory_violations(problem, memory) + _tie_violations(problem, solution)
+    return Evaluation(
+        compute=compute,
+        communication=communication,
+        resharding=resharding,
+        total=compute + communication + resharding,
+        memory=memory,
+        peak_memory=peak,
+        peak_point=peak_point,
+        budget=problem.memory_budget,
+        feasible=not violations,
+        violations=tuple(violations),
+        per_node=per_node,
+    )

@@ -1,0 +1,69 @@
+"""What the compile pipeline carries from pass to pass, and the pass protocol."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from hloplan.cost_models import CommModel, DeviceModel
+from hloplan.diagnostics import DiagnosticLog
+from hloplan.graph import Graph
+from hloplan.mesh import MeshSpec
+from hloplan.solver.problem import ShardingProblem, Solution, SolveStats
+from hloplan.strategies import OpStrategy
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    mesh: MeshSpec
+    device: DeviceModel
+    memory_budget: float | None = None  # bytes per device; None: the device's memory
+    time_limit: float = 60.0
+    solver: str = "auto"
+    hosts: int | None = None
+
+    @property
+    def budget(self) -> float:
+        return float(self.memory_budget if self.memory_budget is not None else self.device.memory_bytes)
+
+
+@dataclass
+class PlanSpace:
+    """The strategies of every planned op and how they map onto the problem's nodes."""
+
+    strategies: dict[int, list[OpStrategy]] = field(default_factory=dict)  # op index -> strategies
+    node_of: dict[int, int] = field(default_factory=dict)  # op index -> problem node index
+    op_of: list[int] = field(default_factory=list)  # problem node index -> op index
+    free_values: set[int] = field(default_factory=set)  # values any sharding of which is free
+    fallbacks: dict[int, str] = field(default_factory=dict)  # op index -> why it is replicated
+
+
+@dataclass
+class CompileState:
+    program: object  # ir.Program
+    options: CompileOptions
+    log: DiagnosticLog = field(default_factory=DiagnosticLog)
+    graph: Graph | None = None
+    handles: object | None = None  # ir.Handles
+    comm: CommModel | None = None
+    space: PlanSpace | None = None
+    problem: ShardingProblem | None = None
+    solution: Solution | None = None
+    stats: SolveStats | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    facts: dict = field(default_factory=dict)  # small results passes report (counts, ...)
+
+    @property
+    def filename(self) -> str:
+        return self.program.filename
+
+    def chosen(self, op_index: int) -> OpStrategy:
+        assert self.space is not None and self.solution is not None
+        node = self.space.node_of[op_index]
+        return self.space.strategies[op_index][self.solution.choice[node]]
+
+
+class Pass(Protocol):
+    name: str
+
+    def apply(self, state: CompileState) -> None: ...

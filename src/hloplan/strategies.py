@@ -1,0 +1,151 @@
+"""Strategies of one op: every assignment of mesh axes to the op's factors that is legal.
+
+Plain data in, plain data out: an `OpRule` (see op_rules), the tensor types and a mesh give a
+list of `OpStrategy`, each with its result and operand shardings, compute and communication cost
+and per-device output bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from hloplan.cost_models import CommModel
+from hloplan.graph import TensorType
+from hloplan.mesh import MeshSpec
+from hloplan.op_rules import Dims, OpRule
+
+Spec = tuple[tuple[int, ...], ...]  # per dim: mesh axis indices, major to minor
+
+
+@dataclass(frozen=True)
+class OpStrategy:
+    results: tuple[Spec, ...]
+    operands: tuple[Spec | None, ...]
+    reduced_axes: tuple[int, ...] = ()
+    compute: float = 0.0
+    communication: float = 0.0
+    memory: float = 0.0
+    collectives: tuple[tuple[str, str, float], ...] = ()
+    name: str = ""
+
+
+def replicated(rank: int) -> Spec:
+    return tuple(() for _ in range(rank))
+
+
+def shards(spec: Spec, mesh: MeshSpec) -> int:
+    count = 1
+    for axes in spec:
+        for axis in axes:
+            count *= mesh.axis_sizes[axis]
+    return count
+
+
+def local_bytes(type_: TensorType, spec: Spec, mesh: MeshSpec) -> float:
+    total = type_.itemsize
+    for size, axes in zip(type_.shape, spec):
+        split = 1
+        for axis in axes:
+            split *= mesh.axis_sizes[axis]
+        total *= -(-size // split)
+    return float(total)
+
+
+def spec_text(spec: Spec, mesh: MeshSpec) -> str:
+    """P-like text: [data, -] / [(data, model), -]; [] for scalars."""
+    parts = []
+    for axes in spec:
+        names = [mesh.axis_names[a] for a in axes]
+        parts.append("-" if not names else names[0] if len(names) == 1 else "(" + ", ".join(names) + ")")
+    return "[" + ", ".join(parts) + "]"
+
+
+def spec_names(spec: Spec, mesh: MeshSpec) -> tuple[tuple[str, ...], ...]:
+    return tuple(tuple(mesh.axis_names[a] for a in axes) for axes in spec)
+
+
+def _derive(dims: Dims, factor_axes: list[list[int]], is_result: bool) -> Spec | None:
+    spec = []
+    for factors in dims:
+        if not factors:
+            spec.append(())
+            continue
+        if is_result and any(factor_axes[f] for f in factors[1:]):
+            return None  # a minor factor of a merged dim cannot be sharded in place
+        spec.append(tuple(factor_axes[factors[0]]))
+    return tuple(spec)
+
+
+def enumerate_strategies(rule: OpRule, operand_types: list[TensorType | None],
+                         result_types: list[TensorType], mesh: MeshSpec, comm: CommModel,
+                         multiplier: float = 1.0, flops_dtype: str = "f32") -> list[OpStrategy]:
+    """All legal strategies of an op, in a deterministic order (replicated first)."""
+    shardable = [f for f, factor in enumerate(rule.factors) if factor.kind != "replicate"]
+    choices = [None, *shardable]
+    seen: set = set()
+    out: list[OpStrategy] = []
+    for assignment in itertools.product(choices, repeat=mesh.ndim):
+        factor_axes: list[list[int]] = [[] for _ in rule.factors]
+        for axis, factor in enumerate(assignment):
+            if factor is not None:
+                factor_axes[factor].append(axis)
+        if not _divides(rule, factor_axes, mesh):
+            continue
+        results = []
+        for dims in rule.results:
+            spec = _derive(dims, factor_axes, is_result=True)
+            if spec is None:
+                break
+            results.append(spec)
+        else:
+            operands = tuple(None if dims is None else _derive(dims, factor_axes, is_result=False)
+                             for dims in rule.operands)
+            reduced = tuple(sorted(a for f, axes in enumerate(factor_axes)
+                                   if rule.factors[f].kind == "reduce" for a in axes))
+            key = (tuple(results), operands, reduced)
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append(_price(rule, tuple(results), operands, reduced, factor_axes, operand_types,
+                              result_types, mesh, comm, multiplier, flops_dtype))
+    return out
+
+
+def _divides(rule: OpRule, factor_axes: list[list[int]], mesh: MeshSpec) -> bool:
+    for factor, axes in zip(rule.factors, factor_axes):
+        split = 1
+        for axis in axes:
+            split *= mesh.axis_sizes[axis]
+        if factor.size % split:
+            return False
+    return True
+
+
+def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types, result_types,
+           mesh: MeshSpec, comm: CommModel, multiplier: float, flops_dtype: str) -> OpStrategy:
+    split = 1
+    for axes in factor_axes:
+        for axis in axes:
+            split *= mesh.axis_sizes[axis]
+    result_bytes = [local_bytes(t, s, mesh) for t, s in zip(result_types, results)]
+    moved = sum(result_bytes)
+    for t, s in zip(operand_types, operands):
+        if t is not None and s is not None:
+            moved += local_bytes(t, s, mesh)
+    compute = 0.0 if rule.free else comm.compute_time(rule.flops / split, moved, flops_dtype)
+    communication = 0.0
+    collectives = []
+    if reduced:
+        for nbytes in result_bytes:
+            communication += comm.all_reduce(nbytes, reduced)
+            sent = comm.bytes_sent("all-reduce", nbytes, reduced)
+            if sent:
+                collectives.append(("all-reduce", comm.axes_label(reduced), sent * multiplier))
+    name = ", ".join(spec_text(s, mesh) for s in results) or "()"
+    if reduced:
+        name += " + all-reduce(" + comm.axes_label(reduced) + ")"
+    if operands and any(s is not None and any(s) for s in operands) or reduced:
+        name += " <- " + " ".join(spec_text(s, mesh) for s in operands if s is not None)
+    return OpStrategy(results, operands, reduced, compute * multiplier,
+                      communication * multiplier, sum(result_bytes), tuple(collectives), name)

@@ -1,0 +1,612 @@
+"""Tests for hloplan.hlo_stats: collectives and memory measured from compiled HLO text."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+_JAX_PREIMPORTED = "jax" in sys.modules
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from hloplan.hlo_stats import (  # noqa: E402
+    CollectiveStats,
+    collective_stats,
+    memory_stats,
+    parse_replica_groups,
+    shape_bytes,
+)
+
+MESH_AXES = (("data", 2), ("model", 4))
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes and replica groups on hand-written text
+
+
+@pytest.mark.parametrize(
+    ("shape", "nbytes"),
+    [
+        ("f32[16,32]{1,0}", 16 * 32 * 4),
+        ("f32[]", 4),
+        ("pred[7]", 7),
+        ("s8[3,3]", 9),
+        ("u8[4]", 4),
+        ("s32[2]", 8),
+        ("u32[2]", 8),
+        ("s64[2]", 16),
+        ("f16[10]", 20),
+        ("bf16[8,8]{0,1}", 128),
+        ("f64[3]", 24),
+        ("f8e4m3fn[32]", 32),
+        ("f8e5m2[2,2]", 4),
+        ("c64[2]", 16),
+        ("s4[3]", 2),
+        ("token[]", 0),
+        ("f32[<=16,4]", 256),
+        ("f32[8,128]{1,0:T(8,128)}", 4096),
+        ("(s32[], f32[16,64]{1,0}, /*index=2*/bf16[4])", 4 + 4096 + 8),
+        ("((f32[2], f32[2]), f32[4])", 32),
+    ],
+)
+def test_shape_bytes(shape: str, nbytes: int) -> None:
+    assert shape_bytes(shape) == nbytes
+
+
+def test_shape_bytes_rejects_unknown_type() -> None:
+    with pytest.raises(ValueError):
+        shape_bytes("q99[4]")
+
+
+def _groups(text: str, **kw: int) -> list[list[int]]:
+    arr = parse_replica_groups(text, **kw)
+    assert arr is not None
+    return arr.tolist()
+
+
+def test_replica_groups_explicit_and_empty() -> None:
+    assert _groups("{{0,1},{2,3}}") == [[0, 1], [2, 3]]
+    assert _groups("{{0,4},{1,5},{2,6},{3,7}}") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert _groups("{}", num_devices=4) == [[0, 1, 2, 3]]
+    assert parse_replica_groups("{}") is None
+    assert _groups("{{0, 1, 2}}") == [[0, 1, 2]]
+
+
+def test_replica_groups_iota() -> None:
+    assert _groups("[2,4]<=[8]") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert _groups("[4,2]<=[2,4]T(1,0)") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert _groups("[1,8]<=[8]") == [list(range(8))]
+    # [2,2,2] transposed (0,2,1): groups of devices differing in the middle bit.
+    assert _groups("[4,2]<=[2,2,2]T(0,2,1)") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+def test_replica_groups_mesh_form() -> None:
+    # What XLA 0.10 prints for a reduction over "model" of a (data=2, model=4) mesh.
+    text = "mesh['axis_0'=1,'axis_1'=4,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_1'}"
+    assert _groups(text) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert _groups("mesh['axis_0'=1,'axis_1'=2,'axis_2'=4] {'axis_1'}") == [
+        [0, 4],
+        [1, 5],
+        [2, 6],
+        [3, 7],
+    ]
+    assert _groups("mesh['a'=2,'b'=4] {'a','b'}") == [list(range(8))]
+    assert _groups("mesh['a'=2,'b'=4] {'b','a'}") == [[0, 4, 1, 5, 2, 6, 3, 7]]
+    # Unquoted names and an explicit device-id list.
+    assert _groups("mesh[x=2,y=2], device_ids=(3,2,1,0) {y}") == [[3, 2], [1, 0]]
+    # Sub-axis x:(2)2 of an 8-device axis: devices 2 apart.
+    assert _groups("mesh['x'=8] {'x':(2)2}") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    # Pre-size counts the more major part (Shardy convention): x:(1)2 is the major half.
+    assert _groups("mesh['x'=8] {'x':(1)2}") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert _groups("mesh['x'=8] {'x':(1)2,'x':(4)2}") == [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
+def test_replica_groups_garbage() -> None:
+    with pytest.raises(ValueError):
+        parse_replica_groups("bogus")
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole modules, hand-written
+
+
+_SNIPPET_SYNC = """\
+HloModule m, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %a = f32[] add(%x, %y)
+}
+
+ENTRY %main (p0: f32[16,32], p1: bf16[8]) -> f32[16,32] {
+  %p0 = f32[16,32]{1,0} parameter(0), sharding={replicated}
+  %p1 = bf16[8]{0} parameter(1)
+  %ar = (f32[16,32]{1,0}, bf16[8]{0}) all-reduce(%p0, %p1), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  %g0 = f32[16,32]{1,0} get-tuple-element(%ar), index=0
+  %ag = f32[16,64]{1,0} all-gather(%g0), channel_id=2, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={1}, use_global_device_ids=true
+  %rs = f32[16,8]{1,0} reduce-scatter(%g0), channel_id=3, replica_groups={}, dimensions={1}, to_apply=%add
+  %a2a = f32[16,32]{1,0} all-to-all(%g0), channel_id=4, replica_groups=[2,4]<=[8], dimensions={1}
+  %cp = f32[16,32]{1,0} collective-permute(%a2a), channel_id=5, source_target_pairs={{0,4},{4,0},{1,5},{5,1}}
+  ROOT %cb = f32[16,32]{1,0} collective-broadcast(%cp), channel_id=6, replica_groups={{0,1}}
+}
+"""
+
+
+def test_sync_collectives_bytes_groups_axes() -> None:
+    stats = collective_stats(_SNIPPET_SYNC, mesh_axes=MESH_AXES)
+    ops = {op.name: op for op in stats.ops}
+    assert [op.kind for op in stats.ops] == [
+        "all-reduce",
+        "all-gather",
+        "reduce-scatter",
+        "all-to-all",
+        "collective-permute",
+        "collective-broadcast",
+    ]
+    ar = ops["ar"]  # tuple all-reduce: operand sizes add up
+    assert ar.operand_bytes == ar.result_bytes == 2048 + 16
+    assert ar.group_size == 4 and ar.num_groups == 2 and ar.axes == ("model",)
+    assert ar.bytes_sent == pytest.approx(2 * 3 / 4 * 2064)
+    ag = ops["ag"]
+    assert ag.group_size == 2 and ag.axes == ("data",)
+    assert ag.result_bytes == 4096 and ag.bytes_sent == pytest.approx(4096 / 2)
+    rs = ops["rs"]  # {} = all devices, taken from num_partitions
+    assert rs.group_size == 8 and rs.axes == ("data", "model")
+    assert rs.bytes_sent == pytest.approx(7 / 8 * 2048)
+    a2a = ops["a2a"]
+    assert a2a.group_size == 4 and a2a.axes == ("model",)
+    assert a2a.bytes_sent == pytest.approx(3 / 4 * 2048)
+    cp = ops["cp"]
+    assert cp.bytes_sent == 2048 and cp.axes == ("data",)
+    assert cp.replica_groups == ((0, 4), (4, 0), (1, 5), (5, 1))
+    cb = ops["cb"]
+    assert cb.group_size == 2 and cb.bytes_sent == 2048
+    assert cb.axes == ()  # a single group {0,1} does not cover the mesh
+    assert all(op.trip_count == 1 and op.trip_count_known for op in stats.ops)
+    assert stats.total_bytes == pytest.approx(sum(op.bytes_sent for op in stats.ops))
+    assert stats.by_kind()["all-reduce"] == (1, pytest.approx(ar.bytes_sent))
+
+
+def test_without_mesh_axes_are_empty_and_num_devices_override() -> None:
+    stats = collective_stats(_SNIPPET_SYNC, num_devices=4)
+    assert all(op.axes == () for op in stats.ops)
+    rs = next(op for op in stats.ops if op.kind == "reduce-scatter")
+    assert rs.group_size == 4
+
+
+_SNIPPET_ASYNC = """\
+HloModule m, num_partitions=4
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %a = f32[] add(%x, %y)
+}
+
+%rs_body (p: f32[64]) -> f32[16] {
+  %p = f32[64]{0} parameter(0)
+  ROOT %rs = f32[16]{0} reduce-scatter(%p), channel_id=9, replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (p0: f32[64]) -> f32[64] {
+  %p0 = f32[64]{0} parameter(0)
+  %ars = f32[64]{0} all-reduce-start(%p0), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%add
+  %ard = f32[64]{0} all-reduce-done(%ars)
+  %ags = (f32[64]{0}, f32[256]{0}) all-gather-start(%ard), channel_id=2, replica_groups={{0,1,2,3}}, dimensions={0}
+  %agd = f32[256]{0} all-gather-done(%ags)
+  %cps = (f32[64]{0}, f32[64]{0}, u32[], u32[]) collective-permute-start(%ard), channel_id=3, source_target_pairs={{0,1},{1,0}}
+  %cpd = f32[64]{0} collective-permute-done(%cps)
+  %rss = ((f32[64]{0}), f32[16]{0}) async-start(%cpd), calls=%rs_body
+  %rsd = f32[16]{0} async-done(%rss), calls=%rs_body
+  ROOT %out = f32[64]{0} add(%cpd, %ard)
+}
+"""
+
+
+def test_async_pairs_count_once() -> None:
+    stats = collective_stats(_SNIPPET_ASYNC)
+    kinds = [op.kind for op in stats.ops]
+    assert sorted(kinds) == sorted(
+        ["all-reduce", "all-gather", "collective-permute", "reduce-scatter"]
+    )
+    ops = {op.kind: op for op in stats.ops}
+    assert ops["all-reduce"].is_async and ops["all-reduce"].bytes_sent == pytest.approx(384)
+    assert ops["all-gather"].result_bytes == 1024
+    assert ops["all-gather"].bytes_sent == pytest.approx(768)
+    assert ops["collective-permute"].result_bytes == 256
+    assert ops["collective-permute"].bytes_sent == 256
+    assert ops["reduce-scatter"].operand_bytes == 256
+    assert ops["reduce-scatter"].bytes_sent == pytest.approx(192)
+
+
+def _loop_module(cond_body: str, backend_config: str = "", init: str = "s32[] constant(0)") -> str:
+    return f"""\
+HloModule loop, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {{
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %a = f32[] add(%x, %y)
+}}
+
+%body (bp: (s32[], f32[16])) -> (s32[], f32[16]) {{
+  %bp = (s32[], f32[16]{{0}}) parameter(0)
+  %i = s32[] get-tuple-element(%bp), index=0
+  %v = f32[16]{{0}} get-tuple-element(%bp), index=1
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %r = f32[16]{{0}} all-reduce(%v), channel_id=1, replica_groups=[4,2]<=[8], to_apply=%add
+  ROOT %t = (s32[], f32[16]{{0}}) tuple(%next, %r)
+}}
+
+%cond (cp: (s32[], f32[16])) -> pred[] {{
+{cond_body}
+}}
+
+ENTRY %main (p: f32[16]) -> f32[16] {{
+  %p = f32[16]{{0}} parameter(0)
+  %c0 = {init}
+  %init = (s32[], f32[16]{{0}}) tuple(%c0, %p)
+  %w = (s32[], f32[16]{{0}}) while(%init), condition=%cond, body=%body{backend_config}
+  ROOT %o = f32[16]{{0}} get-tuple-element(%w), index=1
+}}
+"""
+
+
+_COND_LT = """\
+  %cp = (s32[], f32[16]{0}) parameter(0)
+  %ci = s32[] get-tuple-element(%cp), index=0
+  %lim = s32[] constant(7)
+  ROOT %lt = pred[] compare(%ci, %lim), direction=LT"""
+
+
+def test_loop_trip_count_from_backend_config() -> None:
+    text = _loop_module(_COND_LT, ', backend_config={"known_trip_count":{"n":"4"}}')
+    (op,) = collective_stats(text, mesh_axes=MESH_AXES).ops
+    assert op.trip_count == 4 and op.trip_count_known
+    # [4,2]<=[8] pairs {0,1},{2,3},...: half of "model", not a whole mesh axis.
+    assert op.group_size == 2 and op.axes == ()
+
+
+def test_loop_trip_count_from_condition() -> None:
+    stats = collective_stats(_loop_module(_COND_LT))
+    (op,) = stats.ops
+    assert op.trip_count == 7 and op.trip_count_known
+    per_iter = 2 * (1 / 2) * 64
+    assert op.bytes_sent == pytest.approx(per_iter)
+    assert stats.by_kind() == {"all-reduce": (7, pytest.approx(7 * per_iter))}
+    # init 2, `i <= 7` -> 6 iterations; constant on the left flips the direction.
+    le = _COND_LT.replace("direction=LT", "direction=LE")
+    assert collective_stats(_loop_module(le, init="s32[] constant(2)")).ops[0].trip_count == 6
+    gt = _COND_LT.replace("compare(%ci, %lim), direction=LT", "compare(%lim, %ci), direction=GT")
+    assert collective_stats(_loop_module(gt)).ops[0].trip_count == 7
+
+
+def test_loop_trip_count_through_fused_compare() -> None:
+    # XLA CPU wraps the compare in a fusion, as in real compiled text.
+    text = _loop_module(
+        """\
+  %cp = (s32[], f32[16]{0}) parameter(0)
+  %lim = s32[] constant(5)
+  %ci = s32[] get-tuple-element(%cp), index=0
+  ROOT %wc = pred[] fusion(%ci, %lim), kind=kLoop, calls=%cmp"""
+    )
+    text = text.replace(
+        "%cond (",
+        """%cmp (a: s32[], b: s32[]) -> pred[] {
+  %a = s32[] parameter(0)
+  %b = s32[] parameter(1)
+  ROOT %c = pred[] compare(%a, %b), direction=LT
+}
+
+%cond (""",
+    )
+    (op,) = collective_stats(text).ops
+    assert op.trip_count == 5 and op.trip_count_known
+
+
+def test_loop_trip_count_unknown() -> None:
+    cond = """\
+  %cp = (s32[], f32[16]{0}) parameter(0)
+  %ci = s32[] get-tuple-element(%cp), index=0
+  %v = f32[16]{0} get-tuple-element(%cp), index=1
+  %s = s32[] bitcast-convert(%ci)
+  ROOT %lt = pred[] compare(%ci, %s), direction=LT"""
+    stats = collective_stats(_loop_module(cond))
+    (op,) = stats.ops
+    assert op.trip_count == 1 and not op.trip_count_known
+    assert not stats.all_trip_counts_known
+
+
+_SNIPPET_NESTED = """\
+HloModule nested, num_partitions=4
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %a = f32[] add(%x, %y)
+}
+
+%inner_body (ib: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ib = (s32[], f32[8]{0}) parameter(0)
+  %v = f32[8]{0} get-tuple-element(%ib), index=1
+  %i = s32[] get-tuple-element(%ib), index=0
+  %r = f32[8]{0} all-reduce(%v), replica_groups={}, to_apply=%add
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %r)
+}
+
+%inner_cond (ic: (s32[], f32[8])) -> pred[] {
+  %ic = (s32[], f32[8]{0}) parameter(0)
+  ROOT %k = pred[] constant(true)
+}
+
+%outer_body (ob: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ob = (s32[], f32[8]{0}) parameter(0)
+  %w = (s32[], f32[8]{0}) while(%ob), condition=%inner_cond, body=%inner_body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %c = (s32[], f32[8]{0}) call(%w), to_apply=%called
+}
+
+%called (cc: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %cc = (s32[], f32[8]{0}) parameter(0)
+  %v2 = f32[8]{0} get-tuple-element(%cc), index=1
+  %i2 = s32[] get-tuple-element(%cc), index=0
+  %g = f32[32]{0} all-gather(%v2), replica_groups={{0,1,2,3}}, dimensions={0}
+  %s = f32[8]{0} slice(%g), slice={[0:8]}
+  ROOT %t2 = (s32[], f32[8]{0}) tuple(%i2, %s)
+}
+
+%outer_cond (oc: (s32[], f32[8])) -> pred[] {
+  %oc = (s32[], f32[8]{0}) parameter(0)
+  ROOT %k2 = pred[] constant(true)
+}
+
+%branch_a (ba: f32[8]) -> f32[8] {
+  %ba = f32[8]{0} parameter(0)
+  ROOT %cpa = f32[8]{0} collective-permute(%ba), source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+}
+
+%branch_b (bb: f32[8]) -> f32[8] {
+  %bb = f32[8]{0} parameter(0)
+  ROOT %nb = f32[8]{0} negate(%bb)
+}
+
+%unreachable (u: f32[8]) -> f32[8] {
+  %u = f32[8]{0} parameter(0)
+  ROOT %ur = f32[8]{0} all-reduce(%u), replica_groups={}, to_apply=%add
+}
+
+ENTRY %main (p: f32[8], q: s32[]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %q = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %init = (s32[], f32[8]{0}) tuple(%z, %p)
+  %w = (s32[], f32[8]{0}) while(%init), condition=%outer_cond, body=%outer_body, backend_config={"known_trip_count":{"n":"2"}}
+  %v = f32[8]{0} get-tuple-element(%w), index=1
+  ROOT %cond = f32[8]{0} conditional(%q, %v, %v), branch_computations={%branch_a, %branch_b}
+}
+"""
+
+
+def test_nested_loops_calls_and_conditionals() -> None:
+    stats = collective_stats(_SNIPPET_NESTED)
+    ops = {op.name: op for op in stats.ops}
+    assert set(ops) == {"r", "g", "cpa"}  # %unreachable is not called
+    assert ops["r"].trip_count == 6 and ops["r"].group_size == 4
+    assert ops["g"].trip_count == 2
+    assert ops["cpa"].trip_count == 1 and ops["cpa"].bytes_sent == 32
+    counts = {k: c for k, (c, _) in stats.by_kind().items()}
+    assert counts == {"all-reduce": 6, "all-gather": 2, "collective-permute": 1}
+    assert stats.count == 9
+    assert stats.total_bytes == pytest.approx(6 * 2 * 3 / 4 * 32 + 2 * 3 / 4 * 128 + 32)
+
+
+def test_inline_operand_shapes_and_no_entry() -> None:
+    # Older dumps print operand shapes inline and may lack the ENTRY marker.
+    text = """\
+main {
+  p = f32[8,4]{1,0} parameter(0)
+  ROOT ar = f32[8,4]{1,0} all-reduce(f32[8,4]{1,0} p), replica_groups={{0,1}}, to_apply=add
+}
+"""
+    (op,) = collective_stats(text).ops
+    assert op.operand_bytes == 128 and op.group_size == 2
+    assert op.bytes_sent == pytest.approx(128)
+
+
+def test_empty_module() -> None:
+    stats = collective_stats(
+        "HloModule empty\n\nENTRY %m () -> f32[] {\n  ROOT %c = f32[] constant(1)\n}\n"
+    )
+    assert stats.ops == () and stats.total_bytes == 0 and stats.by_kind() == {}
+    assert isinstance(stats, CollectiveStats)
+
+
+# ---------------------------------------------------------------------------------------------
+# memory_stats
+
+
+def test_memory_stats_robust() -> None:
+    full = SimpleNamespace(
+        argument_size_in_bytes=100,
+        output_size_in_bytes=50,
+        temp_size_in_bytes=30,
+        alias_size_in_bytes=20,
+        generated_code_size_in_bytes=7,
+    )
+    out = memory_stats(SimpleNamespace(memory_analysis=lambda: full))
+    assert out["peak_bytes"] == 160 and out["generated_code_bytes"] == 7
+    assert out["xla_peak_bytes"] is None
+    partial = memory_stats({"argument_size_in_bytes": 10})
+    assert partial["argument_bytes"] == 10 and partial["peak_bytes"] is None
+
+    def boom() -> None:
+        raise NotImplementedError
+
+    none = memory_stats(SimpleNamespace(memory_analysis=boom))
+    assert set(none.values()) == {None}
+    assert memory_stats(SimpleNamespace(memory_analysis=lambda: None))["peak_bytes"] is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Real compiled programs (CPU, 8 forced host devices)
+
+
+@pytest.fixture(scope="module")
+def mesh() -> jax.sharding.Mesh:
+    if jax.device_count() < 8:
+        why = "jax was imported before XLA_FLAGS was set" if _JAX_PREIMPORTED else "no 8 devices"
+        pytest.skip(f"needs 8 devices ({why}); got {jax.device_count()}")
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def _put(mesh: jax.sharding.Mesh, shape: tuple[int, ...], *spec: object) -> jax.Array:
+    return jax.device_put(jnp.ones(shape, jnp.float32), NamedSharding(mesh, P(*spec)))
+
+
+def _stats(compiled: object) -> CollectiveStats:
+    return collective_stats(compiled.as_text(), mesh_axes=MESH_AXES)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("axes", "n"), [("model", 4), ("data", 2), (("data", "model"), 8)])
+def test_real_matmul_contracting_dim_sharded(mesh, axes, n) -> None:
+    x = _put(mesh, (16, 32), None, axes)
+    w = _put(mesh, (32, 64), axes, None)
+    compiled = (
+        jax.jit(lambda a, b: a @ b, out_shardings=NamedSharding(mesh, P())).lower(x, w).compile()
+    )
+    stats = _stats(compiled)
+    (op,) = stats.ops
+    out_bytes = 16 * 64 * 4
+    assert op.kind == "all-reduce" and op.group_size == n and op.num_groups == 8 // n
+    assert op.axes == ((axes,) if isinstance(axes, str) else axes)
+    assert op.operand_bytes == op.result_bytes == out_bytes
+    assert op.bytes_sent == pytest.approx(2 * (n - 1) / n * out_bytes)
+    assert op.trip_count == 1
+    mem = memory_stats(compiled)
+    assert mem["argument_bytes"] == (16 * 32 + 32 * 64) * 4 // n
+    assert mem["output_bytes"] == out_bytes
+    assert mem["peak_bytes"] == (
+        mem["argument_bytes"] + mem["output_bytes"] + mem["temp_bytes"] - mem["alias_bytes"]
+    )
+
+
+def test_real_all_gather_from_resharding(mesh) -> None:
+    x = _put(mesh, (16, 32), None, "model")
+    compiled = jax.jit(lambda a: a * 2, out_shardings=NamedSharding(mesh, P())).lower(x).compile()
+    (op,) = _stats(compiled).ops
+    assert op.kind == "all-gather" and op.group_size == 4 and op.axes == ("model",)
+    assert op.result_bytes == 16 * 32 * 4 and op.operand_bytes == 16 * 8 * 4
+    assert op.bytes_sent == pytest.approx(3 / 4 * 16 * 32 * 4)
+
+
+def test_real_all_to_all(mesh) -> None:
+    x = _put(mesh, (16, 32), None, "model")
+    compiled = (
+        jax.jit(lambda a: a * 2, out_shardings=NamedSharding(mesh, P("model", None)))
+        .lower(x)
+        .compile()
+    )
+    (op,) = _stats(compiled).ops
+    assert op.kind == "all-to-all" and op.group_size == 4 and op.axes == ("model",)
+    assert op.operand_bytes == 16 * 8 * 4  # XLA CPU splits it into a 4-operand tuple
+    assert op.bytes_sent == pytest.approx(3 / 4 * 16 * 8 * 4)
+
+
+def test_real_loop_multiplies_by_trip_count(mesh) -> None:
+    x = _put(mesh, (16, 32), None, "model")
+    w = _put(mesh, (32, 32), "model", None)
+    col = NamedSharding(mesh, P(None, "model"))
+
+    def f(a, b):
+        def body(_, acc):
+            acc = jax.lax.with_sharding_constraint(acc, col)
+            return jax.lax.with_sharding_constraint(jnp.tanh(acc @ b), col)
+
+        return jax.lax.fori_loop(0, 6, body, a)
+
+    text = jax.jit(f, out_shardings=col).lower(x, w).compile().as_text()
+    stats = collective_stats(text, mesh_axes=MESH_AXES)
+    (op,) = stats.ops
+    per_iter = 2 * 3 / 4 * 16 * 32 * 4
+    assert op.kind == "all-reduce" and op.axes == ("model",) and op.group_size == 4
+    assert op.trip_count == 6 and op.trip_count_known
+    assert op.bytes_sent == pytest.approx(per_iter)
+    assert stats.by_kind() == {"all-reduce": (6, pytest.approx(6 * per_iter))}
+    assert stats.total_bytes == pytest.approx(6 * per_iter)
+    # Without known_trip_count the loop condition (i < 6, init 0) gives the same count.
+    assert "known_trip_count" in text
+    stripped = re.sub(r',"known_trip_count":\{"n":"\d+"\}', "", text)
+    assert "known_trip_count" not in stripped
+    (op2,) = collective_stats(stripped, mesh_axes=MESH_AXES).ops
+    assert op2.trip_count == 6 and op2.trip_count_known
+
+
+def test_real_scan_multiplies_by_length(mesh) -> None:
+    x = _put(mesh, (16, 32), None, "model")
+    w = _put(mesh, (32, 32), "model", None)
+    col = NamedSharding(mesh, P(None, "model"))
+
+    def f(a, b):
+        def body(c, _):
+            c = jax.lax.with_sharding_constraint(c, col)
+            return jax.lax.with_sharding_constraint(jnp.sin(c @ b), col), None
+
+        return jax.lax.scan(body, a, None, length=3)[0]
+
+    stats = _stats(jax.jit(f, out_shardings=col).lower(x, w).compile())
+    (op,) = stats.ops
+    assert op.kind == "all-reduce" and op.trip_count == 3
+    assert stats.by_kind()["all-reduce"] == (3, pytest.approx(3 * 2 * 3 / 4 * 2048))
+
+
+def test_real_shard_map_collectives(mesh) -> None:
+    from jax import shard_map
+
+    spec = P(None, "model")
+    x = _put(mesh, (16, 32), None, "model")
+
+    def body(a):
+        a = jax.lax.psum(a, "data")
+        a = jax.lax.ppermute(a, "model", [(i, (i + 1) % 4) for i in range(4)])
+        return jax.lax.psum_scatter(a, "model", scatter_dimension=1, tiled=True)
+
+    fn = shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
+    stats = _stats(jax.jit(fn).lower(x).compile())
+    ops = {op.kind: op for op in stats.ops}
+    assert set(ops) == {"all-reduce", "collective-permute", "reduce-scatter"}
+    local = 16 * 8 * 4
+    assert ops["all-reduce"].axes == ("data",) and ops["all-reduce"].group_size == 2
+    assert ops["all-reduce"].bytes_sent == pytest.approx(local)
+    assert ops["collective-permute"].axes == ("model",)
+    assert ops["collective-permute"].bytes_sent == local
+    rs = ops["reduce-scatter"]
+    assert rs.axes == ("model",) and rs.group_size == 4
+    assert rs.operand_bytes == local and rs.result_bytes == local // 4
+    assert rs.bytes_sent == pytest.approx(3 / 4 * local)
+
+
+def test_real_device_ids_are_mesh_positions(mesh) -> None:
+    # A mesh over a permuted device list compiles to the same partition-id replica groups.
+    devs = np.array(jax.devices())[[0, 2, 4, 6, 1, 3, 5, 7]].reshape(2, 4)
+    pmesh = jax.sharding.Mesh(devs, ("data", "model"))
+    x = _put(pmesh, (16, 32), None, "model")
+    w = _put(pmesh, (32, 64), "model", None)
+    compiled = (
+        jax.jit(lambda a, b: a @ b, out_shardings=NamedSharding(pmesh, P())).lower(x, w).compile()
+    )
+    (op,) = _stats(compiled).ops
+    assert op.axes == ("model",)
+    assert op.replica_groups == ((0, 1, 2, 3), (4, 5, 6, 7))

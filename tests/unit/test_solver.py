@@ -1,0 +1,435 @@
+"""Solver, evaluator and explainer on hand-sized problems whose optimum is worked out here.
+
+Costs are in milliseconds (MS) and memory in GiB so that the solver's internal scaling is
+exercised with realistic magnitudes; each test writes out the arithmetic that decides the answer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pulp
+import pytest
+
+from hloplan.solver.evaluate import evaluate
+from hloplan.solver.explain import compare, format_bytes, format_seconds, next_best
+from hloplan.solver.ilp import InfeasibleError, SolverError, available_solvers, solve
+from hloplan.solver.problem import Edge, LivePoint, Node, ShardingProblem, Solution, Strategy
+
+MS = 1e-3
+GIB = float(2**30)
+BACKENDS = available_solvers()
+
+
+def node(name: str, *strategies: tuple, tie: int | None = None) -> Node:
+    """A node from (name, compute_ms, comm_ms, memory_gib[, collectives]) tuples."""
+    built = []
+    for spec in strategies:
+        label, compute, comm, memory, *rest = spec
+        built.append(
+            Strategy(label, compute * MS, comm * MS, memory * GIB, tuple(rest[0]) if rest else ())
+        )
+    return Node(name, tuple(built), tie=tie)
+
+
+def mismatch(cost_ms: float, k: int = 2) -> tuple[tuple[float, ...], ...]:
+    """A k x k resharding matrix: free when both ends pick the same index, `cost_ms` otherwise."""
+    return tuple(tuple(0.0 if i == j else cost_ms * MS for j in range(k)) for i in range(k))
+
+
+def brute_force(problem: ShardingProblem) -> tuple[float, tuple[int, ...]]:
+    """The optimum by enumeration: the reference for the solver on small problems."""
+    sizes = [range(len(n.strategies)) for n in problem.nodes]
+    best = (math.inf, ())
+    for choice in itertools.product(*sizes):
+        evaluation = evaluate(problem, Solution(choice))
+        if evaluation.feasible and evaluation.total < best[0]:
+            best = (evaluation.total, choice)
+    return best
+
+
+def random_problem(
+    seed: int, n: int, k: int, m: int, *, ties: bool = False, tight: float = 0.5
+) -> ShardingProblem:
+    """A reproducible random problem with dense edges, live points and a budget between the
+    smallest and largest possible peaks (`tight` = 0 is the smallest)."""
+    rng = random.Random(seed)
+    nodes = []
+    for i in range(n):
+        tie = i % 3 if ties and i < 6 else None
+        strategies = tuple(
+            (f"s{j}", rng.uniform(0, 1), rng.uniform(0, 1), rng.choice([0.25, 0.5, 1, 2]))
+            for j in range(k)
+        )
+        nodes.append(node(f"n{i}", *strategies, tie=tie))
+    edges = []
+    for _ in range(m):
+        a, b = rng.sample(range(n), 2)
+        costs = tuple(
+            tuple(0.0 if i == j else rng.uniform(0, 2) * MS for j in range(k)) for i in range(k)
+        )
+        edges.append(Edge(a, b, costs))
+    points = tuple(
+        LivePoint(tuple(rng.sample(range(n), min(n, 6))), 0.5 * GIB, f"p{p}")
+        for p in range(max(1, n // 4))
+    )
+
+    def extreme(pick) -> float:
+        return max(
+            lp.fixed_bytes + sum(pick(s.memory for s in nodes[i].strategies) for i in lp.nodes)
+            for lp in points
+        )
+
+    budget = extreme(min) + tight * (extreme(max) - extreme(min))
+    return ShardingProblem(tuple(nodes), tuple(edges), points, budget, f"random{seed}")
+
+
+# --------------------------------------------------------------------------- choices
+
+
+def test_edge_costs_change_the_choice():
+    # a: R=3, S=2; b: R=1, S=5 (ms). Alone: a=S, b=R, 2 + 1 = 3 ms.
+    a = node("a", ("R", 3, 0, 1), ("S", 2, 0, 1))
+    b = node("b", ("R", 1, 0, 1), ("S", 5, 0, 1))
+    alone = ShardingProblem((a, b))
+    solution, stats = solve(alone)
+    assert solution.choice == (1, 0)
+    assert stats.objective == pytest.approx(3 * MS)
+    # A 10 ms reshard on mismatch: (R,R) = 3+1 = 4 beats (S,S) = 2+5 = 7 and (S,R) = 2+1+10 = 13.
+    coupled = ShardingProblem((a, b), (Edge(0, 1, mismatch(10)),))
+    solution, stats = solve(coupled)
+    assert solution.choice == (0, 0)
+    assert stats.status == "optimal"
+    assert stats.objective == pytest.approx(4 * MS)
+    assert stats.gap == pytest.approx(0, abs=1e-6)
+
+
+def test_memory_budget_forces_costlier_strategy():
+    # R: 1 ms, 8 GiB; S: 2 ms (+0.5 ms comm), 4 GiB. Fixed 1 GiB at the live point.
+    # Budget 6 GiB: R needs 1+8 = 9 > 6, S needs 1+4 = 5 <= 6, so S at 2.5 ms.
+    a = node("a", ("R", 1, 0, 8), ("S", 2, 0.5, 4))
+    problem = ShardingProblem(
+        (a, node("b", ("R", 1, 0, 1), ("S", 1, 0, 1))),
+        (Edge(0, 1, mismatch(0.1)),),
+        (LivePoint((0,), 1 * GIB, "after a"),),
+        6 * GIB,
+    )
+    solution, stats = solve(problem)
+    assert solution.choice[0] == 1
+    # b follows a to avoid the 0.1 ms reshard: 2.5 + 1 = 3.5 ms.
+    assert solution.choice[1] == 1
+    assert stats.objective == pytest.approx(3.5 * MS)
+    evaluation = evaluate(problem, solution)
+    assert evaluation.peak_memory == 5 * GIB
+    assert evaluation.feasible
+
+
+def test_infeasible_budget_reports_shortfall():
+    # The smallest peak is fixed 1 GiB + S's 4 GiB = 5 GiB; a 4 GiB budget is short by 1 GiB.
+    a = node("a", ("R", 1, 0, 8), ("S", 2, 0, 4))
+    b = node("b", ("R", 1, 0, 1), ("S", 1, 0, 1))
+    problem = ShardingProblem(
+        (a, b), (Edge(0, 1, mismatch(1)),), (LivePoint((0,), 1 * GIB, "after a"),), 4 * GIB
+    )
+    with pytest.raises(InfeasibleError) as info:
+        solve(problem)
+    details = info.value.details
+    assert details.proven
+    assert details.min_peak == 5 * GIB
+    assert details.shortfall == 1 * GIB
+    assert details.live_point_label == "after a"
+    assert details.fixed_bytes == 1 * GIB
+    assert details.dominant[0] == (0, "a", 4 * GIB)
+    assert "1.00 GiB over budget" in str(info.value)
+
+
+def test_fixed_bytes_alone_over_budget():
+    # 10 GiB fixed already exceeds 6 GiB; with a's smallest 4 GiB the peak is at least 14 GiB.
+    a = node("a", ("R", 1, 0, 8), ("S", 2, 0, 4))
+    problem = ShardingProblem((a,), (), (LivePoint((0,), 10 * GIB),), 6 * GIB)
+    with pytest.raises(InfeasibleError) as info:
+        solve(problem)
+    assert info.value.details.min_peak == 14 * GIB
+    assert info.value.details.shortfall == 8 * GIB
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_infeasible_only_jointly_is_caught_by_the_solver(backend):
+    # a and b are tied. Index 0: a 1 GiB, b 5 GiB; index 1: a 5 GiB, b 1 GiB. Each live point
+    # alone fits 3 GiB, but any common index puts 5 GiB at one of them: min peak 5 GiB.
+    a = node("a", ("X", 1, 0, 1), ("Y", 1, 0, 5), tie=0)
+    b = node("b", ("X", 1, 0, 5), ("Y", 1, 0, 1), tie=0)
+    problem = ShardingProblem(
+        (a, b), (), (LivePoint((0,), 0, "pa"), LivePoint((1,), 0, "pb")), 3 * GIB
+    )
+    with pytest.raises(InfeasibleError) as info:
+        solve(problem, solver=backend)
+    assert info.value.details.min_peak == 5 * GIB
+    assert info.value.details.shortfall == 2 * GIB
+
+
+def test_ties_force_equal_choices():
+    # Tied a, b share one index. a: R=5, S=1; b: R=1, S=2.
+    # Untied the optimum is (S, R) = 1 + 1 = 2 ms; tied: R = 5+1 = 6, S = 1+2 = 3, so (S, S).
+    a = node("a", ("R", 5, 0, 0), ("S", 1, 0, 0), tie=7)
+    b = node("b", ("R", 1, 0, 0), ("S", 2, 0, 0), tie=7)
+    c = node("c", ("R", 1, 0, 0), ("S", 0, 0, 0))
+    # An edge inside the tie group costs its diagonal: 0.5 ms on S.
+    inner = Edge(0, 1, ((0.0, 9 * MS), (9 * MS, 0.5 * MS)))
+    problem = ShardingProblem((a, b, c), (inner, Edge(1, 2, mismatch(3))))
+    solution, stats = solve(problem)
+    # c follows b (S, saving 1 ms and avoiding the 3 ms reshard): 1 + 2 + 0.5 + 0 = 3.5 ms.
+    assert solution.choice == (1, 1, 1)
+    assert stats.objective == pytest.approx(3.5 * MS)
+    broken = evaluate(problem, Solution((1, 0, 1)))
+    assert not broken.feasible
+    assert any("tie group 7" in v for v in broken.violations)
+
+
+def test_single_strategy_nodes_are_constants():
+    # c and b have one strategy each. Edges touching them become linear terms on a:
+    #   c -> a costs 4 ms if a picks S; a -> b costs 0.25 ms if a picks R; c -> b is 1 ms always.
+    # So a: R = 3 + 0.25 = 3.25 vs S = 2 + 4 = 6 -> R, and d follows a (10 ms on mismatch).
+    # Total: c 0.5 + a 3.25 + c->b 1 + d 1 = 5.75 ms.
+    c = node("c", ("only", 0.5, 0, 2))
+    a = node("a", ("R", 3, 0, 1), ("S", 2, 0, 1))
+    b = node("b", ("only", 0, 0, 0))
+    d = node("d", ("R", 1, 0, 0), ("S", 1, 0, 0))
+    edges = (
+        Edge(0, 1, ((0.0, 4 * MS),)),
+        Edge(1, 2, ((0.25 * MS,), (0.0,))),
+        Edge(0, 2, ((1 * MS,),)),
+        Edge(1, 3, mismatch(10)),
+    )
+    problem = ShardingProblem((c, a, b, d), edges, (LivePoint((0, 1), 0),), 8 * GIB)
+    solution, stats = solve(problem)
+    assert solution.choice == (0, 0, 0, 0)
+    assert stats.objective == pytest.approx(5.75 * MS)
+    # c's 2 GiB counts at the live point with a's 1 GiB.
+    assert evaluate(problem, solution).peak_memory == 3 * GIB
+
+
+def test_no_decision_returns_immediately():
+    problem = ShardingProblem(
+        (node("c", ("only", 1, 2, 1)), node("d", ("only", 0, 0, 1))), (Edge(0, 1, ((3 * MS,),)),)
+    )
+    solution, stats = solve(problem)
+    assert solution.choice == (0, 0)
+    assert stats.variables == 0
+    assert stats.status == "optimal"
+    assert stats.objective == pytest.approx(6 * MS)
+
+
+def test_parallel_edges_are_summed():
+    # a: R=0, S=4; b: R=5, S=0. One 3 ms mismatch edge: (R,S) = 3 < (S,S) = 4, so mismatch.
+    # Two of them (one drawn b -> a): (R,S) = 6 > (S,S) = 4, so both pick S.
+    a = node("a", ("R", 0, 0, 0), ("S", 4, 0, 0))
+    b = node("b", ("R", 5, 0, 0), ("S", 0, 0, 0))
+    once = ShardingProblem((a, b), (Edge(0, 1, mismatch(3)),))
+    assert solve(once)[0].choice == (0, 1)
+    zero = Edge(0, 1, mismatch(0))
+    twice = ShardingProblem((a, b), (Edge(0, 1, mismatch(3)), Edge(1, 0, mismatch(3)), zero))
+    solution, stats = solve(twice)
+    assert solution.choice == (1, 1)
+    assert stats.objective == pytest.approx(4 * MS)
+
+
+def test_separable_edges_fold_into_linear_terms():
+    # costs[i][j] = row[i] + col[j] never couples the ends; the solver must still price it.
+    a = node("a", ("R", 1, 0, 0), ("S", 2, 0, 0), ("T", 3, 0, 0))
+    b = node("b", ("R", 2, 0, 0), ("S", 1, 0, 0))
+    row, col = (0.0, 5.0, 0.5), (2.0, 0.0)
+    costs = tuple(tuple((r + c) * MS for c in col) for r in row)
+    problem = ShardingProblem((a, b), (Edge(0, 1, costs),))
+    solution, stats = solve(problem)
+    # a: R 1+0, S 2+5, T 3+0.5 -> R; b: R 2+2, S 1+0 -> S; total 1 + 1 = 2 ms.
+    assert solution.choice == (0, 1)
+    assert stats.objective == pytest.approx(2 * MS)
+
+
+# --------------------------------------------------------------------------- backends
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_backends_agree_with_brute_force(seed):
+    problem = random_problem(seed, n=7, k=3, m=12, ties=True, tight=0.4)
+    expected, _ = brute_force(problem)
+    objectives = {}
+    for backend in BACKENDS:
+        solution, stats = solve(problem, solver=backend)
+        assert stats.solver == backend and stats.status == "optimal"
+        evaluation = evaluate(problem, solution)
+        assert evaluation.feasible
+        # The reported objective is evaluate()'s arithmetic; the solver's own agrees.
+        assert stats.objective == evaluation.total
+        assert stats.extra["solver_objective"] == pytest.approx(evaluation.total, rel=1e-6)
+        assert stats.bound <= stats.objective
+        objectives[backend] = stats.objective
+    assert objectives
+    for objective in objectives.values():
+        assert objective == pytest.approx(expected, rel=1e-6)
+
+
+def test_solve_is_deterministic():
+    problem = random_problem(5, n=12, k=3, m=25, ties=True)
+    for backend in BACKENDS:
+        first, _ = solve(problem, solver=backend)
+        second, _ = solve(problem, solver=backend)
+        assert first == second
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_time_limit_reports_status(backend):
+    # 60 nodes x 4 strategies with dense edges takes seconds to prove optimal; 0.01 s cannot.
+    problem = random_problem(11, n=60, k=4, m=150)
+    solution, stats = solve(problem, solver=backend, time_limit=0.01)
+    assert stats.status in ("optimal", "time_limit")
+    assert evaluate(problem, solution).feasible
+    assert stats.objective == evaluate(problem, solution).total
+    assert stats.bound <= stats.objective
+    if stats.status == "time_limit":
+        assert stats.gap >= 0
+        assert stats.extra["raw_status"] != "Optimal Solution Found"
+
+
+def test_no_solver_solution_falls_back_to_the_heuristic(monkeypatch):
+    # Simulate a solver stopped before any incumbent: the local-search start is returned,
+    # flagged as unproven, with no bound.
+    from hloplan.solver import ilp
+
+    monkeypatch.setattr(ilp, "_run", lambda *args, **kwargs: pulp.LpSolutionNoSolutionFound)
+    problem = random_problem(3, n=8, k=3, m=12)
+    solution, stats = solve(problem)
+    assert stats.status == "time_limit"
+    assert stats.extra["source"] == "heuristic"
+    assert stats.extra["raw_status"] == "No Solution Found"
+    assert evaluate(problem, solution).feasible
+    assert stats.bound == -math.inf and stats.gap == math.inf
+    monkeypatch.setattr(ilp, "_heuristic", lambda *args: None)
+    with pytest.raises(SolverError, match="no solution within"):
+        solve(problem)
+
+
+def test_unknown_solver_is_rejected():
+    with pytest.raises(ValueError, match="unknown solver"):
+        solve(ShardingProblem((node("a", ("R", 1, 0, 0)),)), solver="gurobi")
+
+
+# --------------------------------------------------------------------------- evaluate
+
+
+def test_evaluate_breaks_down_costs():
+    a = node("a", ("R", 1, 0.5, 2), ("S", 2, 0, 1))
+    b = node("b", ("R", 3, 0.25, 4), ("S", 1, 0, 2))
+    problem = ShardingProblem(
+        (a, b),
+        (Edge(0, 1, mismatch(7)), Edge(1, 0, mismatch(0.5))),
+        (LivePoint((0, 1, 1), 1 * GIB, "both"), LivePoint((1,), 0, "b")),
+        5 * GIB,
+    )
+    evaluation = evaluate(problem, Solution((0, 1)))
+    # compute 1 + 1; comm 0.5 + 0; resharding 7 into b, 0.5 into a.
+    assert evaluation.compute == pytest.approx(2 * MS)
+    assert evaluation.communication == pytest.approx(0.5 * MS)
+    assert evaluation.resharding == pytest.approx(7.5 * MS)
+    assert evaluation.total == pytest.approx(10 * MS)
+    flat = [cost for row in evaluation.per_node for cost in row]
+    assert flat == pytest.approx([1 * MS, 0.5 * MS, 0.5 * MS, 1 * MS, 0, 7 * MS])
+    # "both": 1 fixed + 2 (a R) + 2 (b S, listed twice, counted once) = 5 GiB; "b": 2 GiB.
+    assert evaluation.memory == (5 * GIB, 2 * GIB)
+    assert evaluation.peak_memory == 5 * GIB and evaluation.peak_point == 0
+    assert evaluation.feasible
+    over = evaluate(problem, Solution((0, 0)))
+    assert over.peak_memory == 7 * GIB
+    assert not over.feasible
+    assert over.violations == (
+        "live point both needs 7.00 GiB > 5.00 GiB budget (over by 2.00 GiB)",
+    )
+
+
+def test_evaluate_rejects_malformed_solutions():
+    problem = ShardingProblem((node("a", ("R", 1, 0, 0), ("S", 1, 0, 0)),))
+    with pytest.raises(ValueError, match="1 nodes"):
+        evaluate(problem, Solution((0, 0)))
+    with pytest.raises(ValueError, match="picks 2"):
+        evaluate(problem, Solution((2,)))
+    with pytest.raises(ValueError, match="picks -1"):
+        evaluate(problem, Solution((-1,)))
+
+
+# --------------------------------------------------------------------------- explain
+
+
+def _explained_problem() -> ShardingProblem:
+    # x: R = 2 ms compute, 8 GiB; S(data) = 0.8 ms compute + 0.3 ms all-reduce, 4 GiB.
+    # y: R = 1 ms, S = 1 ms; a 2 ms reshard when x and y disagree. Budget 10 GiB, 4 GiB fixed.
+    x = node("x", ("R", 2, 0, 8), ("S(data)", 0.8, 0.3, 4, [("all-reduce", "data", 1e6)]))
+    y = node("y", ("R", 1, 0, 1), ("S", 1, 0, 1))
+    return ShardingProblem(
+        (x, y), (Edge(0, 1, mismatch(2)),), (LivePoint((0,), 4 * GIB, "x out"),), 10 * GIB
+    )
+
+
+def test_compare_explains_with_signed_deltas():
+    problem = _explained_problem()
+    chosen, _ = solve(problem)
+    # x=S(data): 0.8 + 0.3 + y 1 = 2.1 ms, 8 GiB; x=R would be 2 + 1 = 3 ms and 12 GiB > 10 GiB.
+    assert chosen.choice == (1, 1)
+    reasons = compare(problem, chosen, Solution((0, 1)))
+    assert len(reasons) == 1
+    (reason,) = reasons
+    assert (reason.node, reason.name) == (0, "x")
+    assert (reason.from_strategy, reason.to_strategy) == ("S(data)", "R")
+    assert reason.delta_compute == pytest.approx(1.2 * MS)  # chosen saves compute
+    assert reason.delta_communication == pytest.approx(-0.3 * MS)  # chosen pays an all-reduce
+    assert reason.delta_resharding == pytest.approx(2 * MS)  # R would disagree with y = S
+    assert reason.delta_peak_memory == 4 * GIB
+    assert reason.text == (
+        "x: 'S(data)' instead of 'R' saves 1.20 ms of compute, costs 300 us of all-reduce, "
+        "saves 2.00 ms of resharding; peak memory 12.0 GiB > 10.0 GiB budget"
+    )
+
+
+def test_compare_attributes_each_edge_once():
+    problem = _explained_problem()
+    reasons = compare(problem, Solution((1, 1)), Solution((0, 0)))
+    # Both nodes change; the edge stays matched, so there is no resharding difference at all.
+    assert [r.node for r in reasons] == [0, 1]  # the budget-breaking switch comes first
+    assert sum(r.delta_resharding for r in reasons) == 0
+    assert reasons[1].text == "y: 'S' instead of 'R' costs the same"
+
+
+def test_next_best_changes_one_decision():
+    problem = _explained_problem()
+    chosen = Solution((1, 1))
+    result = next_best(problem, chosen, 1)
+    assert result is not None
+    alternative, evaluation = result
+    # y=R disagrees with x=S(data): + 2 ms reshard, 2.1 -> 4.1 ms.
+    assert alternative.choice == (1, 0)
+    assert evaluation.total == pytest.approx(4.1 * MS)
+    # x's only alternative breaks the budget, but it is still the next best (and says so).
+    alternative, evaluation = next_best(problem, chosen, 0)
+    assert alternative.choice == (0, 1) and not evaluation.feasible
+    assert next_best(ShardingProblem((node("c", ("only", 1, 0, 0)),)), Solution((0,)), 0) is None
+
+
+def test_next_best_moves_tie_groups_together():
+    a = node("a", ("R", 1, 0, 0), ("S", 2, 0, 0), ("T", 9, 0, 0), tie=1)
+    b = node("b", ("R", 1, 0, 0), ("S", 2, 0, 0), ("T", 0, 0, 0), tie=1)
+    problem = ShardingProblem((a, b))
+    # From R (2 ms): S costs 4 ms, T costs 9 ms -> S, for both members.
+    alternative, evaluation = next_best(problem, Solution((0, 0)), 1)
+    assert alternative.choice == (1, 1)
+    assert evaluation.feasible and evaluation.total == pytest.approx(4 * MS)
+
+
+def test_formatting_helpers():
+    assert format_seconds(1.2e-3) == "1.20 ms"
+    assert format_seconds(2.5) == "2.50 s"
+    assert format_seconds(4.5e-6) == "4.50 us"
+    assert format_bytes(14 * GIB) == "14.0 GiB"
+    assert format_bytes(3 * 2**20) == "3.00 MiB"
+    assert format_bytes(1536) == "1.50 KiB"
