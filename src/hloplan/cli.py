@@ -1,0 +1,249 @@
+"""Command line: `hloplan compile | run | opt`. No planning logic here: parse, call, report.
+
+Exit codes: 0 ok; 1 diagnostics (unsupported program, infeasible plan); 2 usage, configuration or
+I/O errors; 101 internal error (with a reproducer saved).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import click
+
+from hloplan.diagnostics import (
+    EXIT_DIAGNOSTICS,
+    EXIT_INTERNAL,
+    EXIT_USAGE,
+    Diagnostic,
+    HloplanError,
+    UsageError,
+)
+
+MESH_HELP = "mesh axis sizes ('8', '2x4', '16x8x8') or named axes ('data=8,model=4')"
+
+
+def _read_input(path: str) -> tuple[bytes, str]:
+    if path == "-":
+        return sys.stdin.buffer.read(), "<stdin>"
+    try:
+        return Path(path).read_bytes(), path
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def _emit_diagnostics(diags: list[Diagnostic], filename: str, fmt: str, quiet: bool) -> None:
+    if fmt == "json":
+        return
+    for diag in diags:
+        if quiet and diag.severity != "error":
+            continue
+        click.echo(diag.format(filename), err=True)
+
+
+def _fail(exc: HloplanError, filename: str, fmt: str, extra: dict | None = None) -> None:
+    if fmt == "json":
+        payload = {"ok": False, "exit_code": exc.exit_code,
+                   "diagnostics": [d.to_json() for d in exc.diagnostics]}
+        payload.update(extra or {})
+        click.echo(json.dumps(payload, indent=1, sort_keys=True))
+    else:
+        _emit_diagnostics(exc.diagnostics, filename, "text", False)
+    sys.exit(exc.exit_code)
+
+
+def _save_reproducer(directory: str | None, data: bytes, filename: str, argv: list[str],
+                     error: str) -> str:
+    target = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="hloplan-reproducer-"))
+    target.mkdir(parents=True, exist_ok=True)
+    (target / ("input" + Path(filename).suffix)).write_bytes(data)
+    (target / "command.txt").write_text(shlex.join(argv) + "\n")
+    (target / "error.txt").write_text(error)
+    return str(target)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="hloplan")
+def main() -> None:
+    """Automatic sharding of exported JAX programs."""
+
+
+@main.command("compile")
+@click.argument("input_path", metavar="INPUT")
+@click.option("--mesh", required=True, help=MESH_HELP)
+@click.option("-o", "--output", type=click.Path(file_okay=False), help="plan directory to write")
+@click.option("--device", default="h100", show_default=True,
+              help="hardware cost model: a short name (h100, tpu-v5e, cpu, ...) or a TOML file")
+@click.option("--memory-budget", default=None, help="bytes per device, e.g. 16GiB (default: the device's memory)")
+@click.option("--time-limit", default=60.0, show_default=True, type=float, help="solver time limit in seconds")
+@click.option("--solver", type=click.Choice(["auto", "highs", "cbc"]), default="auto", show_default=True)
+@click.option("--hosts", type=int, default=None, help="number of hosts the mesh spans (slow links between them)")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("--print-after", "print_after", multiple=True, metavar="PASS",
+              help="print the module after PASS to stderr (repeatable; 'all' for every pass)")
+@click.option("--time-passes", is_flag=True, help="print the wall time of each step to stderr")
+@click.option("--reproducer", "reproducer", default=None, metavar="DIR",
+              help="save input, options and the sharding problem to DIR for a bug report")
+@click.option("-q", "--quiet", is_flag=True, help="print errors only")
+def compile_command(input_path, mesh, output, device, memory_budget, time_limit, solver, hosts,
+                    fmt, print_after, time_passes, reproducer, quiet):
+    """Plan INPUT (StableHLO .mlir, bytecode, portable artifact or serialized Exported; '-' for
+    stdin) for a device mesh and write the plan directory."""
+    from hloplan import ir
+    from hloplan.compiler import compile_bytes, make_options
+    from hloplan.pipeline import PASS_NAMES
+
+    filename = input_path
+    data = b""
+    try:
+        data, filename = _read_input(input_path)
+        unknown = [p for p in print_after if p != "all" and p not in PASS_NAMES]
+        if unknown:
+            raise UsageError(f"--print-after: unknown pass {unknown[0]!r}",
+                             notes=("passes: " + ", ".join(PASS_NAMES),))
+        options = make_options(mesh, device=device, memory_budget=memory_budget,
+                               time_limit=time_limit, solver=solver, hosts=hosts)
+
+        def after_pass(name, state):
+            if "all" in print_after or name in print_after:
+                click.echo(f"// -----// IR Dump After {name} //----- //", err=True)
+                click.echo(ir.module_text(state.program.module), err=True)
+
+        result = compile_bytes(data, filename, options, after_pass=after_pass)
+        if reproducer:
+            _write_problem_reproducer(reproducer, data, filename, result.state)
+        if output:
+            result.write(output)
+    except HloplanError as exc:
+        _fail(exc, filename, fmt)
+        return
+    except Exception:  # an internal error: say where the reproducer went
+        error = traceback.format_exc()
+        saved = _save_reproducer(reproducer, data, filename, sys.argv, error)
+        click.echo(f"{filename}: error: internal compiler error: "
+                   f"{error.strip().splitlines()[-1]}", err=True)
+        click.echo(f"{filename}: note: reproducer saved to {saved}; please report it", err=True)
+        sys.exit(EXIT_INTERNAL)
+    state = result.state
+    _emit_diagnostics(state.log.entries, filename, fmt, quiet)
+    if time_passes:
+        for name, seconds in result.timings.items():
+            click.echo(f"  {seconds * 1e3:10.2f} ms  {name}", err=True)
+    plan = result.plan
+    if fmt == "json":
+        click.echo(json.dumps({"ok": True, "output": output, "estimate": plan["estimate"],
+                               "solver": plan["solver"], "arguments": plan["arguments"],
+                               "results": plan["results"], "diagnostics": plan["diagnostics"]},
+                              indent=1, sort_keys=True))
+    else:
+        if not quiet:
+            _summary(plan, output)
+        if not output:
+            click.echo(result.files["module.mlir"].decode(), nl=False)
+
+
+def _summary(plan: dict, output: str | None) -> None:
+    from hloplan.units import format_bytes, format_seconds
+
+    est, solver = plan["estimate"], plan["solver"]
+    mesh = ",".join(f"{n}={s}" for n, s in zip(plan["mesh"]["axis_names"], plan["mesh"]["axis_sizes"]))
+    lines = [
+        f"planned for mesh {mesh} on {plan['device_model']['name']}: estimated step "
+        f"{format_seconds(est['step_time_s'])} (compute {format_seconds(est['compute_s'])}, "
+        f"communication {format_seconds(est['communication_s'] + est['resharding_s'])}), "
+        f"peak {format_bytes(est['peak_memory_bytes'])} per device",
+        f"solver {solver['name']}: {solver['status']}, gap {solver['gap']:.2%}, "
+        f"{solver['variables']} variables, {solver['constraints']} constraints",
+    ]
+    if output:
+        lines.append(f"wrote {output}/")
+    for line in lines:
+        click.echo(line, err=True)
+
+
+def _write_problem_reproducer(directory: str, data: bytes, filename: str, state) -> None:
+    import dataclasses
+
+    target = Path(directory)
+    target.mkdir(parents=True, exist_ok=True)
+    (target / ("input" + (Path(filename).suffix or ".bin"))).write_bytes(data)
+    (target / "command.txt").write_text(shlex.join(sys.argv) + "\n")
+    problem = dataclasses.asdict(state.problem)
+    (target / "problem.json").write_text(json.dumps(problem, default=str) + "\n")
+
+
+@main.command("run")
+@click.argument("plan_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--check", is_flag=True, help="compare with the single-device program on random inputs")
+@click.option("--inputs", type=click.Path(exists=True, dir_okay=False), default=None,
+              help=".npz with arg0..argN (flat leaves) to use instead of random inputs")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--rtol", default=1e-4, show_default=True)
+@click.option("--atol", default=1e-5, show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def run_command(plan_dir, check, inputs, seed, rtol, atol, fmt):
+    """Run the plan in PLAN_DIR on the visible devices (simulated CPU devices are fine)."""
+    from hloplan.check import check_plan, format_report
+
+    try:
+        report = check_plan(plan_dir, inputs=inputs, seed=seed, rtol=rtol, atol=atol,
+                            compare=check)
+    except HloplanError as exc:
+        _fail(exc, plan_dir, fmt)
+        return
+    if fmt == "json":
+        click.echo(json.dumps(report, indent=1, sort_keys=True))
+    else:
+        click.echo(format_report(report))
+    if check and not report["match"]:
+        sys.exit(EXIT_DIAGNOSTICS)
+
+
+@main.command("opt")
+@click.argument("input_path", metavar="INPUT")
+@click.option("-p", "--passes", "pass_list", required=True,
+              help="comma-separated passes to run, e.g. inline-calls,extract-graph")
+@click.option("--mesh", default="1", help=MESH_HELP)
+@click.option("--device", default="h100", show_default=True)
+@click.option("--memory-budget", default=None)
+def opt_command(input_path, pass_list, mesh, device, memory_budget):
+    """Run passes on INPUT and print the module (for golden IR tests)."""
+    from hloplan import ir
+    from hloplan.compiler import make_options
+    from hloplan.pipeline import compile_pipeline, run_pipeline
+
+    filename = input_path
+    try:
+        data, filename = _read_input(input_path)
+        by_name = {p.name: p for p in compile_pipeline()}
+        names = [n.strip() for n in pass_list.split(",") if n.strip()]
+        for name in names:
+            if name not in by_name:
+                raise UsageError(f"unknown pass {name!r}", notes=("passes: " + ", ".join(by_name),))
+        options = make_options(mesh, device=device, memory_budget=memory_budget)
+        program = ir.load_program(data, filename)
+        state = run_pipeline(program, options, [by_name[n] for n in names])
+    except HloplanError as exc:
+        _fail(exc, filename, "text")
+        return
+    _emit_diagnostics(state.log.entries, filename, "text", False)
+    click.echo(ir.module_text(program.module, debug_info=False), nl=False)
+
+
+def entry() -> None:
+    try:
+        main(standalone_mode=True)
+    except SystemExit:
+        raise
+
+
+if __name__ == "__main__":  # pragma: no cover
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
+
+__all__ = ["main", "EXIT_USAGE"]
