@@ -260,10 +260,11 @@ class _ProblemBuilder:
                 if type_ is None:
                     continue
                 owner = self._value_memory_owner(value_id)
-                if owner is None:
-                    fixed += local_bytes(type_, replicated(type_.rank), self.mesh)
-                else:
+                if owner is not None:
                     nodes.add(owner)
+                elif value_id not in self.space.free_values:
+                    fixed += local_bytes(type_, replicated(type_.rank), self.mesh)
+                # Free values (constants, splats) are fused into their consumers by XLA: no bytes.
             key = (tuple(sorted(nodes)), fixed)
             if key in seen:
                 continue
@@ -271,3 +272,25 @@ class _ProblemBuilder:
             label = self.graph.ops[t].label if t < len(self.graph.ops) else "end"
             out.append(LivePoint(tuple(sorted(nodes)), fixed, label=f"after %{t} {label}"))
         return out
+
+
+def chosen_reshards(state: CompileState):
+    """The resharding the chosen plan does: (consumer op, value id, src spec, dst spec, multiplier)
+    for every operand (and loop-carried value) whose producer's layout differs from the one its
+    consumer's strategy needs."""
+    graph, space = state.graph, state.space
+    for op_index in space.strategies:
+        op = graph.ops[op_index]
+        chosen = state.chosen(op_index)
+        pairs = [(v, chosen.operands[k] if k < len(chosen.operands) else None, op.multiplier)
+                 for k, v in enumerate(op.operands)]
+        if op.name == "while.carry" and "yield" in op.attrs:
+            pairs.append((op.attrs["yield"], chosen.results[0], op.attrs["yield_multiplier"]))
+        for value_id, required, multiplier in pairs:
+            value = graph.values[value_id]
+            if (required is None or value.type is None or value_id in space.free_values
+                    or value.producer not in space.strategies):
+                continue
+            given = state.chosen(value.producer).results[value.result_index]
+            if given != required:
+                yield op, value_id, given, required, multiplier

@@ -85,6 +85,16 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
             "times_per_step": op.multiplier,
             "replicated_fallback": state.space.fallbacks.get(op_index),
         })
+    from hloplan.passes.build_sharding_problem import chosen_reshards
+
+    for _op, value_id, src, dst, multiplier in chosen_reshards(state):
+        type_ = graph.type_of(value_id)
+        for kind, axes, sent in state.comm.reshard(type_.shape, type_.itemsize, src, dst).collectives:
+            label = state.comm.axes_label(axes)
+            entry = collectives.setdefault(f"{kind}({label})", {"kind": kind, "axes": label,
+                                                                "count": 0, "bytes": 0.0})
+            entry["count"] += 1
+            entry["bytes"] += sent * multiplier
     stats = state.stats
     return {
         "format": PLAN_FORMAT,
