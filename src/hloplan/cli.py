@@ -247,3 +247,14 @@ if __name__ == "__main__":  # pragma: no cover
     main()
 
 __all__ = ["main", "EXIT_USAGE"]
+
+
+def _register_subcommands() -> None:
+    """Commands that live in their own modules register on `main` here."""
+    from hloplan import cli_explain  # noqa: F401  (registers `explain`)
+
+
+try:
+    _register_subcommands()
+except ImportError:  # pragma: no cover - during development, before the module exists
+    pass

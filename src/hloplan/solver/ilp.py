@@ -318,6 +318,14 @@ def _heuristic(model: _Model, budget: float) -> list[int] | None:
 # --------------------------------------------------------------------------- PuLP model
 
 
+def _classes(matrix: list[list[float]]) -> list[list[int]]:
+    """Indices of equal rows of `matrix`, grouped, in order of first appearance."""
+    groups: dict[tuple[float, ...], list[int]] = {}
+    for index, row in enumerate(matrix):
+        groups.setdefault(tuple(row), []).append(index)
+    return list(groups.values())
+
+
 def _new_var(prob: pulp.LpProblem, name: str, low: float, up: float | None, cat: str):
     """A PuLP variable, without the PuLP 3.3 deprecation of the LpVariable constructor."""
     if hasattr(prob, "add_variable"):
@@ -329,7 +337,7 @@ def _new_var(prob: pulp.LpProblem, name: str, low: float, up: float | None, cat:
 class _Built:
     prob: pulp.LpProblem
     s: list[list[pulp.LpVariable]]
-    e: dict[tuple[int, int], list[list[pulp.LpVariable]]]
+    e: dict[tuple[int, int], tuple[list[list[pulp.LpVariable]], list[list[int]], list[list[int]]]]
 
 
 def _build(model: _Model, rows: list[_Row], budget: float) -> _Built:
@@ -345,25 +353,32 @@ def _build(model: _Model, rows: list[_Row], budget: float) -> _Built:
     e = {}
     for (a, b), matrix in sorted(model.pairs.items()):
         ra, rb = model.groups[a].rep, model.groups[b].rep
+        # Strategies whose rows (columns) of the matrix are equal are interchangeable for this
+        # edge: aggregate them, so the transportation grid is classes x classes, not the full
+        # strategy product. Exact: the class sums of a one-hot choice are one-hot.
+        row_classes = _classes(matrix)
+        col_classes = _classes([list(col) for col in zip(*matrix)])
         grid = [
             [
                 _new_var(prob, f"e_{ra}_{rb}_{i}_{j}", 0, None, pulp.LpContinuous)
-                for j in range(len(r))
+                for j in range(len(col_classes))
             ]
-            for i, r in enumerate(matrix)
+            for i in range(len(row_classes))
         ]
-        e[(a, b)] = grid
+        e[(a, b)] = (grid, row_classes, col_classes)
         for i, line in enumerate(grid):
-            expr = pulp.LpAffineExpression([(v, 1.0) for v in line] + [(s[a][i], -1.0)])
+            expr = pulp.LpAffineExpression(
+                [(v, 1.0) for v in line] + [(s[a][m], -1.0) for m in row_classes[i]])
             prob += expr == 0, f"src_{ra}_{rb}_{i}"
-        for j in range(len(matrix[0])):
-            expr = pulp.LpAffineExpression([(line[j], 1.0) for line in grid] + [(s[b][j], -1.0)])
+        for j, members in enumerate(col_classes):
+            expr = pulp.LpAffineExpression(
+                [(line[j], 1.0) for line in grid] + [(s[b][m], -1.0) for m in members])
             prob += expr == 0, f"dst_{ra}_{rb}_{j}"
         terms += [
-            (grid[i][j], c * _TIME_SCALE)
-            for i, r in enumerate(matrix)
-            for j, c in enumerate(r)
-            if c
+            (grid[i][j], matrix[rows_[0]][cols_[0]] * _TIME_SCALE)
+            for i, rows_ in enumerate(row_classes)
+            for j, cols_ in enumerate(col_classes)
+            if matrix[rows_[0]][cols_[0]]
         ]
     for row in rows:
         expr = pulp.LpAffineExpression(
@@ -385,10 +400,11 @@ def _start_values(built: _Built, choice: Sequence[int]) -> dict[str, float]:
     for g, row in enumerate(built.s):
         for i, v in enumerate(row):
             values[v.name] = 1.0 if i == choice[g] else 0.0
-    for (a, b), grid in built.e.items():
+    for (a, b), (grid, row_classes, col_classes) in built.e.items():
         for i, line in enumerate(grid):
             for j, v in enumerate(line):
-                values[v.name] = 1.0 if (i, j) == (choice[a], choice[b]) else 0.0
+                hit = choice[a] in row_classes[i] and choice[b] in col_classes[j]
+                values[v.name] = 1.0 if hit else 0.0
     return values
 
 

@@ -1,0 +1,121 @@
+"""Flax train steps (nnx transformer, linen MLP) with optax AdamW, exported for hloplan.
+
+    KERAS_BACKEND is irrelevant here; needs `pip install flax optax`.
+    python examples/third_party/flax_train_step.py -o exports/            # write the .jaxexport files
+    python examples/third_party/flax_train_step.py -o exports/ --check    # + plan and check on 8 CPU devices
+    hloplan compile exports/nnx_transformer.jaxexport --mesh 2x4 -o plan/ && hloplan run plan/ --check
+
+The step is the usual functional flax training step: `nnx.split` the model into a graphdef
+and its parameters, `nnx.merge` inside the step (nnx docs, "functional API"), or
+`model.apply(params, ...)` for linen.  Parameters cross the step boundary as a plain dict
+(`nnx.to_pure_dict`, keys made strings) and the optax state as the flat list of its leaves, because
+`Exported.serialize()` cannot serialize `nnx.State`/`nnx.Param` or optax's NamedTuples.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common  # noqa: E402  (sets XLA_FLAGS before jax is imported)
+
+BATCH, SEQ, VOCAB, D_MODEL, HEADS, HIDDEN, LAYERS = 16, 16, 64, 32, 4, 64, 2
+
+
+def nnx_transformer():
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.ln1 = nnx.LayerNorm(D_MODEL, rngs=rngs)
+            self.attn = nnx.MultiHeadAttention(num_heads=HEADS, in_features=D_MODEL, decode=False,
+                                               rngs=rngs)
+            self.ln2 = nnx.LayerNorm(D_MODEL, rngs=rngs)
+            self.up = nnx.Linear(D_MODEL, HIDDEN, rngs=rngs)
+            self.down = nnx.Linear(HIDDEN, D_MODEL, rngs=rngs)
+
+        def __call__(self, x, mask):
+            x = x + self.attn(self.ln1(x), mask=mask)
+            return x + self.down(nnx.gelu(self.up(self.ln2(x))))
+
+    class Transformer(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.embed = nnx.Embed(VOCAB, D_MODEL, rngs=rngs)
+            self.pos = nnx.Param(jax.random.normal(rngs.params(), (SEQ, D_MODEL)) * 0.02)
+            self.blocks = nnx.List([Block(rngs) for _ in range(LAYERS)])
+            self.ln_f = nnx.LayerNorm(D_MODEL, rngs=rngs)
+            self.head = nnx.Linear(D_MODEL, VOCAB, rngs=rngs)
+
+        def __call__(self, tokens):
+            x = self.embed(tokens) + self.pos[...]
+            mask = nnx.make_causal_mask(tokens)
+            for block in self.blocks:
+                x = block(x, mask)
+            return self.head(self.ln_f(x))
+
+    model = Transformer(nnx.Rngs(0))
+    graphdef, state = nnx.split(model, nnx.Param)
+    # str_keys: nnx.List children are keyed 0, 1, ... and jax.export wants string keys.
+    params = _common.str_keys(nnx.to_pure_dict(state))
+    tx = optax.adamw(1e-3, weight_decay=1e-2)
+    opt_state = tx.init(params)
+    opt_leaves, opt_tree = jax.tree.flatten(opt_state)
+
+    def step(params, opt_leaves, tokens, labels):
+        def loss_fn(params):
+            logits = nnx.merge(graphdef, _common.int_keys(params))(tokens)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        opt_state = jax.tree.unflatten(opt_tree, opt_leaves)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), jax.tree.leaves(opt_state), loss
+
+    key_t, key_l = jax.random.split(jax.random.key(1))
+    tokens = jax.random.randint(key_t, (BATCH, SEQ), 0, VOCAB, dtype=jnp.int32)
+    labels = jax.random.randint(key_l, (BATCH, SEQ), 0, VOCAB, dtype=jnp.int32)
+    return step, (params, opt_leaves, tokens, labels)
+
+
+def linen_mlp():
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Dense(HIDDEN)(x))
+            x = nn.LayerNorm()(x)
+            x = nn.relu(nn.Dense(HIDDEN)(x))
+            return nn.Dense(8)(x)
+
+    model = MLP()
+    key_p, key_x, key_y = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(key_x, (32, D_MODEL), jnp.float32)
+    y = jax.random.normal(key_y, (32, 8), jnp.float32)
+    params = model.init(key_p, x)["params"]
+    tx = optax.adamw(1e-3, weight_decay=1e-2)
+    opt_leaves, opt_tree = jax.tree.flatten(tx.init(params))
+
+    def step(params, opt_leaves, x, y):
+        def loss_fn(params):
+            return jnp.mean((model.apply({"params": params}, x) - y) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, jax.tree.unflatten(opt_tree, opt_leaves), params)
+        return optax.apply_updates(params, updates), jax.tree.leaves(opt_state), loss
+
+    return step, (params, opt_leaves, x, y)
+
+
+MODELS = {"nnx_transformer": nnx_transformer, "linen_mlp": linen_mlp}
+
+if __name__ == "__main__":
+    sys.exit(_common.main(MODELS))
