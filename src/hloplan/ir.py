@@ -778,7 +778,7 @@ def exported_from_module(graph: Graph, platforms: tuple[str, ...], fun_name: str
     out_tree = jax.tree.structure(tuple(range(len(out_avals))))
     return export.Exported(
         fun_name=fun_name, in_tree=in_tree, in_avals=in_avals, out_tree=out_tree,
-        out_avals=out_avals, _has_named_shardings=False,
+        out_avals=out_avals, _has_named_shardings=True,
         _in_named_shardings=(None,) * len(in_avals), _out_named_shardings=(None,) * len(out_avals),
         in_shardings_hlo=(None,) * len(in_avals), out_shardings_hlo=(None,) * len(out_avals),
         nr_devices=1, platforms=platforms, ordered_effects=(), unordered_effects=(),

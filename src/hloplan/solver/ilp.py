@@ -15,8 +15,10 @@ recomputed by `evaluate()` from the chosen indices.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -477,6 +479,26 @@ class _HiGHS(pulp.HiGHS):
         lp.solverModel.run()
 
 
+@contextlib.contextmanager
+def _native_stdout_silenced():
+    """HiGHS prints a banner from C++ straight to file descriptor 1 (PuLP cannot turn it off);
+    stdout carries IR and JSON for our users, so point fd 1 at /dev/null while the solver runs."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no usable fd 1 (embedded interpreters): nothing to protect
+        yield
+        return
+    try:
+        with open(os.devnull, "wb") as devnull:
+            os.dup2(devnull.fileno(), 1)
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _make_solver(
     backend: str,
     *,
@@ -525,7 +547,8 @@ def _run(
         for name, var in built.prob.variablesDict().items():
             var.setInitialValue(start.get(name, 0.0))
     solver = _make_solver(backend, time_limit=time_limit, threads=threads, mip=mip, start=start)
-    built.prob.solve(solver)
+    with _native_stdout_silenced():
+        built.prob.solve(solver)
     if built.prob.status == pulp.LpStatusInfeasible:
         return pulp.LpSolutionInfeasible
     return built.prob.sol_status
