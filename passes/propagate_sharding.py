@@ -35,6 +35,11 @@ class PropagateSharding:
                 annotator.set_argument(op.attrs["index"], spec_names(chosen.results[0], mesh))
                 continue
             mlir_op, result_indices = handles.ops[op_index]
+            if op.name == "while.carry":
+                annotator.pin_while_carry(mlir_op, op.attrs["result"],
+                                          spec_names(chosen.results[0], mesh))
+                constraints += 2
+                continue
             entry = per_mlir_op.setdefault(id(mlir_op), (mlir_op, {}))
             for result_index, spec in zip(result_indices, chosen.results):
                 entry[1][result_index] = spec_names(spec, mesh)
@@ -49,7 +54,7 @@ class PropagateSharding:
                 annotator.constrain_operand(mlir_op, operand_index, spec_names(required, mesh))
                 constraints += 1
         for mlir_op, specs in per_mlir_op.values():
-            annotator.set_op(mlir_op, [specs[i] for i in sorted(specs)])
+            annotator.set_op(mlir_op, specs)
         for index, value_id in enumerate(graph.outputs):
             spec = self._given(state, value_id)
             if spec is None:

@@ -328,6 +328,56 @@ def _inline_one(call, callee) -> None:
     call.operation.erase()
 
 
+def sink_constants(module: ir.Module, filename: str) -> int:
+    """Clone constants defined outside a while/case into each region that uses them.
+
+    XLA mis-sizes the sharding of a while whose body captures values from outside (it adds them
+    as loop operands), so loops are made self-contained where that is free: for constants.
+    Returns the number of constants cloned."""
+    cloned = 0
+    with module.context, ir.Location.unknown():
+        main = main_function(module, filename)
+        for op in list(_walk_ops(main.regions[0].blocks[0])):
+            if op_name(op) not in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
+                continue
+            for region in op.operation.regions:
+                block = region.blocks[0]
+                inside = {id_ for id_ in _defined_in(block)}
+                mapping: dict = {}
+                for inner in list(_walk_ops(block)):
+                    for operand in inner.operation.operands:
+                        owner = operand.owner
+                        if isinstance(owner, ir.Block) or operand in mapping:
+                            continue
+                        if owner.name == "stablehlo.constant" and _value_key(operand) not in inside:
+                            first = next(iter(block.operations))
+                            clone = owner.clone(ir.InsertionPoint(first))
+                            mapping[operand] = clone.results[0]
+                            cloned += 1
+                if mapping:
+                    for inner in list(block.operations):
+                        _remap_operands(inner, mapping)
+    return cloned
+
+
+def _value_key(value) -> object:
+    return value
+
+
+def _defined_in(block) -> set:
+    values = set()
+    for arg in block.arguments:
+        values.add(arg)
+    for op in _walk_ops(block):
+        for result in op.operation.results:
+            values.add(result)
+        for region in op.operation.regions:
+            for inner in region.blocks:
+                for arg in inner.arguments:
+                    values.add(arg)
+    return values
+
+
 def run_passes(module: ir.Module, pipeline: str) -> None:
     with module.context:
         passmanager.PassManager.parse(f"builtin.module({pipeline})").run(module.operation)
@@ -688,9 +738,25 @@ class Annotator:
             count = len(ir.FunctionType(ir.TypeAttr(self.handles.main.operation.attributes["function_type"]).value).results)
             self._set_func_attr("res_attrs", count, index, spec)
 
-    def set_op(self, op, specs) -> None:
+    def set_op(self, op, specs: dict[int, tuple]) -> None:
+        """Result shardings by result index; results not given are replicated."""
         with self.context:
-            op.operation.attributes["sdy.sharding"] = ir.Attribute.parse(_per_value_text(specs))
+            full = []
+            for index, result in enumerate(op.operation.results):
+                rank = result.type.rank if isinstance(result.type, ir.RankedTensorType) else 0
+                full.append(specs.get(index, tuple(() for _ in range(rank))))
+            op.operation.attributes["sdy.sharding"] = ir.Attribute.parse(_per_value_text(full))
+
+    def pin_while_carry(self, while_op, index: int, spec) -> None:
+        """Fix loop-carried value `index` to `spec` at loop entry and at the body's yield.
+
+        The while op itself gets no sharding attribute: XLA (jax 0.10.2) mis-sizes the tuple
+        sharding of an annotated while (RET_CHECK leaf_count == tuple_elements_.size());
+        Shardy propagates the pinned layout through the loop's data-flow edges instead."""
+        self.constrain_operand(while_op, index, spec)
+        body = while_op.operation.regions[1].blocks[0]
+        terminator = list(body.operations)[-1]
+        self.constrain_operand(terminator, index, spec)
 
     def constrain_operand(self, op, operand_index: int, spec) -> None:
         """Insert sdy.sharding_constraint before `op` so its operand arrives in `spec`."""
@@ -708,11 +774,14 @@ class Annotator:
 
 
 def portable_artifact(module: ir.Module) -> bytes:
-    """VHLO portable artifact, as jax.export stores in Exported.mlir_module_serialized."""
+    """VHLO portable artifact, as jax.export stores in Exported.mlir_module_serialized.
+
+    Serialization rewrites the module it is given into VHLO, so it works on a copy."""
     with module.context:
         target = stablehlo.get_version_from_compatibility_requirement(
             stablehlo.StablehloCompatibilityRequirement.WEEK_4)
-        return stablehlo.serialize_portable_artifact(module, target, True)
+        copy = ir.Module.parse(module_text(module))
+        return stablehlo.serialize_portable_artifact(copy, target, True)
 
 
 def argument_and_result_types(graph: Graph) -> tuple[list[TensorType], list[TensorType]]:
