@@ -206,19 +206,16 @@ class _ProblemBuilder:
             uses = [u for u in value.users if u >= value.producer]
             last = max(uses, default=value.producer)
             last_use[value.id] = last
+        # A loop-carried value lives until the end of its loop's body.
+        loop_of = {c: o.index for o in graph.ops if o.name == "stablehlo.while"
+                   for c in o.attrs.get("carries", [])}
         for op in graph.ops:
             if op.name == "while.carry" and "yield" in op.attrs:
-                parent = graph.ops[op.index].parent
-                marker = next(o.index for o in graph.ops if o.name == "stablehlo.while"
-                              and op.index in o.attrs.get("carries", []))
-                last_use[op.attrs["yield"]] = max(last_use[op.attrs["yield"]],
-                                                  region_end.get(marker, op.index))
-                last_use[op.results[0]] = max(last_use[op.results[0]], region_end.get(marker, op.index))
-                del parent
+                loop_end = region_end.get(loop_of[op.index], op.index)
+                for value_id in (op.attrs["yield"], op.results[0]):
+                    last_use[value_id] = max(last_use[value_id], loop_end)
         for value_id in graph.arguments + graph.outputs:
             last_use[value_id] = end
-        for value_id in graph.arguments:
-            pass
         starts: dict[int, list[int]] = {}
         for value in graph.values:
             start = 0 if value.id in graph.arguments else value.producer

@@ -523,7 +523,7 @@ class _Extractor:
             self.handles.ops[carry.index] = (op, (i,))
             carries.append(carry)
         cond, body = op.operation.regions
-        for block_, region_index in ((cond.blocks[0], 0), (body.blocks[0], 1)):
+        for block_ in (cond.blocks[0], body.blocks[0]):
             for arg, carry in zip(block_.arguments, carries):
                 self.values[arg] = carry.results[0]
         self.block(cond.blocks[0], marker.index, 0, inner)

@@ -10,6 +10,7 @@ import hashlib
 import json
 from importlib import metadata
 
+from hloplan import decisions
 from hloplan.solver.evaluate import evaluate
 from hloplan.state import CompileState
 from hloplan.strategies import local_bytes, replicated, spec_names
@@ -127,6 +128,7 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
             "time_limit_s": options.time_limit,
         },
         "ops": ops,
+        "decisions": decisions.top_decisions(state, count=10),
         "diagnostics": [d.to_json() for d in state.log.entries],
         "files": files,
     }
