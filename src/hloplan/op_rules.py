@@ -397,7 +397,10 @@ def _scatter(graph: Graph, op: Op) -> OpRule:
     scatter_updates = [d for d in range(updates.rank) if d not in a["update_window_dims"]]
     scatter_indices = [d for d in range(indices.rank) if d != a["index_vector_dim"]]
     for ud, idd in zip(scatter_updates, scatter_indices):
-        if idd in a["indices_batching"]:
+        if idd in a["indices_batching"]:  # batching dims pass through operand, indices, updates
+            od = a["operand_batching"][a["indices_batching"].index(idd)]
+            f = b.new(updates.shape[ud])
+            update_dims[ud] = indices_dims[idd] = operand_dims[od] = f
             continue
         f = b.new(updates.shape[ud], kind)
         update_dims[ud] = indices_dims[idd] = f

@@ -1,0 +1,359 @@
+"""label-batch: find the batch axis and the accumulation frontier of a train step.
+
+Starting from the inputs that carry the batch, the label (which dim of each value is the batch)
+is propagated through the ops' factor rules (op_rules): a pass-through factor keeps it, a
+sum over it (a weight gradient's dot_general, a bias gradient's or the loss's reduce-sum, a
+scatter-add) ends it: that value is a partial sum over the batch, on the accumulation frontier.
+
+Splitting the batch into microbatches is exact when the program factors into
+- part A, per microbatch: everything from the batch inputs up to the frontier, and
+- part B, once per step: everything after the frontier (scaling, the optimizer update),
+and no part-B op reads a batch-labelled value (batch statistics, as in BatchNorm, or a max over
+the batch make it inexact). Where that does not hold, the pass says why, at the op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hloplan.diagnostics import Diagnostic, HloplanError
+from hloplan.graph import Graph, Op
+from hloplan.op_rules import rule_for
+from hloplan.state import CompileState
+
+SUM_OPS = {"stablehlo.dot_general", "stablehlo.convolution", "stablehlo.reduce",
+           "stablehlo.scatter"}
+UNPLANNED = {"stablehlo.while", "stablehlo.case", "stablehlo.if"}
+
+
+class BatchError(Exception):
+    def __init__(self, op: Op | None, message: str):
+        super().__init__(message)
+        self.op = op
+        self.message = message
+
+
+@dataclass
+class BatchAnalysis:
+    batch_args: list[int]  # argument positions
+    batch_size: int
+    label: dict[int, int] = field(default_factory=dict)  # value id -> batch dim
+    frontier: set[int] = field(default_factory=set)  # value ids: partial sums over the batch
+    part_a: set[int] = field(default_factory=set)  # op indices run per microbatch
+    part_b: set[int] = field(default_factory=set)  # op indices run once per step
+
+    def describe(self, graph: Graph) -> str:
+        names = ", ".join(graph.argument_names[i] for i in self.batch_args)
+        return (f"batch of {self.batch_size} in {names}; {len(self.frontier)} values accumulated "
+                f"over microbatches")
+
+
+def propagate(graph: Graph, batch_args: list[int]) -> tuple[dict[int, int], set[int]]:
+    """Batch labels and frontier values from the given argument positions; BatchError if an op
+    mixes or drops the batch in a way microbatching cannot follow."""
+    label: dict[int, int] = {}
+    frontier: set[int] = set()
+    for position in batch_args:
+        label[graph.arguments[position]] = 0
+    rules = {}
+    free = free_values(graph)
+    for _ in range(8):  # loops carry labels around: iterate to a fixpoint
+        changed = False
+        for op in graph.ops:
+            if op.name in UNPLANNED or op.name == "arg":
+                continue
+            inputs = list(op.operands)
+            if op.name == "while.carry" and "yield" in op.attrs:
+                inputs.append(op.attrs["yield"])
+            if any(v in frontier for v in inputs):
+                if op.name not in ("while.carry",):
+                    continue  # part B (checked later) or a part-A use of a partial sum
+            labelled = [(k, v) for k, v in enumerate(inputs) if v in label]
+            if not labelled:
+                continue
+            rule = rules.get(op.index) or rules.setdefault(op.index, rule_for(graph, op))
+            if op.name == "while.carry":
+                dims = [label[v] for _, v in labelled]
+                if len(set(dims)) != 1:
+                    raise BatchError(op, "a loop carries the batch in different dimensions")
+                new = {op.results[0]: dims[0]}
+            else:
+                new, summed = _through(graph, op, rule, labelled, label, free)
+                if summed:
+                    for result in op.results:
+                        if result not in frontier:
+                            frontier.add(result)
+                            changed = True
+            for value_id, dim in new.items():
+                if label.get(value_id) != dim:
+                    if value_id in label:
+                        raise BatchError(op, "the batch moves between dimensions in a loop")
+                    label[value_id] = dim
+                    changed = True
+        if not changed:
+            break
+    return label, frontier
+
+
+FREE_IF_INPUTS_FREE = {"stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.convert",
+                       "stablehlo.transpose"}
+
+
+def free_values(graph: Graph) -> set[int]:
+    """Values made from constants alone (splats, iotas): any shape of them is free to make."""
+    free: set[int] = set()
+    for op in graph.ops:
+        if op.name in ("stablehlo.constant", "stablehlo.iota") or (
+                op.name in FREE_IF_INPUTS_FREE and all(v in free for v in op.operands)):
+            free.update(op.results)
+    return free
+
+
+def _broadcast_to_batch(graph: Graph, value_id: int, dim: int, label: dict[int, int],
+                        free: set[int]) -> bool:
+    """Whether `value_id` got its batch-sized dim `dim` without batch data: from a broadcast (a
+    bias added to every example), a constant, or a loop buffer initialised so. If so it is
+    labelled too, so that microbatching resizes it."""
+    if value_id in label:
+        return label[value_id] == dim
+    op = graph.producer(value_id)
+    ok = False
+    if value_id in free:
+        ok = True
+    elif op.name == "stablehlo.broadcast_in_dim":
+        mapped = op.attrs.get("broadcast_dimensions", [])
+        operand = graph.type_of(op.operands[0])
+        source = [i for i, d in enumerate(mapped) if d == dim and operand.shape[i] > 1]
+        ok = not source or _broadcast_to_batch(graph, op.operands[0], source[0], label, free)
+    elif op.name == "stablehlo.transpose":
+        ok = _broadcast_to_batch(graph, op.operands[0], op.attrs["permutation"][dim], label, free)
+    elif op.name == "while.carry":  # a loop buffer (scan outputs)
+        ok = _broadcast_to_batch(graph, op.operands[0], dim, label, free)
+    elif op.name != "arg" and op.operands and rule_for(graph, op).pointwise:
+        rank = graph.type_of(value_id).rank
+        ok = all(graph.type_of(v) is not None and (
+            graph.type_of(v).rank != rank or _broadcast_to_batch(graph, v, dim, label, free))
+            for v in op.operands)
+    if ok:
+        label[value_id] = dim
+    return ok
+
+
+def _through(graph: Graph, op: Op, rule, labelled, label, free) -> tuple[dict[int, int], bool]:
+    factors = set()
+    for k, value_id in labelled:
+        dims = rule.operands[k] if k < len(rule.operands) else None
+        dim = label[value_id]
+        if dims is None or dim >= len(dims) or not dims[dim]:
+            raise BatchError(op, f"'{op.name}' does not keep the batch dimension of operand {k} "
+                             "intact (it slices, pads, concatenates or replicates it)")
+        factors.add(dims[dim][0])
+    if len(factors) != 1:
+        raise BatchError(op, f"'{op.name}' combines batch-labelled operands along different dims")
+    factor = factors.pop()
+    kind = rule.factors[factor].kind
+    if kind == "replicate":
+        raise BatchError(op, f"'{op.name}' needs the whole batch at once (sort, window or "
+                         "concatenation over it)")
+    # Any operand holding the factor must be batch-derived too (or free, e.g. a splat): it will
+    # be sliced into microbatches with the others.
+    for k, value_id in enumerate(op.operands):
+        dims = rule.operands[k] if k < len(rule.operands) else None
+        if value_id in label or not dims:
+            continue
+        dim = next((d for d, fs in enumerate(dims) if fs and fs[0] == factor), None)
+        if dim is not None and not _broadcast_to_batch(graph, value_id, dim, label, free):
+            raise BatchError(op, f"'{op.name}' combines the batch with operand {k}, which has the "
+                             "batch size but does not come from the batch inputs")
+    if kind == "reduce":
+        if op.name not in SUM_OPS or rule.reduction != "sum":
+            raise BatchError(op, f"'{op.name}' reduces over the batch with '{rule.reduction}', "
+                             "which is not a sum: microbatches would change the result")
+        return {}, True
+    result: dict[int, int] = {}
+    for value_id, dims in zip(op.results, rule.results):
+        for d, fs in enumerate(dims):
+            if fs and fs[0] == factor:
+                result[value_id] = d
+            elif factor in fs:
+                raise BatchError(op, f"'{op.name}' merges the batch into another dimension as "
+                                 "its minor part")
+    if not result:
+        raise BatchError(op, f"'{op.name}' drops the batch dimension")
+    return result, False
+
+
+def units(graph: Graph) -> dict[int, list[Op]]:
+    """Top-level units in program order: each op outside regions, with a while or case taking
+    its carries/results and every op of its regions along."""
+    unit_of: dict[int, int] = {}
+    for op in graph.ops:
+        if op.name in UNPLANNED:
+            for member in op.attrs.get("carries", []) + op.attrs.get("results", []):
+                unit_of[member] = op.index
+    out: dict[int, list[Op]] = {}
+    for op in graph.ops:
+        if op.name == "arg":
+            continue
+        top = op
+        while True:
+            if top.index in unit_of:
+                top = graph.ops[unit_of[top.index]]
+            elif top.parent is not None:
+                top = graph.ops[top.parent]
+            else:
+                break
+        out.setdefault(top.index, []).append(op)
+    return out
+
+
+def unit_io(graph: Graph, members: list[Op]) -> tuple[set[int], set[int]]:
+    """(values a unit reads from outside, values it defines)."""
+    reads: set[int] = set()
+    produced: set[int] = set()
+    for member in members:
+        reads.update(member.operands)
+        if member.name == "while.carry" and "yield" in member.attrs:
+            reads.add(member.attrs["yield"])
+        produced.update(member.results)
+    return reads - produced, produced
+
+
+def split_parts(graph: Graph, label: dict[int, int], frontier: set[int]) -> tuple[set[int], set[int]]:
+    """Top-level unit indices of part A (per microbatch) and part B (once per step).
+
+    A unit is in part B when it reads a frontier value or a part-B value; in part A when it
+    reads a batch-labelled value or produces one (or a frontier value); units that depend on
+    neither are invariant and go where they are used (both parts when both use them)."""
+    kinds: dict[int, str] = {}
+    value_kind: dict[int, str] = {}
+    all_units = units(graph)
+    for index, members in all_units.items():
+        reads, produced = unit_io(graph, members)
+        in_b = any(value_kind.get(v) == "B" for v in reads) or bool(reads & frontier)
+        in_a = any(v in label for v in reads | produced) or bool(produced & frontier)
+        if in_b:
+            top = graph.ops[index]
+            if any(v in label for v in reads):
+                raise BatchError(top, f"'{top.name}' reads a per-example value after the batch "
+                                 "was summed (batch statistics, as in BatchNorm): microbatching "
+                                 "would change the result")
+            if produced & frontier:
+                raise BatchError(top, f"'{top.name}' sums over the batch after a value summed "
+                                 "over it was used")
+        kind = "B" if in_b else "A" if in_a else "I"
+        kinds[index] = kind
+        for v in produced:
+            value_kind[v] = kind
+    unit_of_op = {op.index: index for index, members in all_units.items() for op in members}
+    user_units: dict[int, set[int]] = {}
+    for index, members in all_units.items():
+        _, produced = unit_io(graph, members)
+        users = set()
+        for v in produced:
+            for user in graph.values[v].users:
+                if unit_of_op.get(user, index) != index:
+                    users.add(unit_of_op[user])
+            if v in graph.outputs:
+                users.add(-1)  # the program's results are assembled after part B
+        user_units[index] = users
+    placement: dict[int, set[str]] = {}
+    for index in sorted(all_units, reverse=True):
+        if kinds[index] != "I":
+            placement[index] = {kinds[index]}
+            continue
+        where: set[str] = set()
+        for user in user_units[index]:
+            where |= {"B"} if user == -1 else placement.get(user, {"B"})
+        placement[index] = where or {"B"}
+    part_a = {i for i, where in placement.items() if "A" in where}
+    part_b = {i for i, where in placement.items() if "B" in where}
+    return part_a, part_b
+
+
+def state_like_args(graph: Graph) -> set[int]:
+    """Argument positions that flow into an output through pointwise ops only (parameters and
+    optimizer state updated in place): never batch inputs."""
+    outputs = set(graph.outputs)
+    state = set()
+    for position, value_id in enumerate(graph.arguments):
+        frontier_ = [value_id]
+        seen = set()
+        while frontier_:
+            v = frontier_.pop()
+            if v in outputs:
+                state.add(position)
+                break
+            for user in graph.values[v].users:
+                op = graph.ops[user]
+                if user in seen or not rule_for(graph, op).pointwise or len(op.results) != 1:
+                    continue
+                seen.add(user)
+                if graph.type_of(op.results[0]) == graph.type_of(value_id):
+                    frontier_.append(op.results[0])
+    return state
+
+
+def analyse(graph: Graph, batch_args: list[int] | None = None) -> BatchAnalysis:
+    """Find the batch inputs (unless given) and split the program; BatchError when impossible."""
+    if batch_args is not None:
+        candidates = [batch_args]
+    else:
+        state = state_like_args(graph)
+        sizes: dict[int, list[int]] = {}
+        for position, value_id in enumerate(graph.arguments):
+            type_ = graph.type_of(value_id)
+            if type_ is not None and type_.rank >= 1 and position not in state and type_.shape[0] > 1:
+                sizes.setdefault(type_.shape[0], []).append(position)
+        candidates = [args for _, args in sorted(sizes.items(), key=lambda kv: (-len(kv[1]), -kv[0]))]
+        # Fall back to single arguments when a whole same-size group fails (a weight whose first
+        # dim happens to equal the batch size).
+        candidates += [[p] for args in list(candidates) if len(args) > 1 for p in args]
+    if not candidates:
+        raise BatchError(None, "no input has a leading dimension that could be the batch")
+    first_error: BatchError | None = None
+    for args in candidates:
+        sizes_ = {graph.type_of(graph.arguments[p]).shape[0] for p in args}
+        if len(sizes_) != 1:
+            continue
+        try:
+            label, frontier = propagate(graph, args)
+            part_a, part_b = split_parts(graph, label, frontier)
+        except BatchError as exc:
+            first_error = first_error or exc
+            continue
+        return BatchAnalysis(list(args), sizes_.pop(), label, frontier, part_a, part_b)
+    raise first_error or BatchError(None, "no consistent batch input found")
+
+
+@dataclass(frozen=True)
+class LabelBatch:
+    name: str = "label-batch"
+    batch_args: tuple[str, ...] = ()  # argument names or positions given by --batch-arg
+
+    def apply(self, state: CompileState) -> None:
+        graph = state.graph
+        positions = None
+        if self.batch_args:
+            positions = [_resolve_arg(graph, a) for a in self.batch_args]
+        try:
+            analysis = analyse(graph, positions)
+        except BatchError as exc:
+            op = exc.op
+            raise HloplanError(Diagnostic(
+                "error", f"cannot split the batch into microbatches: {exc.message}",
+                op.location if op else None, op=op.name if op else None,
+                notes=("name the batch inputs with --batch-arg NAME, or plan without "
+                       "--microbatches/--stages",))) from None
+        state.facts["batch"] = analysis
+        state.log.remark(analysis.describe(graph))
+
+
+def _resolve_arg(graph: Graph, name: str) -> int:
+    if name.isdigit() and int(name) < len(graph.arguments):
+        return int(name)
+    for position, arg_name in enumerate(graph.argument_names):
+        if arg_name == name:
+            return position
+    raise HloplanError(f"--batch-arg {name!r} names no argument; arguments are: "
+                       + ", ".join(graph.argument_names))
