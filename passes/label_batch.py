@@ -50,13 +50,43 @@ class BatchAnalysis:
 
 def propagate(graph: Graph, batch_args: list[int]) -> tuple[dict[int, int], set[int]]:
     """Batch labels and frontier values from the given argument positions; BatchError if an op
-    mixes or drops the batch in a way microbatching cannot follow."""
+    mixes or drops the batch in a way microbatching cannot follow.
+
+    A loop that accumulates partial sums into a zero-initialised carry (the weight gradients of
+    a scanned backward pass) is a fixpoint the forward sweep cannot reach from below: every
+    zero-initialised carry is first assumed to be a partial sum, and assumptions its loop body
+    does not confirm (a counter starting at 0) are dropped until the labels are consistent."""
+    zeros = zero_values(graph)
+    assumed = {op.results[0] for op in graph.ops
+               if op.name == "while.carry" and op.operands[0] in zeros and "yield" in op.attrs
+               and graph.type_of(op.results[0]).dtype.startswith(("f", "bf"))}  # not counters
+    order = sorted(assumed, key=lambda v: graph.values[v].producer)
+    while True:
+        try:
+            label, frontier = _propagate(graph, batch_args, assumed)
+        except BatchError:
+            if not assumed:
+                raise
+            assumed.discard(next(v for v in order if v in assumed))  # a wrong assumption
+            continue
+        wrong = [op.results[0] for op in graph.ops if op.results and op.results[0] in assumed
+                 and op.attrs.get("yield") not in frontier]
+        if not wrong:
+            return label, frontier
+        # Drop the first wrong assumption only: a wrong assumption upstream (a forward loop's
+        # residual buffer) can spoil a right one downstream (the backward loop's gradients).
+        assumed.discard(wrong[0])
+
+
+def _propagate(graph: Graph, batch_args: list[int], assumed: set[int]) -> tuple[dict[int, int], set[int]]:
     label: dict[int, int] = {}
-    frontier: set[int] = set()
+    frontier: set[int] = set(assumed)
     for position in batch_args:
         label[graph.arguments[position]] = 0
     rules = {}
     free = free_values(graph)
+    zeros = zero_values(graph)
+    tainted: set[int] = set()  # computed from partial sums non-linearly: part B
     for _ in range(8):  # loops carry labels around: iterate to a fixpoint
         changed = False
         for op in graph.ops:
@@ -65,9 +95,16 @@ def propagate(graph: Graph, batch_args: list[int]) -> tuple[dict[int, int], set[
             inputs = list(op.operands)
             if op.name == "while.carry" and "yield" in op.attrs:
                 inputs.append(op.attrs["yield"])
-            if any(v in frontier for v in inputs):
-                if op.name not in ("while.carry",):
-                    continue  # part B (checked later) or a part-A use of a partial sum
+            if any(v in frontier or v in tainted for v in inputs):
+                if any(v in label for v in inputs):
+                    continue  # part B reading per-example values: split_parts explains
+                result = _linear_in_frontier(graph, op, inputs, frontier, tainted, zeros)
+                target = frontier if result else tainted
+                for value_id in op.results:
+                    if value_id not in target:
+                        target.add(value_id)
+                        changed = True
+                continue
             labelled = [(k, v) for k, v in enumerate(inputs) if v in label]
             if not labelled:
                 continue
@@ -107,6 +144,54 @@ def free_values(graph: Graph) -> set[int]:
                 op.name in FREE_IF_INPUTS_FREE and all(v in free for v in op.operands)):
             free.update(op.results)
     return free
+
+
+def zero_values(graph: Graph) -> set[int]:
+    """Values that are all zeros: splat 0 constants and broadcasts/reshapes of them."""
+    zeros: set[int] = set()
+    for op in graph.ops:
+        if (op.name == "stablehlo.constant" and op.attrs.get("splat") in (0, 0.0)) or (
+                op.name in FREE_IF_INPUTS_FREE and op.operands
+                and all(v in zeros for v in op.operands)):
+            zeros.update(op.results)
+    return zeros
+
+
+# Ops linear in each operand (sum over microbatches commutes with them when every operand is a
+# partial sum or zero).
+_LINEAR_ALL = {"stablehlo.add", "stablehlo.subtract", "stablehlo.concatenate", "case.result"}
+# Ops linear in one operand when the others are invariant (not per-example, not partial sums).
+_LINEAR_ONE = {"stablehlo.negate", "stablehlo.convert", "stablehlo.reshape", "stablehlo.transpose",
+               "stablehlo.broadcast_in_dim", "stablehlo.slice", "stablehlo.dynamic_slice",
+               "stablehlo.multiply", "stablehlo.dot_general", "barrier.result", "stablehlo.reverse",
+               "stablehlo.copy"}
+
+
+def _linear_in_frontier(graph: Graph, op: Op, inputs: list[int], frontier: set[int],
+                        tainted: set[int], zeros: set[int]) -> bool:
+    """Whether `op` maps partial sums to a partial sum (so it may run per microbatch)."""
+    partial = [k for k, v in enumerate(inputs) if v in frontier]
+    if any(v in tainted for v in inputs) or not partial:
+        return False
+    name = op.name
+    if name in _LINEAR_ALL:
+        return all(v in frontier or v in zeros for v in inputs)
+    if name in _LINEAR_ONE:
+        return len(partial) == 1
+    if name == "stablehlo.divide":
+        return partial == [0]
+    if name == "stablehlo.reduce":
+        return op.attrs.get("combiner") == "stablehlo.add" and len(partial) == 1 and partial == [0]
+    if name == "stablehlo.pad":
+        return partial == [0] and inputs[1] in zeros
+    if name == "stablehlo.dynamic_update_slice":
+        return 1 in partial and (inputs[0] in frontier or inputs[0] in zeros) and all(
+            v not in frontier for v in inputs[2:])
+    if name == "stablehlo.select":
+        return 0 not in partial and all(v in frontier or v in zeros for v in inputs[1:])
+    if name == "while.carry":  # a loop accumulating partial sums into a zero-initialised carry
+        return all(v in frontier or v in zeros for v in inputs)
+    return False
 
 
 def _broadcast_to_batch(graph: Graph, value_id: int, dim: int, label: dict[int, int],
@@ -230,17 +315,16 @@ def split_parts(graph: Graph, label: dict[int, int], frontier: set[int]) -> tupl
     all_units = units(graph)
     for index, members in all_units.items():
         reads, produced = unit_io(graph, members)
-        in_b = any(value_kind.get(v) == "B" for v in reads) or bool(reads & frontier)
+        # Partial sums feed part B, unless the unit maps them linearly to partial sums (then
+        # it runs per microbatch and its results are summed instead).
+        reads_partial = bool(reads & frontier) and not (produced and produced <= frontier)
+        in_b = any(value_kind.get(v) == "B" for v in reads) or reads_partial
         in_a = any(v in label for v in reads | produced) or bool(produced & frontier)
-        if in_b:
+        if in_b and any(v in label for v in reads):
             top = graph.ops[index]
-            if any(v in label for v in reads):
-                raise BatchError(top, f"'{top.name}' reads a per-example value after the batch "
-                                 "was summed (batch statistics, as in BatchNorm): microbatching "
-                                 "would change the result")
-            if produced & frontier:
-                raise BatchError(top, f"'{top.name}' sums over the batch after a value summed "
-                                 "over it was used")
+            raise BatchError(top, f"'{top.name}' reads a per-example value after the batch "
+                             "was summed (batch statistics, as in BatchNorm): microbatching "
+                             "would change the result")
         kind = "B" if in_b else "A" if in_a else "I"
         kinds[index] = kind
         for v in produced:

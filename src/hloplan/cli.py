@@ -89,9 +89,16 @@ def main() -> None:
 @click.option("--time-passes", is_flag=True, help="print the wall time of each step to stderr")
 @click.option("--reproducer", "reproducer", default=None, metavar="DIR",
               help="save input, options and the sharding problem to DIR for a bug report")
+@click.option("--stages", default=None, metavar="auto|N",
+              help="pipeline stages over the first mesh axis ('auto': only if it beats one stage)")
+@click.option("--microbatches", default=None, metavar="auto|M", help="microbatches per step")
+@click.option("--schedule", type=click.Choice(["gpipe", "1f1b"]), default="1f1b", show_default=True)
+@click.option("--batch-arg", "batch_args", multiple=True, metavar="NAME",
+              help="an input that carries the batch (repeatable; default: found automatically)")
 @click.option("-q", "--quiet", is_flag=True, help="print errors only")
 def compile_command(input_path, mesh, output, device, memory_budget, time_limit, solver, hosts,
-                    fmt, print_after, time_passes, reproducer, quiet):
+                    fmt, print_after, time_passes, reproducer, stages, microbatches, schedule,
+                    batch_args, quiet):
     """Plan INPUT (StableHLO .mlir, bytecode, portable artifact or serialized Exported; '-' for
     stdin) for a device mesh and write the plan directory."""
     from hloplan import ir
@@ -114,7 +121,8 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
                 click.echo(f"// -----// IR Dump After {name} //----- //", err=True)
                 click.echo(ir.module_text(state.program.module), err=True)
 
-        result = compile_bytes(data, filename, options, after_pass=after_pass)
+        pipeline = _pipeline_options(stages, microbatches, schedule, batch_args)
+        result = compile_bytes(data, filename, options, after_pass=after_pass, pipeline=pipeline)
         if reproducer:
             _write_problem_reproducer(reproducer, data, filename, result.state)
         if output:
@@ -147,6 +155,24 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
             click.echo(result.files["module.mlir"].decode(), nl=False)
 
 
+def _pipeline_options(stages, microbatches, schedule, batch_args):
+    from hloplan.pipelining import PipelineOptions
+
+    if stages is None and microbatches is None and not batch_args:
+        return None
+
+    def count(text, flag):
+        if text is None or text == "auto":
+            return None
+        if not text.isdigit() or int(text) < 1:
+            raise UsageError(f"{flag} must be 'auto' or a positive integer, not {text!r}")
+        return int(text)
+
+    return PipelineOptions(stages=count(stages, "--stages"),
+                           microbatches=count(microbatches, "--microbatches"),
+                           schedule=schedule, batch_args=tuple(batch_args))
+
+
 def _summary(plan: dict, output: str | None) -> None:
     from hloplan.units import format_bytes, format_seconds
 
@@ -160,6 +186,14 @@ def _summary(plan: dict, output: str | None) -> None:
         f"solver {solver['name']}: {solver['status']}, gap {solver['gap']:.2%}, "
         f"{solver['variables']} variables, {solver['constraints']} constraints",
     ]
+    pipe = plan.get("pipeline")
+    if pipe and pipe.get("stages", 1) * pipe.get("microbatches", 1) > 1:
+        est = pipe["estimate"]
+        lines.append(f"pipeline: {pipe['stages']} stages x {pipe['microbatches']} microbatches "
+                     f"({pipe['schedule']}), estimated step {format_seconds(est['step_time_s'])}, "
+                     f"bubble {est['bubble_fraction']:.0%}")
+    elif pipe:
+        lines.append("pipeline: none (one stage is estimated fastest)")
     if output:
         lines.append(f"wrote {output}/")
     for line in lines:
@@ -185,14 +219,26 @@ def _write_problem_reproducer(directory: str, data: bytes, filename: str, state)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--rtol", default=1e-4, show_default=True)
 @click.option("--atol", default=1e-5, show_default=True)
+@click.option("--processes", type=click.IntRange(min=1), default=None, metavar="N",
+              help="run as a jax.distributed job of N local CPU processes on loopback "
+                   "(mesh devices / N simulated devices each)")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0,
+              show_default=True, help="with --processes: seconds before all processes are stopped")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def run_command(plan_dir, check, inputs, seed, rtol, atol, fmt):
-    """Run the plan in PLAN_DIR on the visible devices (simulated CPU devices are fine)."""
+def run_command(plan_dir, check, inputs, seed, rtol, atol, processes, timeout, fmt):
+    """Run the plan in PLAN_DIR on the visible devices (simulated CPU devices are fine), or with
+    --processes N across N local processes."""
     from hloplan.check import check_plan, format_report
 
     try:
-        report = check_plan(plan_dir, inputs=inputs, seed=seed, rtol=rtol, atol=atol,
-                            compare=check)
+        if processes is not None:
+            from hloplan.multiprocess import run_plan_processes
+
+            report = run_plan_processes(plan_dir, processes, inputs=inputs, seed=seed, rtol=rtol,
+                                        atol=atol, compare=check, timeout=timeout)
+        else:
+            report = check_plan(plan_dir, inputs=inputs, seed=seed, rtol=rtol, atol=atol,
+                                compare=check)
     except HloplanError as exc:
         _fail(exc, plan_dir, fmt)
         return

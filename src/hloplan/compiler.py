@@ -11,7 +11,10 @@ from hloplan.cost_models import DeviceModelError, load_device_model
 from hloplan.diagnostics import HloplanError, UsageError
 from hloplan.emit.artifact import render, write_plan_dir
 from hloplan.mesh import MeshError, MeshSpec, parse_mesh
+from hloplan.passes.extract_graph import ExtractGraph
+from hloplan.passes.inline_calls import InlineCalls
 from hloplan.pipeline import run_pipeline
+from hloplan.pipelining import PipelineOptions
 from hloplan.state import CompileOptions, CompileState
 from hloplan.units import parse_bytes
 
@@ -56,18 +59,40 @@ def make_options(mesh: str | MeshSpec, device: str = "h100", memory_budget: str 
                           time_limit=time_limit, solver=solver, hosts=hosts)
 
 
-def compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pass=None) -> CompileResult:
+def compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pass=None,
+                  pipeline: PipelineOptions | None = None) -> CompileResult:
+    """Plan `data`; with `pipeline` options, also consider (or force) pipeline stages and
+    microbatches, keeping whichever plan the cost model prefers."""
     started = time.perf_counter()
     program = ir.load_program(data, filename)
     parse_time = time.perf_counter() - started
     original_text = ir.module_text(program.module)
     state = run_pipeline(program, options, after_pass=after_pass)
+    timings = {"parse": parse_time, **state.timings}
+    pipelined = None
+    if pipeline is not None:
+        pipe_start = time.perf_counter()
+        pipelined = _plan_pipeline(data, filename, options, pipeline, state)
+        timings["pipeline"] = time.perf_counter() - pipe_start
     emit_start = time.perf_counter()
-    files = render(state, data, original_text)
-    timings = {"parse": parse_time, **state.timings, "emit": time.perf_counter() - emit_start}
+    files = render(state, data, original_text, pipelined)
+    timings["emit"] = time.perf_counter() - emit_start
     if state.stats is not None:
         timings["solver_seconds"] = state.stats.seconds
     return CompileResult(state, files, timings)
+
+
+def _plan_pipeline(data: bytes, filename: str, options: CompileOptions,
+                   pipeline: PipelineOptions, single: CompileState):
+    """Plan the pipelined alternative on a fresh copy of the program (the single-stage state's
+    module already carries its own shardings)."""
+    from hloplan.pipelining import plan_pipeline
+    from hloplan.solver.evaluate import evaluate
+
+    program = ir.load_program(data, filename)
+    state = run_pipeline(program, options, [InlineCalls(), ExtractGraph()])
+    single_seconds = evaluate(single.problem, single.solution).total
+    return plan_pipeline(state, options, pipeline, single_seconds), state
 
 
 def compile(path_or_bytes, mesh: str | MeshSpec, output: str | None = None, **kwargs) -> CompileResult:
@@ -80,10 +105,12 @@ def compile(path_or_bytes, mesh: str | MeshSpec, output: str | None = None, **kw
             data = Path(filename).read_bytes()
         except OSError as exc:
             raise UsageError(f"cannot read {filename}: {exc.strerror}") from None
-    result = compile_bytes(data, filename, make_options(mesh, **kwargs))
+    pipeline = kwargs.pop("pipeline", None)
+    result = compile_bytes(data, filename, make_options(mesh, **kwargs), pipeline=pipeline)
     if output is not None:
         result.write(output)
     return result
 
 
-__all__ = ["CompileResult", "HloplanError", "compile", "compile_bytes", "make_options"]
+__all__ = ["CompileResult", "HloplanError", "PipelineOptions", "compile", "compile_bytes",
+           "make_options"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from jax.extend.lowering import upstream_dialects
 from jaxlib.mlir import ir, passmanager
+from jaxlib.mlir.dialects import func as func_dialect
 from jaxlib.mlir.dialects import sdy, stablehlo
 
 from hloplan.diagnostics import Diagnostic, HloplanError, SourceLoc
@@ -409,6 +410,9 @@ class Handles:
 
     ops: dict[int, tuple[object, tuple[int, ...]]] = field(default_factory=dict)
     main: object | None = None
+    value_ids: dict = field(default_factory=dict)  # ir.Value -> graph value id
+    top_values: dict[int, object] = field(default_factory=dict)  # value id -> ir.Value in main
+    top_ops: dict[int, object] = field(default_factory=dict)  # top-level unit op index -> MLIR op
 
 
 class _Extractor:
@@ -439,9 +443,11 @@ class _Extractor:
             op = self.graph.add_op("arg", (), [type_], location=loc, label=label or f"arg{index}",
                                    attrs={"index": index})
             self.values[arg] = op.results[0]
+            self.handles.top_values[op.results[0]] = arg
             self.graph.arguments.append(op.results[0])
             self.graph.argument_names.append(label or f"arg{index}")
         self.block(block, parent=None, region=0, multiplier=1.0, is_main=True)
+        self.handles.value_ids = self.values
         result_attrs = main.operation.attributes["res_attrs"] if "res_attrs" in main.operation.attributes else None
         for i, _ in enumerate(self.graph.outputs):
             name = f"result[{i}]"
@@ -466,24 +472,36 @@ class _Extractor:
 
     def block(self, block, parent, region, multiplier, is_main=False) -> list[int]:
         """Extract ops of a block; returns the value ids of its terminator's operands."""
+        self._returned: list[int] = []
         for op in block.operations:
-            name = op_name(op)
-            if name in ("func.return", "stablehlo.return"):
-                returned = [self.value(op, v) for v in op.operation.operands]
-                if is_main:
-                    self.graph.outputs = returned
-                return returned
-            if name == "func.call":
-                raise self.fail(op, "func.call remains after inlining")
-            if name == "stablehlo.while":
-                self.while_op(op, parent, region, multiplier)
-            elif name == "stablehlo.case" or name == "stablehlo.if":
-                self.case_op(op, parent, region, multiplier)
-            elif name == "stablehlo.optimization_barrier":
-                self.per_result_op(op, parent, region, multiplier, "barrier.result")
-            else:
-                self.plain_op(op, parent, region, multiplier)
+            first = len(self.graph.ops)
+            self._block_op(op, parent, region, multiplier, is_main)
+            if is_main and len(self.graph.ops) > first:
+                self.handles.top_ops[first] = op
+                for value in op.operation.results:
+                    if value in self.values:
+                        self.handles.top_values[self.values[value]] = value
+            if op_name(op) in ("func.return", "stablehlo.return"):
+                return self._returned
         return []
+
+    def _block_op(self, op, parent, region, multiplier, is_main) -> None:
+        name = op_name(op)
+        if name in ("func.return", "stablehlo.return"):
+            self._returned = [self.value(op, v) for v in op.operation.operands]
+            if is_main:
+                self.graph.outputs = self._returned
+            return
+        if name == "func.call":
+            raise self.fail(op, "func.call remains after inlining")
+        if name == "stablehlo.while":
+            self.while_op(op, parent, region, multiplier)
+        elif name == "stablehlo.case" or name == "stablehlo.if":
+            self.case_op(op, parent, region, multiplier)
+        elif name == "stablehlo.optimization_barrier":
+            self.per_result_op(op, parent, region, multiplier, "barrier.result")
+        else:
+            self.plain_op(op, parent, region, multiplier)
 
     def common(self, op, parent, region, multiplier) -> dict:
         loc, label = op_location(op)
@@ -663,6 +681,11 @@ def op_attributes(op) -> dict:
         out["target"] = ir.StringAttr(attrs["call_target_name"]).value
     if name == "stablehlo.compare":
         out["direction"] = str(attrs["comparison_direction"])
+    if name == "stablehlo.constant":
+        value = attrs["value"]
+        if isinstance(value, ir.DenseElementsAttr) and value.is_splat:
+            splat = value.get_splat_value()
+            out["splat"] = getattr(splat, "value", None)
     return out
 
 
@@ -678,6 +701,165 @@ def _combiner(op) -> str:
 def extract_graph(module: ir.Module, filename: str) -> tuple[Graph, Handles]:
     with module.context:
         return _Extractor(module, filename).run()
+
+
+# --------------------------------------------------------------------------------------------
+# Cutting the program into functions (microbatch parts, pipeline stages)
+# --------------------------------------------------------------------------------------------
+
+
+def build_function(module: ir.Module, handles: Handles, graph: Graph, units: list[int],
+                   inputs: list[int], outputs: list[int], batch_dims: dict[int, int] | None = None,
+                   microbatches: int = 1, name: str = "main") -> ir.Module:
+    """A new module whose @main computes `outputs` (value ids) from `inputs` (value ids) with
+    clones of the top-level `units` (graph op indices, program order) of `module`'s main.
+
+    With `batch_dims` (value id -> batch dim), every such value's batch dim is divided by
+    `microbatches`: ops are rebuilt with the smaller types (regions included), splat constants
+    re-made, and size attributes on that dim (slice limits, slice sizes) rescaled.
+    Constants the units read from outside them are cloned in."""
+    context = module.context
+    batch_dims = batch_dims or {}
+    value_ids = handles.value_ids
+
+    def new_type(value) -> ir.Type | None:
+        value_id = value_ids.get(value)
+        if value_id is None or value_id not in batch_dims:
+            return None
+        type_ = value.type
+        shape = list(type_.shape)
+        dim = batch_dims[value_id]
+        if shape[dim] % microbatches:
+            raise HloplanError(f"batch of {shape[dim]} does not split into {microbatches} microbatches")
+        shape[dim] //= microbatches
+        return ir.RankedTensorType.get(shape, type_.element_type)
+
+    with context, ir.Location.unknown():
+        new_module = ir.Module.create()
+        for op in module.body.operations:
+            if op_name(op) == "sdy.mesh":
+                op.operation.clone(ir.InsertionPoint(new_module.body))
+        in_types = [new_type(handles.top_values[v]) or handles.top_values[v].type for v in inputs]
+        with ir.InsertionPoint(new_module.body):
+            func_op = func_dialect.FuncOp(name, ir.FunctionType.get(in_types, []))
+            func_op.attributes["sym_visibility"] = ir.StringAttr.get("public")
+            entry = func_op.add_entry_block()
+        mapping: dict = {}
+        for value_id, arg in zip(inputs, entry.arguments):
+            mapping[handles.top_values[value_id]] = arg
+        insertion = ir.InsertionPoint(entry)
+        seen: list = []
+        for unit in units:
+            op = handles.top_ops.get(unit) or handles.ops[unit][0]
+            if any(op == other for other in seen):
+                continue
+            seen.append(op)
+            _clone_needed_constants(op, mapping, insertion)
+            _rebuild(op, insertion, mapping, new_type, batch_dims, value_ids, microbatches)
+        results = [mapping.get(handles.top_values[v], handles.top_values[v]) for v in outputs]
+        with insertion:
+            func_dialect.ReturnOp(results)
+        func_op.attributes["function_type"] = ir.TypeAttr.get(
+            ir.FunctionType.get(in_types, [r.type for r in results]))
+        new_module.operation.verify()
+    return new_module
+
+
+def _clone_needed_constants(op, mapping: dict, insertion) -> None:
+    for operand in _outside_operands(op):
+        owner = operand.owner
+        if operand in mapping or isinstance(owner, ir.Block):
+            continue
+        if owner.name == "stablehlo.constant":
+            clone = owner.clone(insertion)
+            mapping[operand] = clone.results[0]
+
+
+def _outside_operands(op) -> list:
+    inside = _defined_in_op(op)
+    out = []
+    for inner in [op, *(_walk_ops_of(op))]:
+        for operand in inner.operation.operands:
+            if operand not in inside:
+                out.append(operand)
+    return out
+
+
+def _walk_ops_of(op) -> list:
+    out = []
+    for region in op.operation.regions:
+        for block in region.blocks:
+            out.extend(_walk_ops(block))
+    return out
+
+
+def _defined_in_op(op) -> set:
+    values = set()
+    for region in op.operation.regions:
+        for block in region.blocks:
+            values |= _defined_in(block)
+    return values
+
+
+_SIZE_ATTRS = {"stablehlo.slice": ("limit_indices", "result"),
+               "stablehlo.dynamic_slice": ("slice_sizes", "result")}
+
+
+def _rebuild(op, insertion, mapping: dict, new_type, batch_dims, value_ids, microbatches) -> None:
+    operation = op.operation
+    changed = any(new_type(r) is not None for r in operation.results) or any(
+        new_type(a) is not None for r in operation.regions for b in r.blocks for a in b.arguments) or any(
+        new_type(r) is not None for inner in _walk_ops_of(op) for r in inner.operation.results)
+    if not changed:
+        clone = operation.clone(insertion)
+        _remap_operands(clone, mapping)
+        for old, new in zip(operation.results, clone.results):
+            mapping[old] = new
+        return
+    name = operation.name
+    result_types = [new_type(r) or r.type for r in operation.results]
+    attributes = {operation.attributes[i].name: operation.attributes[i].attr
+                  for i in range(len(operation.attributes))}
+    if name == "stablehlo.constant":
+        attr = attributes["value"]
+        if not attr.is_splat:
+            raise HloplanError("a constant with the batch size in its shape is not a splat; "
+                               "it cannot be split into microbatches")
+        attributes["value"] = ir.DenseElementsAttr.get_splat(result_types[0], attr.get_splat_value())
+    if name in _SIZE_ATTRS:
+        key, _ = _SIZE_ATTRS[name]
+        sizes = list(ir.DenseI64ArrayAttr(attributes[key]))
+        result_id = value_ids.get(operation.results[0])
+        if result_id in batch_dims:
+            dim = batch_dims[result_id]
+            sizes[dim] = ir.RankedTensorType(result_types[0]).shape[dim] + (
+                sizes[dim] - operation.results[0].type.shape[dim] if key == "limit_indices" else 0)
+        attributes[key] = ir.DenseI64ArrayAttr.get(sizes)
+    if name == "stablehlo.gather":
+        sizes = list(ir.DenseI64ArrayAttr(attributes["slice_sizes"]))
+        operand = operation.operands[0]
+        if new_type(operand) is not None:
+            dim = batch_dims[value_ids[operand]]
+            if sizes[dim] == operand.type.shape[dim]:
+                sizes[dim] = ir.RankedTensorType(new_type(operand)).shape[dim]
+            attributes["slice_sizes"] = ir.DenseI64ArrayAttr.get(sizes)
+    operands = [mapping.get(v, v) for v in operation.operands]
+    new = ir.Operation.create(name, results=result_types, operands=operands,
+                              attributes=attributes, regions=len(operation.regions),
+                              loc=operation.location, ip=insertion)
+    for old_region, new_region in zip(operation.regions, new.regions):
+        for old_block in old_region.blocks:
+            arg_types = [new_type(a) or a.type for a in old_block.arguments]
+            block = ir.Block.create_at_start(new_region, arg_types,
+                                             [a.location for a in old_block.arguments])
+            for old_arg, new_arg in zip(old_block.arguments, block.arguments):
+                mapping[old_arg] = new_arg
+            inner_insertion = ir.InsertionPoint(block)
+            for inner in old_block.operations:
+                _rebuild(inner, inner_insertion, mapping, new_type, batch_dims, value_ids,
+                         microbatches)
+    for old, new_result in zip(operation.results, new.results):
+        mapping[old] = new_result
 
 
 # --------------------------------------------------------------------------------------------

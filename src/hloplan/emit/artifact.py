@@ -24,6 +24,7 @@ from hloplan.state import CompileState
 MODULE_FILE = "module.mlir"
 REFERENCE_FILE = "reference.jaxexport"
 LOADER_FILE = "loader.py"
+PIPELINE_LOADER_FILE = "pipeline_loader.py"
 TIMINGS_FILE = "timings.json"
 
 
@@ -66,16 +67,34 @@ def sharded_exported(state: CompileState, reference):
         out_specs=out_specs)
 
 
-def render(state: CompileState, input_bytes: bytes, original_module_text: str) -> dict[str, bytes]:
+def render(state: CompileState, input_bytes: bytes, original_module_text: str,
+           pipelined=None) -> dict[str, bytes]:
+    """All files of the plan directory. `pipelined` is (PipelinePlan | marker | None, the state
+    the pipeline was cut from) when pipelining was considered."""
     reference = reference_exported(state, original_module_text)
     sharded = sharded_exported(state, reference)
+    package = resources.files("hloplan.emit")
     files = {
         MODULE_FILE: ir.module_text(state.program.module).encode(),
         EXPORTED_FILE: bytes(sharded.serialize()),
         REFERENCE_FILE: bytes(reference.serialize()),
-        LOADER_FILE: resources.files("hloplan.emit").joinpath("loader.py").read_bytes(),
+        LOADER_FILE: package.joinpath("loader.py").read_bytes(),
     }
+    pipeline_section = None
+    if pipelined is not None:
+        from hloplan.pipelining import PipelinePlan, describe, task_files
+
+        plan_, pipe_state = pipelined
+        if isinstance(plan_, PipelinePlan):
+            files.update(task_files(plan_))
+            files[PIPELINE_LOADER_FILE] = package.joinpath("pipeline_loader.py").read_bytes()
+            pipeline_section = describe(plan_, pipe_state)
+        elif plan_ is not None:
+            pipeline_section = {"stages": 1, "microbatches": 1, "candidates": plan_.candidates,
+                                "chosen": "single stage: no pipeline beats it under the cost model"}
     plan = build_plan(state, input_bytes, {name: name for name in sorted(files)})
+    if pipeline_section is not None:
+        plan["pipeline"] = pipeline_section
     files[PLAN_FILE] = dumps(plan).encode()
     return files
 
@@ -95,6 +114,7 @@ def write_plan_dir(output: str | os.PathLike, files: dict[str, bytes], timings: 
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=parent))
     try:
         for name, data in files.items():
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
             (staging / name).write_bytes(data)
         (staging / TIMINGS_FILE).write_text(json.dumps(timings, indent=1, sort_keys=True) + "\n")
         if target.exists():

@@ -1,0 +1,296 @@
+"""cut-pipeline: assign every top-level op to a pipeline stage and group ops into tasks.
+
+Plain data in (the graph, the batch analysis), plain data out (`PipelineCut`):
+- forward ops of the per-microbatch part are cut into `stages` contiguous groups of balanced
+  cost (the cut minimising the most expensive stage);
+- a backward op goes to the stage of the forward values it reads (its residuals), else to the
+  lowest stage among the backward values it reads (gradients flow down the stages);
+- per-step ops (the optimizer) go to the highest stage among what they read, so a parameter's
+  update runs where its gradient is;
+- ops that read only parameters and constants (invariant) are cloned into each task using them.
+Within a part, a task is the ops of one stage between two crossings of a stage boundary, so the
+task graph is acyclic by construction: phase(op) = max over its inputs of phase(input) + 1 if
+the input comes from another stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hloplan.graph import Graph
+from hloplan.op_rules import rule_for
+from hloplan.passes.label_batch import BatchAnalysis, unit_io, units
+
+BACKWARD_MARK = "transpose("  # jax names ops of the backward pass "transpose(jvp(...))/..."
+
+
+@dataclass
+class Task:
+    index: int
+    part: str  # "A": per microbatch, "B": once per step
+    stage: int
+    phase: int
+    units: list[int] = field(default_factory=list)  # top-level op indices, program order
+    inputs: list[int] = field(default_factory=list)  # value ids
+    outputs: list[int] = field(default_factory=list)  # value ids
+    cost: float = 0.0  # FLOPs (relative balance only)
+
+    @property
+    def name(self) -> str:
+        return f"{self.part.lower()}{self.stage}_{self.phase}"
+
+
+@dataclass
+class PipelineCut:
+    stages: int
+    tasks: list[Task]
+    stage_of_arg: dict[int, int]  # argument value id -> stage holding it
+    stage_cost: list[float]  # per-microbatch FLOPs per stage
+    forward_units: int = 0
+    backward_units: int = 0
+
+
+def unit_cost(graph: Graph, members) -> float:
+    total = 0.0
+    for op in members:
+        if op.name in ("stablehlo.while", "stablehlo.case", "stablehlo.if", "arg"):
+            continue
+        total += rule_for(graph, op).flops * op.multiplier
+    return total
+
+
+def balanced_cut(costs: list[float], parts: int) -> list[int]:
+    """Start index of each part, for contiguous parts minimising the largest part's cost
+    (binary search on the bound with a greedy fill)."""
+    n = len(costs)
+    if parts <= 1 or n == 0:
+        return [0]
+    parts = min(parts, n)
+
+    def fill(limit: float) -> list[int] | None:
+        starts, running = [0], 0.0
+        for i, cost in enumerate(costs):
+            if running + cost > limit and running > 0:
+                starts.append(i)
+                running = 0.0
+            running += cost
+        return starts if len(starts) <= parts else None
+
+    low, high = max(costs), sum(costs)
+    for _ in range(60):
+        mid = (low + high) / 2
+        if fill(mid) is None:
+            low = mid
+        else:
+            high = mid
+    starts = fill(high) or [0]
+    # Use every stage: split the largest parts until there are `parts` of them.
+    while len(starts) < parts:
+        bounds = starts + [n]
+        widths = [(sum(costs[bounds[i]:bounds[i + 1]]), i) for i in range(len(starts))
+                  if bounds[i + 1] - bounds[i] > 1]
+        if not widths:
+            break
+        _, i = max(widths)
+        lo, hi = bounds[i], bounds[i + 1]
+        half, acc, split = sum(costs[lo:hi]) / 2, 0.0, lo + 1
+        for j in range(lo, hi - 1):
+            acc += costs[j]
+            if acc >= half:
+                split = j + 1
+                break
+        starts.insert(i + 1, split)
+    return starts
+
+
+def cut(graph: Graph, analysis: BatchAnalysis, stages: int) -> PipelineCut:
+    all_units = units(graph)
+    io = {u: unit_io(graph, members) for u, members in all_units.items()}
+    producer_unit = {v: u for u, (_, produced) in io.items() for v in produced}
+    args = set(graph.arguments)
+    invariant = {u for u in all_units if u not in _dependent_units(graph, all_units, io, analysis)}
+    # An invariant unit that yields a program result is computed once, in part B.
+    outputs = set(graph.outputs)
+    owned = {u for u in invariant if io[u][1] & outputs}
+    invariant -= owned
+    part_a = [u for u in sorted(analysis.part_a) if u not in invariant]
+    part_b = sorted({u for u in analysis.part_b if u not in invariant} | owned)
+
+    def is_backward(u: int) -> bool:
+        return BACKWARD_MARK in (graph.ops[u].label or "")
+
+    forward = [u for u in part_a if not is_backward(u)]
+    backward = [u for u in part_a if is_backward(u)]
+    costs = [unit_cost(graph, all_units[u]) for u in forward]
+    starts = balanced_cut(costs, stages)
+    stage: dict[int, int] = {}
+    for k, u in enumerate(forward):
+        stage[u] = max(i for i, s in enumerate(starts) if s <= k)
+    forward_set = set(forward)
+    for u in backward:
+        reads = io[u][0]
+        fwd = [stage[producer_unit[v]] for v in reads if producer_unit.get(v) in forward_set]
+        bwd = [stage[producer_unit[v]] for v in reads
+               if producer_unit.get(v) in stage and producer_unit[v] not in forward_set]
+        stage[u] = max(fwd) if fwd else min(bwd) if bwd else stages - 1
+    stage_of_arg: dict[int, int] = {}
+    for u in part_a:
+        for v in io[u][0]:
+            if v in args:
+                stage_of_arg.setdefault(v, stage[u])
+    for u in part_b:
+        reads = io[u][0]
+        known = [stage[producer_unit[v]] for v in reads if producer_unit.get(v) in stage]
+        known += [stage_of_arg[v] for v in reads if v in stage_of_arg]
+        stage[u] = max(known) if known else 0
+        for v in reads:
+            if v in args:
+                stage_of_arg.setdefault(v, stage[u])
+    for v in graph.arguments:
+        stage_of_arg.setdefault(v, 0)
+    tasks = _tasks(graph, all_units, io, producer_unit, stage, part_a, part_b, invariant,
+                   analysis, stages)
+    stage_cost = [0.0] * stages
+    for task in tasks:
+        if task.part == "A":
+            stage_cost[task.stage] += task.cost
+    return PipelineCut(stages, tasks, stage_of_arg, stage_cost, len(forward), len(backward))
+
+
+def _dependent_units(graph, all_units, io, analysis: BatchAnalysis) -> set[int]:
+    """Units that depend on the batch (part A) or on a frontier value (part B)."""
+    dependent: set[int] = set()
+    produced_by_dependent: set[int] = set()
+    for u in sorted(all_units):
+        reads, produced = io[u]
+        if (reads & produced_by_dependent or any(v in analysis.label or v in analysis.frontier
+                                                 for v in reads | produced)):
+            dependent.add(u)
+            produced_by_dependent |= produced
+    return dependent
+
+
+def _tasks(graph, all_units, io, producer_unit, stage, part_a, part_b, invariant, analysis,
+           stages) -> list[Task]:
+    phase: dict[int, int] = {}
+    tasks: dict[tuple[str, int, int], Task] = {}
+    for part, members in (("A", part_a), ("B", part_b)):
+        member_set = set(members)
+        for u in members:
+            p = 0
+            for v in io[u][0]:
+                src = producer_unit.get(v)
+                if src in member_set and src in phase:
+                    p = max(p, phase[src] + (1 if stage[src] != stage[u] else 0))
+            phase[u] = p
+            key = (part, stage[u], p)
+            if key not in tasks:
+                tasks[key] = Task(0, part, stage[u], p)
+            tasks[key].units.append(u)
+            tasks[key].cost += unit_cost(graph, all_units[u])
+    ordered = sorted(tasks.values(), key=lambda t: (t.part, t.phase, t.stage))
+    for i, task in enumerate(ordered):
+        task.index = i
+    # Invariant units are cloned into every task that reads them (transitively).
+    for task in ordered:
+        needed: list[int] = []
+        pending = [v for u in task.units for v in io[u][0]]
+        seen: set[int] = set()
+        while pending:
+            v = pending.pop()
+            src = producer_unit.get(v)
+            if src is None or src not in invariant or src in seen:
+                continue
+            seen.add(src)
+            needed.append(src)
+            pending.extend(io[src][0])
+        task.units = sorted(set(task.units) | set(needed))
+    program_outputs = set(graph.outputs)
+    consumers: dict[int, set[int]] = {}
+    for task in ordered:
+        produced = {v for u in task.units for v in io[u][1]}
+        reads = {v for u in task.units for v in io[u][0]} - produced
+        task.inputs = sorted(v for v in reads if _is_input(graph, v, producer_unit, invariant))
+        for v in task.inputs:
+            consumers.setdefault(v, set()).add(task.index)
+    for task in ordered:
+        # Only values visible at the top level can leave a task (not those inside loop bodies).
+        own = {v for u in task.units if u not in invariant for v in io[u][1]
+               if graph.producer(v).parent is None}
+        task.outputs = sorted(v for v in own if v in consumers or v in program_outputs
+                              or v in analysis.frontier)
+    return ordered
+
+
+def _is_input(graph: Graph, v: int, producer_unit, invariant) -> bool:
+    src = producer_unit.get(v)
+    if src is None:
+        return True  # an argument
+    if src in invariant:
+        return False  # cloned into the task
+    return graph.ops[src].name != "stablehlo.constant"
+
+
+def stage_rounds(cut_: PipelineCut) -> dict[int, list[list[int]]]:
+    """Per stage, its part-A tasks in phase order: the first is the stage's forward, the rest its
+    backward (1F1B runs them as one backward step)."""
+    rounds: dict[int, list[list[int]]] = {}
+    for task in cut_.tasks:
+        if task.part == "A":
+            rounds.setdefault(task.stage, []).append([task.index])
+    return rounds
+
+
+def schedule(cut_: PipelineCut, microbatches: int, kind: str) -> list[tuple[int, int]]:
+    """A global dispatch order of (task index, microbatch) for the part-A tasks.
+
+    gpipe: every microbatch through each task in turn (all forwards, then all backwards);
+    1f1b: per stage, warm-up forwards, then alternate one forward / one backward, then drain;
+    the per-stage sequences are merged in an order that respects dependencies."""
+    a_tasks = [t for t in cut_.tasks if t.part == "A"]
+    if kind == "gpipe":
+        order = sorted(a_tasks, key=lambda t: (t.phase, t.stage))
+        return [(t.index, m) for t in order for m in range(microbatches)]
+    per_stage: dict[int, list[Task]] = {}
+    for t in sorted(a_tasks, key=lambda t: t.phase):
+        per_stage.setdefault(t.stage, []).append(t)
+    stages = cut_.stages
+    sequences: dict[int, list[list[tuple[int, int]]]] = {}
+    for s, tasks in per_stage.items():
+        fwd, bwd = tasks[0], tasks[1:]
+        steps: list[list[tuple[int, int]]] = []
+        warmup = min(stages - s - 1, microbatches)
+        f_next = b_next = 0
+        for _ in range(warmup):
+            steps.append([(fwd.index, f_next)])
+            f_next += 1
+        while b_next < microbatches:
+            if f_next < microbatches:
+                steps.append([(fwd.index, f_next)])
+                f_next += 1
+            if bwd:
+                steps.append([(t.index, b_next) for t in bwd])
+            b_next += 1
+        sequences[s] = steps
+    producers: dict[int, set[int]] = {}
+    value_task = {v: t.index for t in a_tasks for v in t.outputs}
+    for t in a_tasks:
+        producers[t.index] = {value_task[v] for v in t.inputs if v in value_task} - {t.index}
+    done: set[tuple[int, int]] = set()
+    order: list[tuple[int, int]] = []
+    cursors = {s: 0 for s in sequences}
+    while any(cursors[s] < len(sequences[s]) for s in sequences):
+        progressed = False
+        for s in sorted(sequences):
+            if cursors[s] >= len(sequences[s]):
+                continue
+            step = sequences[s][cursors[s]]
+            if all((p, m) in done for t, m in step for p in producers[t]):
+                for item in step:
+                    order.append(item)
+                    done.add(item)
+                cursors[s] += 1
+                progressed = True
+        if not progressed:  # should not happen for an acyclic cut: fall back to GPipe order
+            return schedule(cut_, microbatches, "gpipe")
+    return order
