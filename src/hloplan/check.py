@@ -34,14 +34,51 @@ def load_inputs(path: str, count: int):
         raise UsageError(f"{path}: expected arrays arg0..arg{count - 1}: missing {exc}") from None
 
 
+def _compare(got, want: np.ndarray, rtol: float, atol: float) -> tuple[float, bool] | None:
+    """(max abs error, allclose) of one result against the reference; None when empty.  A
+    result spread over several processes is compared shard by shard, on this process's own."""
+    if tuple(got.shape) != want.shape:
+        raise HloplanError(f"result shape {tuple(got.shape)} differs from the reference {want.shape}")
+    if want.size == 0:
+        return None
+    if getattr(got, "is_fully_addressable", True):
+        pairs = [(np.asarray(got), want)]
+    else:
+        seen, pairs = set(), []
+        for shard in got.addressable_shards:
+            key = tuple(s.indices(n) for s, n in zip(shard.index, want.shape))
+            if key not in seen:
+                seen.add(key)
+                pairs.append((np.asarray(shard.data), want[shard.index]))
+    error, match = 0.0, True
+    for g, w in pairs:
+        if g.size == 0:
+            continue
+        if np.issubdtype(g.dtype, np.inexact):
+            error = max(error, float(np.max(np.abs(g.astype(np.float64) - w.astype(np.float64)))))
+            match &= bool(np.allclose(g, w, rtol=rtol, atol=atol, equal_nan=True))
+        else:
+            error = max(error, float(np.max(np.abs(g.astype(np.int64) - w.astype(np.int64)))))
+            match &= bool(np.array_equal(g, w))
+    return error, match
+
+
 def check_plan(plan_dir: str, *, inputs: str | None = None, seed: int = 0, rtol: float = 1e-4,
-               atol: float = 1e-5, compare: bool = True) -> dict:
+               atol: float = 1e-5, compare: bool = True, placement: str = "global") -> dict:
+    """Run the plan on the mesh and (with `compare`) check it against the single-device program.
+
+    Works in every process of a `jax.distributed` job as well: each process builds the same
+    inputs, places its own shards (`placement="global"`: from the full arrays; `"local"`: from
+    this process's part of them, the per-process data-loading path), and compares the shards of
+    the results it holds with the reference run on one of its own devices."""
     import jax
     from jax import export
 
     from hloplan.emit.loader import PlanLoadError, Runner
     from hloplan.hlo_stats import collective_stats, memory_stats
 
+    if placement not in ("global", "local"):
+        raise UsageError(f"unknown placement {placement!r} (global, local)")
     try:
         runner = Runner(plan_dir)
     except PlanLoadError as exc:
@@ -50,29 +87,45 @@ def check_plan(plan_dir: str, *, inputs: str | None = None, seed: int = 0, rtol:
     leaves = (load_inputs(inputs, len(exported.in_avals)) if inputs
               else random_inputs(exported.in_avals, seed))
     args, kwargs = jax.tree.unflatten(exported.in_tree, leaves)
-    outputs = runner(*args, **kwargs)
+    try:
+        if placement == "local":
+            local_args, local_kwargs = runner.local_part(*args, **kwargs)
+            outputs = runner.call_local(*local_args, **local_kwargs)
+        else:
+            outputs = runner(*args, **kwargs)
+    except PlanLoadError as exc:
+        raise UsageError(str(exc)) from None
+    pipeline = runner.plan.get("pipeline", {})
+    pipelined = None
+    if pipeline.get("tasks"):
+        from hloplan.emit.pipeline_loader import PipelineRunner
+
+        pipelined = PipelineRunner(plan_dir)
+        outputs = pipelined(*args, **kwargs)
     report: dict = {"plan": str(plan_dir), "devices": runner.mesh.size,
                     "mesh": dict(zip(runner.mesh.axis_names, runner.mesh.devices.shape))}
+    if jax.process_count() > 1:
+        owners = np.vectorize(lambda d: d.process_index)(runner.mesh.devices)
+        crossing = [name for axis, name in enumerate(runner.mesh.axis_names)
+                    if np.any(owners != np.take(owners, [0], axis=axis))]
+        report.update(process=jax.process_index(), processes=jax.process_count(),
+                      local_devices=len(runner.mesh.local_devices), cross_process_axes=crossing)
     if compare:
         reference = export.deserialize(bytearray((Path(plan_dir) / REFERENCE_FILE).read_bytes()))
-        with jax.default_device(jax.devices()[0]):
+        device = jax.local_devices()[0]
+        with jax.default_device(device):
             expected = jax.jit(reference.call)(*args, **kwargs)
         errors = []
         match = True
         for got, want in zip(jax.tree.leaves(outputs), jax.tree.leaves(expected)):
-            got, want = np.asarray(got), np.asarray(want)
-            if got.shape != want.shape:
-                raise HloplanError(f"result shape {got.shape} differs from the reference {want.shape}")
-            if got.size == 0:
-                continue
-            if np.issubdtype(got.dtype, np.inexact):
-                errors.append(float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)))))
-                match &= bool(np.allclose(got, want, rtol=rtol, atol=atol, equal_nan=True))
-            else:
-                errors.append(float(np.max(np.abs(got.astype(np.int64) - want.astype(np.int64)))))
-                match &= bool(np.array_equal(got, want))
+            result = _compare(got, np.asarray(want), rtol, atol)
+            if result is not None:
+                errors.append(result[0])
+                match &= result[1]
         report["max_abs_error"] = max(errors, default=0.0)
         report["match"] = match
+    if pipelined is not None:
+        return _pipeline_report(report, pipelined, pipeline)
     compiled = runner.lower(*args, **kwargs).compile()
     mesh_axes = tuple(zip(runner.mesh.axis_names, runner.mesh.devices.shape))
     stats = collective_stats(compiled.as_text(), num_devices=runner.mesh.size, mesh_axes=mesh_axes)
@@ -94,14 +147,64 @@ def check_plan(plan_dir: str, *, inputs: str | None = None, seed: int = 0, rtol:
     return report
 
 
+def _pipeline_report(report: dict, pipelined, pipeline: dict) -> dict:
+    """Collectives compiled into each task (part-A tasks counted once per microbatch)."""
+    import jax
+
+    from hloplan.hlo_stats import collective_stats
+
+    totals: dict[str, dict] = {}
+    for task in pipelined.tasks:
+        exported = task["exported"]
+        mesh = pipelined.meshes[task["stage"]]
+        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+                 for a, sh in zip(exported.in_avals, task["in_shardings"])]
+        compiled = task["call"].lower(*avals).compile()
+        stats = collective_stats(compiled.as_text(), num_devices=mesh.size,
+                                 mesh_axes=tuple(zip(mesh.axis_names, mesh.devices.shape)))
+        times = pipeline["microbatches"] if task["part"] == "A" else 1
+        for kind, (count, nbytes) in stats.by_kind().items():
+            slot = totals.setdefault(kind, {"count": 0, "bytes": 0.0})
+            slot["count"] += count * times
+            slot["bytes"] += nbytes * times
+    report["pipeline"] = {key: pipeline[key] for key in ("stages", "microbatches", "schedule")}
+    report["pipeline"]["estimate"] = pipeline["estimate"]
+    report["realised"] = {"collectives": dict(sorted(totals.items())),
+                          "bytes_sent_per_device": sum(t["bytes"] for t in totals.values()),
+                          "memory": {}}
+    report["predicted"] = {"collectives": {}, "peak_memory_bytes": None,
+                           "step_time_s": pipeline["estimate"]["step_time_s"]}
+    return report
+
+
 def format_report(report: dict) -> str:
     from hloplan.units import format_bytes
 
-    lines = [f"ran {report['plan']} on {report['devices']} devices, mesh {report['mesh']}"]
+    where = f"{report['devices']} devices"
+    if report.get("processes", 1) > 1:
+        where += f" in {report['processes']} processes"
+    lines = [f"ran {report['plan']} on {where}, mesh {report['mesh']}"]
     if "match" in report:
         verdict = "matches" if report["match"] else "DIFFERS FROM"
         lines.append(f"result {verdict} the single-device program "
                      f"(max abs error {report['max_abs_error']:.3g})")
+    if report.get("processes", 1) > 1 and "cross_process_axes" in report:
+        line = f"mesh axes across processes: {', '.join(report['cross_process_axes']) or 'none'}"
+        if report.get("planned_links"):
+            links = ", ".join(f"{axis}={link}" for axis, link in report["planned_links"].items())
+            hosts = report.get("planned_hosts")
+            line += f" (planned for {f'{hosts} hosts' if hosts else 'one host'}: {links})"
+        lines.append(line)
+    for entry in report.get("per_process", []) if report.get("processes", 1) > 1 else []:
+        verdict = ""
+        if "match" in entry:
+            verdict = (f": {'matches' if entry['match'] else 'DIFFERS'} "
+                       f"(max abs error {entry['max_abs_error']:.3g})")
+        lines.append(f"  process {entry['process']} ({entry['local_devices']} devices){verdict}")
+    if "pipeline" in report:
+        pipe = report["pipeline"]
+        lines.append(f"pipeline: {pipe['stages']} stages x {pipe['microbatches']} microbatches "
+                     f"({pipe['schedule']}), bubble {pipe['estimate']['bubble_fraction']:.0%}")
     lines.append("collectives      predicted            realised (compiled HLO)")
     kinds = sorted(set(report["predicted"]["collectives"]) | set(report["realised"]["collectives"]))
     for kind in kinds:
@@ -113,6 +216,7 @@ def format_report(report: dict) -> str:
         lines.append("  (none)")
     memory = report["realised"]["memory"]
     peak = memory.get("peak_bytes")
-    lines.append(f"peak memory per device: predicted {format_bytes(report['predicted']['peak_memory_bytes'])}, "
-                 f"compiled {format_bytes(peak) if peak is not None else 'unknown'}")
+    if report["predicted"]["peak_memory_bytes"] is not None:
+        lines.append(f"peak memory per device: predicted {format_bytes(report['predicted']['peak_memory_bytes'])}, "
+                     f"compiled {format_bytes(peak) if peak is not None else 'unknown'}")
     return "\n".join(lines)

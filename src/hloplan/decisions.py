@@ -237,27 +237,40 @@ class _Describer:
         return [[list(a) for a in spec_names(s, self.mesh)] for s in strategy.results]
 
 
-def _cost_phrase(delta: float, label: str) -> str | None:
-    if delta > _EPS:
-        return f"saves {format_seconds(delta)} of {label}"
-    if delta < -_EPS:
-        return f"costs {format_seconds(-delta)} of {label}"
-    return None
+def _join(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _body(alt: Alternative, comm_label: str, reshard_label: str) -> str:
+    """'saves 2.00 KiB per device and 61.0 ns of all-reduce(x) per step, but costs ...'."""
+    saves: list[str] = []
+    costs: list[str] = []
+    if alt.delta_own_memory > 0.5:
+        saves.append(f"{format_bytes(alt.delta_own_memory)} per device")
+    elif alt.delta_own_memory < -0.5:
+        costs.append(f"{format_bytes(-alt.delta_own_memory)} more per device")
+    timed_saves, timed_costs = False, False
+    for delta, label in ((alt.delta_compute, "compute"), (alt.delta_communication, comm_label),
+                         (alt.delta_resharding, reshard_label)):
+        if delta > _EPS:
+            saves.append(f"{format_seconds(delta)} of {label}")
+            timed_saves = True
+        elif delta < -_EPS:
+            costs.append(f"{format_seconds(-delta)} of {label}")
+            timed_costs = True
+    parts = []
+    if saves:
+        parts.append("saves " + _join(saves) + (" per step" if timed_saves else ""))
+    if costs:
+        parts.append("costs " + _join(costs) + (" per step" if timed_costs else ""))
+    return ", but ".join(parts) if parts else "costs the same"
 
 
 def _reason(subject: str, chosen: str, other: str, alt: Alternative, budget: float,
-            comm_label: str, reshard_label: str) -> str:
-    parts = []
-    if alt.delta_own_memory > 0.5:
-        parts.append(f"saves {format_bytes(alt.delta_own_memory)} per device")
-    elif alt.delta_own_memory < -0.5:
-        parts.append(f"uses {format_bytes(-alt.delta_own_memory)} more per device")
-    times = [p for p in (_cost_phrase(alt.delta_compute, "compute"),
-                         _cost_phrase(alt.delta_communication, comm_label),
-                         _cost_phrase(alt.delta_resharding, reshard_label)) if p]
-    if times:
-        parts.append(", ".join(times) + " per step")
-    body = " and ".join(parts) if parts else "costs the same"
+            comm_label: str, reshard_label: str, noise: float = _EPS) -> str:
+    """One sentence: what the chosen strategy saves and costs against `other`, and the verdict.
+    Step-time differences within `noise` seconds count as equal (solver tolerances)."""
+    body = _body(alt, comm_label, reshard_label)
     text = f"{subject} as {chosen} instead of {other} {body}"
     if not alt.feasible:
         if alt.peak_memory > budget + MEMORY_RTOL * abs(budget):
@@ -267,9 +280,9 @@ def _reason(subject: str, chosen: str, other: str, alt: Alternative, budget: flo
             text += f"; {other} is infeasible"
         return text
     verdicts = []
-    if alt.delta_total > _EPS:
+    if alt.delta_total > noise:
         verdicts.append(f"be {format_seconds(alt.delta_total)} slower per step")
-    elif alt.delta_total < -_EPS:
+    elif alt.delta_total < -noise:
         verdicts.append(f"be {format_seconds(-alt.delta_total)} faster per step "
                         "(the plan is not proven optimal)")
     if alt.delta_peak_memory > 0.5:
@@ -345,6 +358,9 @@ def top_decisions(state: CompileState, count: int = 10) -> list[dict]:
     describe = _Describer(state, index)
     graph, space, problem = state.graph, state.space, state.problem
     budget = problem.memory_budget
+    # The solver stops within a relative gap of 1e-6 (ilp._MIP_REL_GAP): differences below that
+    # are ties, not reasons.
+    noise = max(_EPS, 1e-6 * abs(index.evaluation.total))
     out = []
     for rank, (kind, node) in enumerate(_candidates(state, index, count), start=1):
         alt = index.next_best(node)
@@ -405,7 +421,7 @@ def top_decisions(state: CompileState, count: int = 10) -> list[dict]:
             "next_best_peak_memory_bytes": int(round(alt.peak_memory)),
             "collectives": {"chosen": chosen_collectives, "next_best": other_collectives},
             "reason": _reason(subject, chosen_text, other_text, alt, budget, comm_label,
-                              reshard_label),
+                              reshard_label, noise),
         })
     return out
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from hloplan import ir
 from hloplan.diagnostics import UsageError
+from hloplan.emit.launch_scripts import launch_scripts
 from hloplan.emit.loader import EXPORTED_FILE, PLAN_FILE
 from hloplan.plan import build_plan, dumps, value_spec
 from hloplan.state import CompileState
@@ -79,6 +80,7 @@ def render(state: CompileState, input_bytes: bytes, original_module_text: str,
         EXPORTED_FILE: bytes(sharded.serialize()),
         REFERENCE_FILE: bytes(reference.serialize()),
         LOADER_FILE: package.joinpath("loader.py").read_bytes(),
+        **launch_scripts(),
     }
     pipeline_section = None
     if pipelined is not None:

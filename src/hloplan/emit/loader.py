@@ -8,6 +8,20 @@ run the plan without hloplan, PuLP or the solver:
     loss, params = step(params, batch)          # same pytrees as the original function
 
 `hloplan.load` is this same function.
+
+Multi-process (multi-host) jobs: call `jax.distributed.initialize()` first, then load the plan in
+every process of the job.  The mesh is laid row-major over `jax.devices()`, which lists the
+devices of process 0 first, then those of process 1, ...: the leading mesh axes are the ones
+that cross processes (hosts).  Then either
+
+    outputs = step(params, batch)                       # full arrays, the same on every process
+    outputs = step.call_local(local_params, local_batch)  # each process's own part only
+
+`step(...)` builds only this process's shards from the full arrays (`Runner.place`);
+`step.local_part(...)` says which part of each full array a process needs, and
+`step.place_local(...)` / `step.call_local(...)` take those parts (per-process data loading).
+The results are global `jax.Array`s; `step.fetch(outputs)` gathers them into numpy on every
+process.
 """
 
 from __future__ import annotations
@@ -33,7 +47,10 @@ def read_plan(plan_dir: str | os.PathLike) -> dict:
 
 
 def build_mesh(plan: dict, devices=None):
-    """The plan's mesh over `devices` (default: jax.devices(), in order), row-major."""
+    """The plan's mesh over `devices` (default: jax.devices(), in order), row-major.
+
+    In a multi-process job the default is every device of the job ordered by process (then by
+    id), the same list in every process; the mesh must use all of them."""
     import jax
     import numpy as np
     from jax.sharding import AxisType, Mesh
@@ -41,7 +58,18 @@ def build_mesh(plan: dict, devices=None):
     names = tuple(plan["mesh"]["axis_names"])
     sizes = tuple(plan["mesh"]["axis_sizes"])
     count = int(np.prod(sizes))
-    devices = list(jax.devices() if devices is None else devices)
+    if devices is None:
+        devices = list(jax.devices())
+        if jax.process_count() > 1:
+            devices.sort(key=lambda d: (d.process_index, d.id))
+            if len(devices) != count:
+                raise PlanLoadError(
+                    f"the plan's mesh {dict(zip(names, sizes))} has {count} devices but the "
+                    f"{jax.process_count()} processes of this job have {len(devices)}; start "
+                    f"processes so that they hold {count} devices in all (on CPU: "
+                    f"XLA_FLAGS=--xla_force_host_platform_device_count="
+                    f"{max(count // jax.process_count(), 1)} in each)")
+    devices = list(devices)
     if len(devices) < count:
         raise PlanLoadError(
             f"the plan needs {count} devices (mesh {dict(zip(names, sizes))}) but only "
@@ -49,6 +77,37 @@ def build_mesh(plan: dict, devices=None):
             f"{count} before importing jax")
     grid = np.array(devices[:count], dtype=object).reshape(sizes)
     return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def _local_index(sharding, shape, devices) -> tuple:
+    """Per dimension, the sorted indices of the global array that `devices` hold (None: the
+    whole dimension).  This is how `jax.make_array_from_process_local_data` packs a process's
+    shards into its local array.  Where the held shards do not form a grid (a "non-uniform"
+    sharding) the local part is the whole array."""
+    import numpy as np
+
+    wanted = set(devices)
+    held = {tuple(index[dim].indices(size) for dim, size in enumerate(shape))
+            for device, index in sharding.devices_indices_map(tuple(shape)).items()
+            if device in wanted}
+    per_dim = [sorted({box[dim] for box in held}) for dim in range(len(shape))]
+    if int(np.prod([len(ranges) for ranges in per_dim])) != len(held):
+        return (None,) * len(shape)
+    picks = []
+    for size, ranges in zip(shape, per_dim):
+        rows = sorted({row for start_stop_step in ranges for row in range(*start_stop_step)})
+        picks.append(None if len(rows) == size else np.array(rows, dtype=np.int64))
+    return tuple(picks)
+
+
+def _take(array, picks):
+    import numpy as np
+
+    array = np.asarray(array)
+    for dim, pick in enumerate(picks):
+        if pick is not None:
+            array = np.take(array, pick, axis=dim)
+    return array
 
 
 class Runner:
@@ -66,25 +125,131 @@ class Runner:
         self.out_shardings = self.exported.out_shardings_jax(self.mesh)
         self._call = jax.jit(self.exported.call)
 
-    def place(self, *args, **kwargs):
-        """Flat list of the arguments, each put on the mesh in the plan's sharding."""
+    @property
+    def multi_process(self) -> bool:
+        """The mesh has devices this process cannot address (a multi-process job)."""
+        return self.mesh.is_multi_process
+
+    def _flatten(self, args, kwargs) -> tuple[list, object]:
         import jax
 
         leaves, tree = jax.tree.flatten((args, kwargs))
         if tree != self.exported.in_tree:
             raise PlanLoadError(f"arguments have structure {tree}, the plan expects "
                                 f"{self.exported.in_tree}")
-        placed = [jax.device_put(leaf, sharding) for leaf, sharding in zip(leaves, self.in_shardings)]
+        return leaves, tree
+
+    def _place_global(self, i: int, leaf, sharding):
+        """Argument `i` (the full array, the same in every process) as a global jax.Array; only
+        the shards this process addresses are materialised."""
+        import jax
+        import numpy as np
+
+        aval = self.exported.in_avals[i]
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            return leaf if leaf.sharding == sharding else jax.device_put(leaf, sharding)
+        if isinstance(leaf, (np.ndarray, np.generic, jax.Array)):
+            array = np.asarray(leaf)
+        else:  # a Python scalar or list: the plan's dtype, as jit would make it
+            array = np.asarray(leaf, dtype=aval.dtype)
+        if array.shape != tuple(aval.shape):
+            raise PlanLoadError(f"argument {i} has shape {array.shape}, the plan expects "
+                                f"{tuple(aval.shape)}")
+        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+    def place(self, *args, **kwargs):
+        """The arguments, each put on the mesh in the plan's sharding.
+
+        In a multi-process job every process passes the full arrays (the same values in every
+        process) and builds only the shards its own devices hold."""
+        import jax
+
+        leaves, tree = self._flatten(args, kwargs)
+        if self.multi_process:
+            placed = [self._place_global(i, leaf, sharding)
+                      for i, (leaf, sharding) in enumerate(zip(leaves, self.in_shardings))]
+        else:
+            placed = [jax.device_put(leaf, sharding) for leaf, sharding in zip(leaves, self.in_shardings)]
+        return jax.tree.unflatten(tree, placed)
+
+    def local_leaves(self, leaves, devices=None) -> list:
+        """For each flat argument (full arrays), the part the given devices hold (default: this
+        process's devices in the mesh), packed the way `place_local` expects it."""
+        devices = list(self.mesh.local_devices if devices is None else devices)
+        return [_take(leaf, _local_index(sharding, aval.shape, devices))
+                for leaf, sharding, aval in zip(leaves, self.in_shardings, self.exported.in_avals)]
+
+    def local_part(self, *args, **kwargs):
+        """The part of each full argument this process needs: what `place_local` takes."""
+        import jax
+
+        leaves, tree = self._flatten(args, kwargs)
+        return jax.tree.unflatten(tree, self.local_leaves(leaves))
+
+    def place_local(self, *args, **kwargs):
+        """Like `place`, from each process's own part of every argument (see `local_part`:
+        along a dimension the mesh splits across processes, the rows this process's devices
+        hold, in order; replicated dimensions whole)."""
+        import jax
+        import numpy as np
+
+        leaves, tree = self._flatten(args, kwargs)
+        placed = []
+        for i, (leaf, sharding) in enumerate(zip(leaves, self.in_shardings)):
+            aval = self.exported.in_avals[i]
+            local = np.asarray(leaf) if hasattr(leaf, "shape") else np.asarray(leaf, dtype=aval.dtype)
+            try:
+                placed.append(jax.make_array_from_process_local_data(sharding, local, tuple(aval.shape)))
+            except (ValueError, TypeError) as exc:
+                raise PlanLoadError(f"argument {i}: local part of shape {local.shape} does not fit "
+                                    f"global shape {tuple(aval.shape)} in sharding "
+                                    f"{sharding.spec}: {exc}") from None
         return jax.tree.unflatten(tree, placed)
 
     def __call__(self, *args, **kwargs):
         placed_args, placed_kwargs = self.place(*args, **kwargs)
         return self._call(*placed_args, **placed_kwargs)
 
+    def call_local(self, *args, **kwargs):
+        """Run from each process's own part of the arguments (see `place_local`)."""
+        placed_args, placed_kwargs = self.place_local(*args, **kwargs)
+        return self._call(*placed_args, **placed_kwargs)
+
     def lower(self, *args, **kwargs):
         placed_args, placed_kwargs = self.place(*args, **kwargs)
         return self._call.lower(*placed_args, **placed_kwargs)
 
+    def fetch(self, outputs):
+        """The results as numpy arrays in every process (gathered across processes when the
+        mesh spans several: a collective, so every process must call it)."""
+        import jax
+        import numpy as np
 
-def load(plan_dir: str | os.PathLike, devices=None) -> Runner:
+        if not self.multi_process:
+            return jax.tree.map(np.asarray, outputs)
+        from jax.experimental import multihost_utils
+
+        return jax.tree.map(np.asarray, multihost_utils.process_allgather(outputs, tiled=True))
+
+
+def load(plan_dir: str | os.PathLike, devices=None):
+    """A callable running the plan: the pipelined schedule when the plan has pipeline stages or
+    microbatches, else the single sharded program."""
+    plan = read_plan(plan_dir)
+    if plan.get("pipeline", {}).get("tasks"):
+        return _pipeline_loader(plan_dir).load(plan_dir, devices)
     return Runner(plan_dir, devices)
+
+
+def _pipeline_loader(plan_dir):
+    """hloplan's pipeline runner, or the copy in the plan directory on a deployment host."""
+    try:
+        from hloplan.emit import pipeline_loader
+    except ImportError:
+        import importlib.util
+
+        path = Path(plan_dir) / "pipeline_loader.py"
+        spec = importlib.util.spec_from_file_location("hloplan_pipeline_loader", path)
+        pipeline_loader = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(pipeline_loader)
+    return pipeline_loader

@@ -1,0 +1,271 @@
+"""tie-repeated-layers: one decision for every copy of a repeated layer.
+
+An unrolled Python loop over layers emits the same ops once per layer: same op names and
+attributes, same tensor types, same source line and name label (the same Python line produces
+each layer's op). This pass finds such repeats on the plain-data graph and ties their strategy
+variables, so the ILP grows with the number of distinct blocks, not with depth. (The body of a
+`stablehlo.while` is one copy already.)
+
+- A structural colour per op: op name, attributes, operand and result types, source location,
+  name label, trip-count multiplier and enclosing loop; arguments are coloured by type only
+  (their names differ per layer). Weisfeiler-Lehman refinement over `hops` rounds mixes in the
+  colours of producers (by operand position) and consumers (as a multiset): ops whose k-hop
+  neighbourhoods look alike get one colour, so a layer's first and last ops, next to the
+  embedding or the loss, keep their own colour while the interior of every layer repeats.
+- Planned ops of one colour with the same strategy list (count and names) share a tie id.
+  Existing ties (pointwise followers share their leader's variable) are merged by union-find
+  over tie ids, so those groups stay intact; a tie group always has one strategy count.
+- Arguments (parameters, optimizer state) are tied only when, in addition, their consumers
+  ended up tied: layer i's and layer j's weights, not two tensors of one shape with different
+  roles.
+
+With `compare_untied`, the pass also solves the untied and the tied problem and records the
+relative objective difference (the price of tying) in `state.facts["tied_gap"]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from hloplan.graph import Graph
+from hloplan.solver.problem import ShardingProblem
+from hloplan.state import CompileState, PlanSpace
+
+# Attributes that hold op indices or value ids: they differ between copies of a layer.
+_ID_ATTRS = frozenset({"yield", "carries", "results"})
+
+
+@dataclass(frozen=True)
+class TieRepeatedLayers:
+    name: str = "tie-repeated-layers"
+    # Weisfeiler-Lehman rounds: how far (in dataflow hops) two ops must look alike to be tied.
+    hops: int = 3
+    # Also solve the untied and the tied problem and record the tied plan's gap (benchmarks).
+    compare_untied: bool = False
+
+    def apply(self, state: CompileState) -> None:
+        graph, space, problem = state.graph, state.space, state.problem
+        if graph is None or space is None or problem is None:
+            raise RuntimeError("tie-repeated-layers runs after build-sharding-problem")
+        started = time.perf_counter()
+        colors = structural_colors(graph, space, self.hops)
+        ties = tie_ids(graph, space, problem, colors)
+        tied = dataclasses.replace(problem, nodes=tuple(
+            node if node.tie == tie else dataclasses.replace(node, tie=tie)
+            for node, tie in zip(problem.nodes, ties)))
+        _check_tie_counts(tied)
+        before, after = decision_count(problem), decision_count(tied)
+        groups = _repeated_groups(problem, ties)
+        state.problem = tied
+        state.facts["tied_groups"] = len(groups)
+        state.facts["tied_nodes"] = sum(len(g) for g in groups)
+        state.facts["decisions_before_tying"] = before
+        state.facts["decisions_after_tying"] = after
+        state.facts["tie_seconds"] = time.perf_counter() - started
+        state.log.remark(f"tie-repeated-layers: {state.facts['tied_nodes']} ops in "
+                         f"{len(groups)} repeated groups tied; decisions {before} -> {after}")
+        if self.compare_untied:
+            state.facts.update(compare_tied(problem, tied, state.options))
+
+
+# --------------------------------------------------------------------------- structural colours
+
+
+def _initial_labels(graph: Graph, space: PlanSpace) -> list[tuple]:
+    labels = []
+    for op in graph.ops:
+        results = tuple(str(graph.type_of(v)) for v in op.results)
+        free = tuple(v in space.free_values for v in op.results)
+        if op.name == "arg":
+            # Arguments differ by name only: their consumers tell their role.
+            labels.append(("arg", results))
+            continue
+        attrs = tuple(sorted((k, repr(v)) for k, v in op.attrs.items() if k not in _ID_ATTRS))
+        operands = tuple(str(graph.type_of(v)) for v in op.operands)
+        parent = graph.ops[op.parent].name if op.parent is not None else None
+        labels.append((op.name, attrs, operands, results, free, str(op.location), op.label,
+                       op.multiplier, parent, op.region, op.planned,
+                       op.index in space.fallbacks))
+    return labels
+
+
+def _compact(signatures: list) -> list[int]:
+    """Equal signatures -> equal small ints, numbered in order of first appearance."""
+    ids: dict = {}
+    return [ids.setdefault(s, len(ids)) for s in signatures]
+
+
+def structural_colors(graph: Graph, space: PlanSpace, hops: int) -> list[int]:
+    """A colour per op: equal colours mean equal ops with alike `hops`-hop neighbourhoods."""
+    producers: list[tuple[tuple[int, int], ...]] = []
+    consumers: list[tuple[tuple[int, int, int], ...]] = []
+    for op in graph.ops:
+        operands = list(op.operands)
+        if op.name == "while.carry" and "yield" in op.attrs:
+            operands.append(op.attrs["yield"])
+        producers.append(tuple((graph.values[v].producer, graph.values[v].result_index)
+                               for v in operands))
+        users = []
+        for r, v in enumerate(op.results):
+            for user in dict.fromkeys(graph.values[v].users):
+                user_op = graph.ops[user]
+                for k, operand in enumerate(user_op.operands):
+                    if operand == v:
+                        users.append((r, user, k))
+                if user_op.attrs.get("yield") == v:
+                    users.append((r, user, -1))
+        consumers.append(tuple(users))
+    colors = _compact(_initial_labels(graph, space))
+    for _ in range(hops):
+        refined = _compact([
+            (colors[i],
+             tuple((colors[p], r) for p, r in producers[i]),
+             tuple(sorted((r, colors[u], k) for r, u, k in consumers[i])))
+            for i in range(len(graph.ops))])
+        if len(set(refined)) == len(set(colors)):
+            break  # stable partition: more rounds change nothing
+        colors = refined
+    return colors
+
+
+# --------------------------------------------------------------------------- ties
+
+
+class _UnionFind:
+    def __init__(self) -> None:
+        self.parent: dict[int, int] = {}
+
+    def find(self, x: int) -> int:
+        root = x
+        while self.parent.get(root, root) != root:
+            root = self.parent[root]
+        while x != root:
+            self.parent[x], x = root, self.parent.get(x, x)
+        return root
+
+    def union(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[max(ra, rb)] = min(ra, rb)
+
+
+def tie_ids(graph: Graph, space: PlanSpace, problem: ShardingProblem,
+            colors: list[int]) -> list[int | None]:
+    """The new tie id of every node (None: a decision of its own)."""
+    nodes = problem.nodes
+    # A node's unit: its existing tie id, or its own op index (never another group's tie id:
+    # tie ids are the op indices of their leaders).
+    unit = [node.tie if node.tie is not None else space.op_of[i] for i, node in enumerate(nodes)]
+    count = {}
+    for i, node in enumerate(nodes):
+        count.setdefault(unit[i], len(node.strategies))
+    names = [tuple(s.name for s in node.strategies) for node in nodes]
+    uf = _UnionFind()
+
+    def tie_buckets(buckets: dict) -> None:
+        for members in buckets.values():
+            first = members[0]
+            for other in members[1:]:
+                if count[uf.find(unit[first])] == count[uf.find(unit[other])]:
+                    uf.union(unit[first], unit[other])
+
+    buckets: dict = {}
+    args = []
+    for i in range(len(nodes)):
+        op = graph.ops[space.op_of[i]]
+        if op.name == "arg":
+            args.append(i)
+        elif len(nodes[i].strategies) > 1:
+            buckets.setdefault((colors[op.index], names[i]), []).append(i)
+    tie_buckets(buckets)
+    # Arguments: alike, and consumed by ops that are tied now.
+    buckets = {}
+    for i in args:
+        if len(nodes[i].strategies) <= 1:
+            continue
+        op = graph.ops[space.op_of[i]]
+        used_by = []
+        for v in op.results:
+            for user in graph.values[v].users:
+                node = space.node_of.get(user)
+                used_by.append(("tied", uf.find(unit[node])) if node is not None
+                               else ("op", colors[user]))
+        key = (colors[op.index], names[i], tuple(sorted(set(used_by))))
+        buckets.setdefault(key, []).append(i)
+    tie_buckets(buckets)
+    # Tie id of a group: the smallest op index in it (an untouched group keeps its id).
+    first: dict[int, int] = {}
+    size: dict[int, int] = {}
+    for i in range(len(nodes)):
+        root = uf.find(unit[i])
+        first.setdefault(root, space.op_of[i])
+        first[root] = min(first[root], space.op_of[i])
+        size[root] = size.get(root, 0) + 1
+    out: list[int | None] = []
+    for i in range(len(nodes)):
+        root = uf.find(unit[i])
+        out.append(first[root] if size[root] > 1 else None)
+    return out
+
+
+def _check_tie_counts(problem: ShardingProblem) -> None:
+    """What validate() checks of ties, without walking every edge matrix again."""
+    counts: dict[int, int] = {}
+    for node in problem.nodes:
+        if node.tie is not None and counts.setdefault(node.tie, len(node.strategies)) != len(
+                node.strategies):
+            raise ValueError(f"tie group {node.tie} mixes strategy counts")
+
+
+def decision_count(problem: ShardingProblem) -> int:
+    """Decisions the ILP takes: tie groups and untied nodes with more than one strategy."""
+    seen = set()
+    for i, node in enumerate(problem.nodes):
+        if len(node.strategies) > 1:
+            seen.add(("tie", node.tie) if node.tie is not None else ("node", i))
+    return len(seen)
+
+
+def _repeated_groups(problem: ShardingProblem, ties: list[int | None]) -> list[list[int]]:
+    """Tie groups that join nodes which were separate decisions before this pass."""
+    groups: dict[int, list[int]] = {}
+    for i, tie in enumerate(ties):
+        if tie is not None:
+            groups.setdefault(tie, []).append(i)
+    out = []
+    for members in groups.values():
+        units = {("tie", problem.nodes[i].tie) if problem.nodes[i].tie is not None else ("node", i)
+                 for i in members}
+        if len(units) > 1:
+            out.append(members)
+    return out
+
+
+# --------------------------------------------------------------------------- price of tying
+
+
+def compare_tied(untied: ShardingProblem, tied: ShardingProblem, options) -> dict:
+    """Solve both problems; the tied optimum's relative excess over the untied one."""
+    from hloplan.solver.ilp import SolverError, solve
+
+    facts: dict = {}
+    for key, problem in (("untied", untied), ("tied", tied)):
+        started = time.perf_counter()
+        try:
+            _, stats = solve(problem, time_limit=options.time_limit, solver=options.solver)
+        except SolverError as exc:
+            facts[f"{key}_status"] = f"failed: {type(exc).__name__}"
+            facts[f"{key}_solve_seconds"] = time.perf_counter() - started
+            continue
+        facts[f"{key}_status"] = stats.status
+        facts[f"{key}_how"] = stats.extra.get("raw_status", stats.solver)
+        facts[f"{key}_objective"] = stats.objective
+        facts[f"{key}_solve_seconds"] = stats.seconds
+        facts[f"{key}_variables"] = stats.variables
+        facts[f"{key}_constraints"] = stats.constraints
+    if "untied_objective" in facts and "tied_objective" in facts:
+        base = facts["untied_objective"]
+        facts["tied_gap"] = (facts["tied_objective"] - base) / max(abs(base), 1e-12)
+    return facts

@@ -1,0 +1,679 @@
+"""`hloplan explain`: what a plan decided, what it is estimated to cost, and why.
+
+Everything here reads a plan as plan.json writes it (see hloplan.plan.build_plan), so a plan
+directory and a plan made in memory render the same way:
+
+- `render_text`: rich tables (mesh, device model, arguments and results with their PartitionSpec,
+  step-time split, collectives, memory against the budget, the costliest ops, the decisions and
+  their reasons) and horizontal bars;
+- `summary`: the same as plain JSON data;
+- `bars_svg`: the bars as a standalone SVG picture;
+- `jax_source`: Python source of `in_shardings` / `out_shardings` pytrees of PartitionSpec that
+  match the original function's arguments and results;
+- `in_shardings(plan_dir, mesh)` / `out_shardings(plan_dir, mesh)`: the same as NamedShardings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from xml.sax.saxutils import escape
+
+from hloplan.decisions import partition_spec_text
+from hloplan.diagnostics import UsageError
+from hloplan.units import format_bytes, format_seconds
+
+__all__ = [
+    "Chart",
+    "PlanDirError",
+    "bars_svg",
+    "charts",
+    "in_shardings",
+    "jax_source",
+    "load_exported",
+    "load_plan_dir",
+    "memory_breakdown",
+    "out_shardings",
+    "render_text",
+    "step_breakdown",
+    "summary",
+    "top_ops",
+]
+
+PLAN_FILE = "plan.json"
+EXPORTED_FILE = "sharded.jaxexport"
+_REQUIRED_KEYS = ("format", "mesh", "device_model", "arguments", "results", "estimate", "ops")
+_SUPPORTED_FORMATS = (1,)
+
+
+class PlanDirError(UsageError):
+    """A path that is not a readable plan directory (exit code 2). The message does not repeat
+    the path: the CLI prints it as `PATH: error: message`; str() of the error names it."""
+
+    def __init__(self, message: str, path: str | Path | None = None, notes: tuple[str, ...] = ()):
+        super().__init__(message, notes=notes)
+        self.path = None if path is None else str(path)
+
+    def __str__(self) -> str:
+        return "\n".join(d.format(self.path or "<plan>") for d in self.diagnostics)
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+
+def load_plan_dir(plan_dir: str | Path) -> dict:
+    """plan.json of `plan_dir`, checked to be a plan this module can render."""
+    directory = Path(plan_dir)
+    if not directory.exists():
+        raise PlanDirError("no such file or directory", directory)
+    if not directory.is_dir():
+        raise PlanDirError("not a plan directory", directory)
+    path = directory / PLAN_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise PlanDirError(f"not an hloplan plan directory (no {PLAN_FILE})", directory,
+                           notes=("make one with `hloplan compile INPUT --mesh M -o DIR`",)) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlanDirError(f"cannot read {PLAN_FILE}: {getattr(exc, 'strerror', None) or exc}",
+                           directory) from None
+    try:
+        plan = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanDirError(f"{PLAN_FILE} is not valid JSON: {exc}", directory) from None
+    check_plan(plan, directory)
+    return plan
+
+
+def check_plan(plan: object, directory: str | Path | None = None) -> None:
+    """Raise PlanDirError unless `plan` looks like a plan.json this module can render."""
+    if not isinstance(plan, dict):
+        raise PlanDirError(f"{PLAN_FILE} does not hold a plan (expected a JSON object)", directory)
+    missing = [key for key in _REQUIRED_KEYS if key not in plan]
+    if missing:
+        raise PlanDirError(f"{PLAN_FILE} is not an hloplan plan: missing {', '.join(missing)}",
+                           directory)
+    if plan["format"] not in _SUPPORTED_FORMATS:
+        raise PlanDirError(f"{PLAN_FILE} has plan format {plan['format']!r}; this hloplan reads "
+                           f"format {', '.join(map(str, _SUPPORTED_FORMATS))}", directory,
+                           notes=("recompile the plan with this version of hloplan",))
+
+
+def load_exported(source: str | Path | bytes | bytearray):
+    """The sharded Exported of a plan directory (or its serialized bytes)."""
+    from jax import export
+
+    if isinstance(source, (bytes, bytearray)):
+        data = bytes(source)
+    else:
+        path = Path(source) / EXPORTED_FILE
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise PlanDirError(f"cannot read {EXPORTED_FILE}: {exc.strerror}", source) from None
+    try:
+        return export.deserialize(bytearray(data))
+    except Exception as exc:  # a truncated or foreign file: say which
+        where = None if isinstance(source, (bytes, bytearray)) else source
+        raise PlanDirError(f"{EXPORTED_FILE} is not a serialized jax.export.Exported: {exc}",
+                           where) from None
+
+
+# -- numbers the views share ---------------------------------------------------------------------
+
+_COLLECTIVE_IN_NAME = re.compile(r"\+ ([a-z][a-z-]*)\(([^)]*)\)")
+
+
+def _budget(plan: dict) -> float | None:
+    budget = plan.get("memory_budget_bytes")
+    if budget is None:
+        budget = plan["device_model"].get("memory_bytes")
+    return float(budget) if budget else None
+
+
+def step_breakdown(plan: dict) -> list[tuple[str, float]]:
+    """The estimated step time split: compute, each collective the ops issue, resharding.
+
+    plan.json gives op communication per op but not per collective; the collectives an op's
+    strategy issues are named in the strategy ("... + all-reduce(x) <- ..."), so each op's
+    communication is charged to those (evenly when there are several).
+    """
+    est = plan["estimate"]
+    parts: dict[str, float] = {}
+    for op in plan["ops"]:
+        seconds = op.get("communication_s") or 0.0
+        if seconds <= 0:
+            continue
+        kinds = [f"{k}({a})" for k, a in _COLLECTIVE_IN_NAME.findall(op.get("strategy", ""))]
+        for kind in kinds or ["other communication"]:
+            parts[kind] = parts.get(kind, 0.0) + seconds / max(len(kinds), 1)
+    communication = est.get("communication_s", 0.0)
+    if not parts and communication > 0:
+        parts["communication"] = communication
+    rows = [("compute", est.get("compute_s", 0.0))]
+    rows += sorted(parts.items())
+    rows.append(("resharding", est.get("resharding_s", 0.0)))
+    return rows
+
+
+def memory_breakdown(plan: dict, largest: int = 5) -> dict:
+    """Peak bytes per device, the budget, and what the peak holds: the arguments (the `largest`
+    by bytes per device one by one) and everything else live there."""
+    peak = float(plan["estimate"].get("peak_memory_bytes", 0))
+    args = sorted(((a["bytes_per_device"], a["name"]) for a in plan["arguments"]),
+                  key=lambda item: (-item[0], item[1]))
+    total_args = float(sum(size for size, _ in args))
+    parts = [(name, float(size)) for size, name in args[:largest]]
+    rest = sum(size for size, _ in args[largest:])
+    if rest:
+        parts.append((f"{len(args) - largest} other arguments", float(rest)))
+    parts.append(("activations and temporaries", max(peak - total_args, 0.0)))
+    budget = _budget(plan)
+    return {"peak_bytes": peak, "budget_bytes": budget,
+            "fraction_of_budget": peak / budget if budget else None,
+            "arguments_bytes": total_args, "parts": parts}
+
+
+def _op_collectives(op: dict) -> list[str]:
+    kinds = [f"{k}({a})" for k, a in _COLLECTIVE_IN_NAME.findall(op.get("strategy", ""))]
+    if op.get("resharding_in_s"):
+        kinds.append("resharding in")
+    return kinds
+
+
+def _op_total(op: dict) -> float:
+    return (op.get("compute_s") or 0.0) + (op.get("communication_s") or 0.0) + (
+        op.get("resharding_in_s") or 0.0)
+
+
+def top_ops(plan: dict, count: int = 10) -> list[dict]:
+    """The `count` ops with the largest estimated time (compute + communication + resharding)."""
+    ranked = sorted(plan["ops"], key=lambda op: (-_op_total(op), _op_index(op["id"])))
+    out = []
+    for op in ranked[:count]:
+        if _op_total(op) <= 0:
+            break
+        out.append({**op, "total_s": _op_total(op), "collectives": _op_collectives(op),
+                    "where": _short_location(op.get("location"))})
+    return out
+
+
+def _op_index(op_id: str) -> int:
+    try:
+        return int(str(op_id).lstrip("%"))
+    except ValueError:
+        return 0
+
+
+def _short_location(location: str | None) -> str | None:
+    """'file.py:12:5' -> 'file.py:12'."""
+    if not location:
+        return None
+    head, _, tail = location.rpartition(":")
+    return head if head and tail.isdigit() and head.rpartition(":")[2].isdigit() else location
+
+
+def _mesh_text(plan: dict) -> str:
+    mesh = plan["mesh"]
+    return ", ".join(f"{n}={s}" for n, s in zip(mesh["axis_names"], mesh["axis_sizes"]))
+
+
+def _spec_text(spec) -> str:
+    return partition_spec_text(spec)
+
+
+def _type_text(entry: dict) -> str:
+    return f"{entry['dtype']}[{','.join(map(str, entry['shape']))}]"
+
+
+@dataclass(frozen=True)
+class Chart:
+    """Horizontal bars: (label, fraction of the full bar in [0, 1], value text) per row."""
+
+    title: str
+    rows: tuple[tuple[str, float, str], ...]
+
+
+def _fraction(part: float, whole: float | None) -> float:
+    if not whole or whole <= 0 or not math.isfinite(whole):
+        return 0.0
+    return min(max(part / whole, 0.0), 1.0)
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction:.1%}" if fraction >= 0.001 or fraction == 0 else "<0.1%"
+
+
+def charts(plan: dict) -> list[Chart]:
+    """The pictures of a plan: where the step time goes, peak memory against the budget, and
+    what the peak holds."""
+    est = plan["estimate"]
+    step = est.get("step_time_s", 0.0)
+    time_rows = tuple((name, _fraction(seconds, step),
+                       f"{format_seconds(seconds)} ({_percent(_fraction(seconds, step))})")
+                      for name, seconds in step_breakdown(plan))
+    memory = memory_breakdown(plan)
+    budget, peak = memory["budget_bytes"], memory["peak_bytes"]
+    budget_rows = [("peak", _fraction(peak, budget),
+                    f"{format_bytes(peak)} ({_percent(_fraction(peak, budget))} of budget)")]
+    if budget:
+        budget_rows.append(("budget", 1.0, format_bytes(budget)))
+    peak_rows = tuple((name, _fraction(size, peak),
+                       f"{format_bytes(size)} ({_percent(_fraction(size, peak))})")
+                      for name, size in memory["parts"])
+    return [
+        Chart(f"Estimated step time: {format_seconds(step)}", time_rows),
+        Chart("Peak memory per device against the budget", tuple(budget_rows)),
+        Chart(f"What the peak holds, per device: {format_bytes(peak)}", peak_rows),
+    ]
+
+
+_EIGHTHS = " ▏▎▍▌▋▊▉"
+
+
+def text_bar(fraction: float, width: int = 30) -> str:
+    """A unicode bar `width` cells wide at most, in eighths of a cell; a sliver for tiny values."""
+    eighths = round(min(max(fraction, 0.0), 1.0) * width * 8)
+    if fraction > 0 and eighths == 0:
+        eighths = 1
+    full, part = divmod(eighths, 8)
+    return "█" * full + (_EIGHTHS[part] if part else "")
+
+
+# -- JSON ----------------------------------------------------------------------------------------
+
+
+def summary(plan: dict, top: int = 10) -> dict:
+    """A machine-readable account of the plan: what it decided, its estimate, and why."""
+    memory = memory_breakdown(plan)
+    return {
+        "ok": True,
+        "input": plan.get("input"),
+        "mesh": plan["mesh"],
+        "device_model": plan["device_model"],
+        "memory_budget_bytes": plan.get("memory_budget_bytes"),
+        "arguments": [{**a, "partition_spec": _spec_text(a["spec"])} for a in plan["arguments"]],
+        "results": [{**r, "partition_spec": _spec_text(r["spec"])} for r in plan["results"]],
+        "estimate": plan["estimate"],
+        "step_time_breakdown": [{"name": n, "seconds": s} for n, s in step_breakdown(plan)],
+        "memory": {"peak_bytes": memory["peak_bytes"], "budget_bytes": memory["budget_bytes"],
+                   "fraction_of_budget": memory["fraction_of_budget"],
+                   "arguments_bytes": memory["arguments_bytes"],
+                   "parts": [{"name": n, "bytes": b} for n, b in memory["parts"]]},
+        "top_ops": [{key: op[key] for key in ("id", "op", "label", "location", "strategy",
+                                              "collectives", "compute_s", "communication_s",
+                                              "resharding_in_s", "total_s") if key in op}
+                    for op in top_ops(plan, top)],
+        "decisions": plan.get("decisions", []),
+        "solver": plan.get("solver"),
+        "diagnostics": plan.get("diagnostics", []),
+    }
+
+
+# -- text ----------------------------------------------------------------------------------------
+
+
+def render_text(plan: dict, console, top: int = 10) -> None:
+    """Print the report on a rich Console."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    def table(title: str, *columns: str, right: tuple[str, ...] = ()) -> Table:
+        t = Table(title=Text(title, style="bold"), title_justify="left", box=box.SIMPLE_HEAD,
+                  show_edge=False, pad_edge=False)
+        for column in columns:
+            t.add_column(column, justify="right" if column in right else "left",
+                         no_wrap=column in ("Name", "Argument", "Result", "Axis"))
+        return t
+
+    def cells(*values) -> list[Text]:
+        return [v if isinstance(v, Text) else Text("" if v is None else str(v)) for v in values]
+
+    est, mesh, device = plan["estimate"], plan["mesh"], plan["device_model"]
+    source = plan.get("input", {}) or {}
+    console.print(Text(f"hloplan plan for {source.get('file', '?')}: mesh {_mesh_text(plan)} "
+                       f"({mesh.get('devices', '?')} devices) on {device.get('name', '?')}",
+                       style="bold"))
+    console.print(Text(f"estimated step {format_seconds(est.get('step_time_s', 0.0))}, "
+                       f"peak {format_bytes(est.get('peak_memory_bytes', 0))} per device"))
+    console.print()
+
+    links = mesh.get("links") or []
+    t = table("Mesh", "Axis", "Size", "Link", right=("Size",))
+    for i, (name, size) in enumerate(zip(mesh["axis_names"], mesh["axis_sizes"])):
+        t.add_row(*cells(name, size, links[i] if i < len(links) else ""))
+    if mesh.get("hosts"):
+        t.caption = f"spread over {mesh['hosts']} hosts"
+    console.print(t)
+
+    budget = _budget(plan)
+    t = table("Device model", "Model", "Platform", "Memory per device", "Budget per device",
+              right=("Memory per device", "Budget per device"))
+    t.add_row(*cells(device.get("name"), device.get("platform"),
+                     format_bytes(device["memory_bytes"]) if device.get("memory_bytes") else "?",
+                     format_bytes(budget) if budget else "unlimited"))
+    console.print(t)
+
+    for title, entries, column in (("Arguments", plan["arguments"], "Argument"),
+                                   ("Results", plan["results"], "Result")):
+        t = table(title, column, "Type", "PartitionSpec", "Size", "Per device",
+                  right=("Size", "Per device"))
+        for entry in entries:
+            t.add_row(*cells(entry["name"], _type_text(entry), _spec_text(entry["spec"]),
+                             format_bytes(entry["bytes"]), format_bytes(entry["bytes_per_device"])))
+        console.print(t)
+
+    pictures = charts(plan)
+    _print_chart(console, pictures[0])
+    collectives = est.get("collectives") or []
+    if collectives:
+        t = table("Collectives per step (ops and resharding)", "Collective", "Mesh axes", "Count",
+                  "Bytes sent per device", right=("Count", "Bytes sent per device"))
+        for c in collectives:
+            t.add_row(*cells(c["kind"], c["axes"], c["count"], format_bytes(c["bytes"])))
+        console.print(t)
+    for chart in pictures[1:]:
+        _print_chart(console, chart)
+    memory = memory_breakdown(plan)
+    if memory["budget_bytes"]:
+        headroom = memory["budget_bytes"] - memory["peak_bytes"]
+        verdict = (f"{format_bytes(headroom)} under the budget" if headroom >= 0
+                   else f"OVER the budget by {format_bytes(-headroom)}")
+        console.print(Text(f"peak {format_bytes(memory['peak_bytes'])} of "
+                           f"{format_bytes(memory['budget_bytes'])} per device: {verdict}"))
+        console.print()
+
+    ops = top_ops(plan, top)
+    if ops:
+        step = est.get("step_time_s", 0.0)
+        t = table(f"Top {len(ops)} ops by estimated time", "Op", "Location", "Strategy",
+                  "Collectives", "Time", "Share", right=("Time", "Share"))
+        for op in ops:
+            name = (op.get("label") or op["op"]).rsplit("/", 1)[-1]
+            t.add_row(*cells(f"{op['id']} {name}", op["where"] or "-", op["strategy"],
+                             ", ".join(op["collectives"]) or "-", format_seconds(op["total_s"]),
+                             _percent(_fraction(op["total_s"], step))))
+        console.print(t)
+
+    decisions = plan.get("decisions")
+    console.print(Text("Decisions and why", style="bold"))
+    if decisions is None:
+        console.print(Text("  (this plan.json predates decisions; recompile to see them)"))
+    elif not decisions:
+        console.print(Text("  (no choice to explain: every op has a single strategy)"))
+    if decisions:
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(justify="right", no_wrap=True)
+        grid.add_column()
+        for d in decisions:
+            where = f" [{_short_location(d['location'])}]" if d.get("location") else ""
+            delta = d.get("delta", {})
+            body = Text(f"{d['kind']} {d['id']} {d['name']}{where}\n", style="bold")
+            body.append(d["reason"] + "\n", style="")
+            body.append(f"next best: step {_signed_seconds(delta.get('total_s', 0.0))}, "
+                        f"peak {_signed_bytes(delta.get('peak_memory_bytes', 0))}"
+                        f"{'' if d.get('next_best_feasible', True) else ', over the budget'}",
+                        style="dim")
+            grid.add_row(Text(f"{d['rank']}."), body)
+        console.print(grid)
+    solver = plan.get("solver") or {}
+    if solver:
+        console.print()
+        console.print(Text(f"solver {solver.get('name')}: {solver.get('status')}, gap "
+                           f"{solver.get('gap', 0):.2%}, {solver.get('nodes')} decisions, "
+                           f"{solver.get('edges')} resharding edges, "
+                           f"{solver.get('memory_points')} memory points", style="dim"))
+
+
+def _signed_seconds(seconds: float) -> str:
+    return ("+" if seconds >= 0 else "-") + format_seconds(abs(seconds))
+
+
+def _signed_bytes(nbytes: float) -> str:
+    return ("+" if nbytes >= 0 else "-") + format_bytes(abs(nbytes))
+
+
+def _print_chart(console, chart: Chart, width: int = 30) -> None:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(title=Text(chart.title, style="bold"), title_justify="left", box=box.SIMPLE_HEAD,
+              show_edge=False, show_header=False, pad_edge=False)
+    t.add_column("what", no_wrap=True)
+    t.add_column("bar", min_width=width, no_wrap=True)
+    t.add_column("value", justify="right", no_wrap=True)
+    for label, fraction, value in chart.rows:
+        t.add_row(Text(label), Text(text_bar(fraction, width), style="cyan"), Text(value))
+    console.print(t)
+
+
+# -- SVG -----------------------------------------------------------------------------------------
+
+
+def bars_svg(plan: dict) -> str:
+    """The charts of `charts(plan)` as a standalone SVG document."""
+    label_w, bar_w, value_w, row_h, pad = 260, 360, 220, 22, 16
+    width = pad * 2 + label_w + bar_w + value_w
+    colors = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#eeca3b")
+    parts: list[str] = []
+    y = pad
+    title = f"hloplan: {(plan.get('input') or {}).get('file', 'plan')} on mesh {_mesh_text(plan)}"
+    parts.append(f'<text x="{pad}" y="{y + 14}" class="title">{escape(title)}</text>')
+    y += 30
+    for chart in charts(plan):
+        parts.append(f'<text x="{pad}" y="{y + 14}" class="chart">{escape(chart.title)}</text>')
+        y += 24
+        for i, (label, fraction, value) in enumerate(chart.rows):
+            shown = label if len(label) <= 38 else label[:37] + "…"
+            x_bar = pad + label_w
+            w = bar_w * fraction
+            if fraction > 0:
+                w = max(w, 1.0)
+            parts.append(f'<text x="{pad}" y="{y + 15}">{escape(shown)}</text>')
+            parts.append(f'<rect x="{x_bar}" y="{y + 3}" width="{bar_w}" height="{row_h - 6}" '
+                         f'fill="#eeeeee"/>')
+            parts.append(f'<rect x="{x_bar}" y="{y + 3}" width="{w:.2f}" height="{row_h - 6}" '
+                         f'fill="{colors[i % len(colors)]}"><title>{escape(label)}: '
+                         f'{escape(value)}</title></rect>')
+            parts.append(f'<text x="{x_bar + bar_w + 8}" y="{y + 15}">{escape(value)}</text>')
+            y += row_h
+        y += 14
+    height = y + pad
+    head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">\n'
+            '<style>.title{font-size:15px;font-weight:bold}.chart{font-size:13px;'
+            'font-weight:bold}</style>\n'
+            f'<rect width="{width}" height="{height}" fill="white"/>\n')
+    return head + "\n".join(parts) + "\n</svg>\n"
+
+
+# -- jax -----------------------------------------------------------------------------------------
+
+
+class _Spec:
+    """A leaf standing for a PartitionSpec in a pytree, printing as source text."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _axes_of(spec) -> list[list[str]]:
+    """PartitionSpec -> per-dim axis-name lists."""
+    out = []
+    for entry in tuple(spec):
+        if entry is None:
+            out.append([])
+        elif isinstance(entry, str):
+            out.append([entry])
+        else:
+            out.append([str(a) for a in entry])
+    return out
+
+
+def _flat_specs(exported, side: str) -> list[list[list[str]]]:
+    """Per flat argument ('in') or result ('out') of the sharded Exported: its spec."""
+    method = exported.in_shardings_jax if side == "in" else exported.out_shardings_jax
+    avals = exported.in_avals if side == "in" else exported.out_avals
+    try:
+        shardings = method(None)  # the named shardings the plan exported, on its abstract mesh
+    except Exception:  # an Exported without named shardings
+        shardings = (None,) * len(avals)
+    specs = []
+    for sharding, aval in zip(shardings, avals):
+        spec = getattr(sharding, "spec", None)
+        specs.append(_axes_of(spec) if spec is not None else [[] for _ in aval.shape])
+    return specs
+
+
+class _CustomNode(Exception):
+    pass
+
+
+def _source(tree, indent: int = 0, width: int = 96) -> str:
+    """Python source of a pytree of tuples, lists, dicts, None and _Spec leaves."""
+    flat = _one_line(tree)
+    if len(flat) + indent * 4 <= width or isinstance(tree, _Spec) or tree is None:
+        return flat
+    pad, inner = "    " * indent, "    " * (indent + 1)
+    if isinstance(tree, dict):
+        items = [f"{inner}{k!r}: {_source(v, indent + 1, width)}," for k, v in tree.items()]
+        return "{\n" + "\n".join(items) + f"\n{pad}}}"
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        items = [f"{inner}{f}={_source(v, indent + 1, width)},"
+                 for f, v in zip(tree._fields, tree)]
+        return f"{type(tree).__name__}(\n" + "\n".join(items) + f"\n{pad})"
+    if isinstance(tree, (list, tuple)):
+        open_, close = ("[", "]") if isinstance(tree, list) else ("(", ")")
+        items = [f"{inner}{_source(v, indent + 1, width)}," for v in tree]
+        return open_ + "\n" + "\n".join(items) + f"\n{pad}{close}"
+    raise _CustomNode(type(tree).__name__)
+
+
+def _one_line(tree) -> str:
+    if isinstance(tree, _Spec) or tree is None:
+        return repr(tree)
+    if isinstance(tree, dict):
+        return "{" + ", ".join(f"{k!r}: {_one_line(v)}" for k, v in tree.items()) + "}"
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return (f"{type(tree).__name__}("
+                + ", ".join(f"{f}={_one_line(v)}" for f, v in zip(tree._fields, tree)) + ")")
+    if isinstance(tree, list):
+        return "[" + ", ".join(_one_line(v) for v in tree) + "]"
+    if isinstance(tree, tuple):
+        if len(tree) == 1:
+            return f"({_one_line(tree[0])},)"
+        return "(" + ", ".join(_one_line(v) for v in tree) + ")"
+    raise _CustomNode(type(tree).__name__)
+
+
+def _namedtuple_types(tree, found: set[str]) -> set[str]:
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        found.add(type(tree).__name__)
+    if isinstance(tree, dict):
+        for v in tree.values():
+            _namedtuple_types(v, found)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            _namedtuple_types(v, found)
+    return found
+
+
+def jax_source(plan: dict, exported) -> str:
+    """Python source defining `in_shardings` (the positional arguments' pytree) and
+    `out_shardings` (the results' pytree) as PartitionSpecs, with how to use them."""
+    import jax
+
+    in_leaves = [_Spec(partition_spec_text(s)) for s in _flat_specs(exported, "in")]
+    out_leaves = [_Spec(partition_spec_text(s)) for s in _flat_specs(exported, "out")]
+    args, kwargs = jax.tree.unflatten(exported.in_tree, in_leaves)
+    results = jax.tree.unflatten(exported.out_tree, out_leaves)
+    names = [n for n in plan["mesh"]["axis_names"]]
+    sizes = [int(s) for s in plan["mesh"]["axis_sizes"]]
+    source = plan.get("input") or {}
+    lines = [
+        f"# Shardings planned by hloplan for {source.get('file', 'the program')} on mesh "
+        f"{_mesh_text(plan)} ({plan['device_model'].get('name', '?')}).",
+        "from jax.sharding import PartitionSpec as P",
+        "",
+    ]
+    try:
+        lines.append(f"in_shardings = {_source(tuple(args))}")
+        if kwargs:
+            lines.append(f"in_shardings_kwargs = {_source(dict(kwargs))}")
+        lines.append(f"out_shardings = {_source(results)}")
+        custom = sorted(_namedtuple_types((args, kwargs, results), set()))
+    except _CustomNode as exc:
+        # Custom pytree nodes have no literal syntax: give the flat leaves, in pytree order.
+        lines += [
+            f"# The arguments or results contain custom pytree nodes ({exc}); these are the",
+            "# leaves in pytree order: rebuild the trees with jax.tree.unflatten(jax.tree.structure(",
+            "# (args, kwargs)), in_shardings_flat) and likewise for the results.",
+            f"in_shardings_flat = {_source(list(in_leaves))}",
+            f"out_shardings_flat = {_source(list(out_leaves))}",
+        ]
+        custom = []
+    if custom:
+        lines.insert(2, "# named tuples used below (import them from your code): "
+                     + ", ".join(custom))
+    mesh_shape = "(" + ", ".join(map(str, sizes)) + ("," if len(sizes) == 1 else "") + ")"
+    mesh_names = "(" + ", ".join(repr(n) for n in names) + ("," if len(names) == 1 else "") + ")"
+    lines += [
+        "",
+        "# Use them with jax.jit and a Mesh of the same axes (Auto axes, as planned):",
+        "#   import jax",
+        "#   from jax.sharding import AxisType, NamedSharding",
+        f"#   mesh = jax.make_mesh({mesh_shape}, {mesh_names}, "
+        f"axis_types=(AxisType.Auto,) * {len(names)})",
+        "#   named = lambda tree: jax.tree.map(lambda p: NamedSharding(mesh, p), tree,",
+        "#                                     is_leaf=lambda x: isinstance(x, P))",
+        "#   step = jax.jit(f, in_shardings=named(in_shardings), "
+        "out_shardings=named(out_shardings))",
+        "# or load the compiled plan itself: step = hloplan.load(PLAN_DIR)",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _named_tree(plan_dir, mesh, side: str):
+    import jax
+    from jax.sharding import NamedSharding
+
+    from hloplan.emit.loader import build_mesh
+
+    plan = load_plan_dir(plan_dir)
+    exported = load_exported(plan_dir)
+    if mesh is None:
+        mesh = build_mesh(plan)
+    leaves = [NamedSharding(mesh, _partition_spec(s)) for s in _flat_specs(exported, side)]
+    if side == "in":
+        args, _kwargs = jax.tree.unflatten(exported.in_tree, leaves)
+        return tuple(args)
+    return jax.tree.unflatten(exported.out_tree, leaves)
+
+
+def _partition_spec(axes: list[list[str]]):
+    from jax.sharding import PartitionSpec
+
+    entries = [None if not a else a[0] if len(a) == 1 else tuple(a) for a in axes]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+def in_shardings(plan_dir, mesh=None):
+    """The plan's shardings of the positional arguments: a tuple (one entry per argument of the
+    original function) of pytrees of NamedSharding on `mesh` (default: the plan's mesh over
+    jax.devices()), ready for `jax.jit(f, in_shardings=...)` or `jax.device_put`."""
+    return _named_tree(plan_dir, mesh, "in")
+
+
+def out_shardings(plan_dir, mesh=None):
+    """The plan's shardings of the results, as the original function's result pytree."""
+    return _named_tree(plan_dir, mesh, "out")
