@@ -304,9 +304,19 @@ def inline_calls(module: ir.Module, filename: str) -> int:
                 inlined += 1
             if inlined > 100_000:
                 raise HloplanError("recursive function calls cannot be inlined")
-        # Private functions are now unreachable.
+        # Private functions no remaining call reaches (other public functions may still
+        # call some) are dropped.
+        live = {name for name, f in funcs.items() if not _is_private(f)}
+        pending = list(live)
+        while pending:
+            for op in _walk_ops(funcs[pending.pop()].regions[0].blocks[0]):
+                if op_name(op) == "func.call":
+                    callee = ir.FlatSymbolRefAttr(op.operation.attributes["callee"]).value
+                    if callee not in live and callee in funcs:
+                        live.add(callee)
+                        pending.append(callee)
         for name, func_op in funcs.items():
-            if name != symbol_name(main) and _is_private(func_op):
+            if name not in live:
                 func_op.operation.erase()
     return inlined
 
@@ -425,6 +435,7 @@ class _Extractor:
 
     def fail(self, op, message: str, notes: tuple[str, ...] = ()) -> HloplanError:
         loc, _ = op_location(op)
+        loc = self.located(loc)
         return HloplanError(Diagnostic("error", message, loc, notes, op=op_name(op)))
 
     def run(self) -> tuple[Graph, Handles]:
@@ -433,6 +444,7 @@ class _Extractor:
         block = main.regions[0].blocks[0]
         for index, arg in enumerate(block.arguments):
             loc, label = value_location(arg)
+            loc = self.located(loc)
             try:
                 type_ = tensor_type(arg)
             except ValueError as exc:
@@ -503,8 +515,15 @@ class _Extractor:
         else:
             self.plain_op(op, parent, region, multiplier)
 
+    def located(self, loc: SourceLoc | None) -> SourceLoc | None:
+        """The parser names text from a string '-': point at the input file instead."""
+        if loc is not None and loc.file in ("-", "", "<stdin>") and self.filename:
+            return SourceLoc(self.filename, loc.line, loc.col)
+        return loc
+
     def common(self, op, parent, region, multiplier) -> dict:
         loc, label = op_location(op)
+        loc = self.located(loc)
         return {"location": loc, "label": label, "parent": parent, "region": region,
                 "multiplier": multiplier}
 

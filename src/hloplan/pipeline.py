@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 
 from hloplan import ir
+from hloplan.diagnostics import UsageError
 from hloplan.passes.build_sharding_problem import BuildShardingProblem
 from hloplan.passes.extract_graph import ExtractGraph
 from hloplan.passes.inline_calls import InlineCalls
@@ -27,10 +28,26 @@ def compile_pipeline() -> list[Pass]:
 PASS_NAMES = [p.name for p in compile_pipeline()]
 
 
+# What each pass needs to have run before it.
+PREREQUISITES = {
+    "build-sharding-problem": "extract-graph",
+    "tie-repeated-layers": "build-sharding-problem",
+    "solve-sharding": "build-sharding-problem",
+    "propagate-sharding": "solve-sharding",
+}
+
+
 def run_pipeline(program: ir.Program, options: CompileOptions, passes: list[Pass] | None = None,
                  after_pass: Callable[[str, CompileState], None] | None = None) -> CompileState:
     state = CompileState(program=program, options=options)
-    for step in passes if passes is not None else compile_pipeline():
+    steps = passes if passes is not None else compile_pipeline()
+    names = [step.name for step in steps]
+    for position, name in enumerate(names):
+        needed = PREREQUISITES.get(name)
+        if needed and needed not in names[:position]:
+            raise UsageError(f"pass '{name}' needs '{needed}' to run before it",
+                             notes=("passes in order: " + ", ".join(PASS_NAMES),))
+    for step in steps:
         start = time.perf_counter()
         step.apply(state)
         state.timings[step.name] = time.perf_counter() - start

@@ -7,8 +7,10 @@
 // is never called.
 
 // The whole of @main, line by line: the first @scale copy works on %arg0, the second on %arg1;
-// @swap's first result is the negated second copy, its second result is %1 itself; the loop's
-// body holds a third @scale copy (inlined from @step) and reads the loop's operand from outside.
+// @swap's first result is the negated second copy, its second result is the first copy itself;
+// the loop's body holds a third @scale copy (inlined from @step) and still reads the loop's
+// operand from outside. Constants the loop uses are cloned into its regions (the originals
+// stay behind, unused).
 // CHECK-LABEL: module @jit_inline {
 // CHECK-NEXT:  func.func public @main(%arg0: tensor<8xf32>, %arg1: tensor<8xf32>) -> (tensor<8xf32>, tensor<8xf32>, tensor<8xf32>) {
 // CHECK-NEXT:    [[C0:%.*]] = stablehlo.constant dense<2.000000e+00> : tensor<f32>
@@ -19,13 +21,15 @@
 // CHECK-NEXT:    [[S1:%.*]] = stablehlo.multiply %arg1, [[B1]] : tensor<8xf32>
 // CHECK-NEXT:    [[NEG:%.*]] = stablehlo.negate [[S1]] : tensor<8xf32>
 // CHECK-NEXT:    [[ZERO:%.*]] = stablehlo.constant dense<0> : tensor<i32>
-// CHECK-NEXT:    [[THREE:%.*]] = stablehlo.constant dense<3> : tensor<i32>
-// CHECK-NEXT:    [[ONE:%.*]] = stablehlo.constant dense<1> : tensor<i32>
+// CHECK-NEXT:    {{%.*}} = stablehlo.constant dense<3> : tensor<i32>
+// CHECK-NEXT:    {{%.*}} = stablehlo.constant dense<1> : tensor<i32>
 // CHECK-NEXT:    [[W:%.*]]:2 = stablehlo.while([[I:%.*]] = [[ZERO]], [[ACC:%.*]] = [[NEG]]) : tensor<i32>, tensor<8xf32>
 // CHECK-NEXT:    cond {
+// CHECK-NEXT:      [[THREE:%.*]] = stablehlo.constant dense<3> : tensor<i32>
 // CHECK-NEXT:      [[LT:%.*]] = stablehlo.compare LT, [[I]], [[THREE]], SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
 // CHECK-NEXT:      stablehlo.return [[LT]] : tensor<i1>
 // CHECK-NEXT:    } do {
+// CHECK-NEXT:      [[ONE:%.*]] = stablehlo.constant dense<1> : tensor<i32>
 // CHECK-NEXT:      [[NEXT:%.*]] = stablehlo.add [[I]], [[ONE]] : tensor<i32>
 // CHECK-NEXT:      [[C2:%.*]] = stablehlo.constant dense<2.000000e+00> : tensor<f32>
 // CHECK-NEXT:      [[B2:%.*]] = stablehlo.broadcast_in_dim [[C2]], dims = [] : (tensor<f32>) -> tensor<8xf32>

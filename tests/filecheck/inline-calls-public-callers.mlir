@@ -1,0 +1,28 @@
+// Known bug: inline-calls erases every private function once @main is inlined, also one that
+// another public function still calls; the module is left calling a symbol that no longer
+// exists (it fails to verify, and prints in generic form). A private function that is still
+// referenced should stay (only @main's calls are inlined).
+// RUN: hloplan-opt %s -p inline-calls | filecheck %s
+
+// CHECK-LABEL: func.func public @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+// CHECK-NEXT:    [[A:%.*]] = stablehlo.add %arg0, %arg0 : tensor<8xf32>
+// CHECK-NEXT:    return [[A]] : tensor<8xf32>
+// CHECK-LABEL: func.func public @helper(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+// CHECK-NEXT:    [[C:%.*]] = call @scale(%arg0) : (tensor<8xf32>) -> tensor<8xf32>
+// CHECK-NEXT:    return [[C]] : tensor<8xf32>
+// CHECK-LABEL: func.func private @scale(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+
+module @jit_two_entries {
+  func.func public @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = call @scale(%arg0) : (tensor<8xf32>) -> tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }
+  func.func public @helper(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = call @scale(%arg0) : (tensor<8xf32>) -> tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }
+  func.func private @scale(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = stablehlo.add %arg0, %arg0 : tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }
+}

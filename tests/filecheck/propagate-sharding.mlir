@@ -1,0 +1,120 @@
+// propagate-sharding writes the solved plan into the module in Shardy form: `sdy.mesh @mesh`,
+// `sdy.sharding` on @main's arguments and results, `sdy.sharding_per_value` on planned ops,
+// `sdy.sharding_constraint` where an op needs an operand in another layout than its producer
+// gives. The ops themselves are unchanged. Output that fails to verify would print in MLIR's
+// generic form ("stablehlo.add"(...)), so the pretty-form lines below also check validity.
+// Chunks are separated by `// -----` (see lit.cfg.py).
+
+// RUN: %split-input %s 0 | hloplan-opt - -p inline-calls,extract-graph,build-sharding-problem,solve-sharding,propagate-sharding --mesh 2x4 --device toy | filecheck %s
+// RUN: %split-input %s 1 | hloplan-opt - -p inline-calls,extract-graph,build-sharding-problem,solve-sharding,propagate-sharding --mesh 2x4 --device toy | filecheck %s --check-prefix=LOOP
+
+// A batch-64 matmul that is large for the toy device, its relu in a private function and an
+// optimization barrier that also carries a scalar constant. The batch dim is split over all 8
+// devices (999 does not divide by 8; splitting the 256 output columns would need all of x on
+// every device). The weight may be stored in any layout; free ops (constants and their
+// broadcasts) get no sharding; the barrier's scalar result is replicated.
+// CHECK-LABEL: module @jit_mlp attributes {mhlo.num_partitions = 8 : i32, mhlo.num_replicas = 1 : i32} {
+// CHECK-NEXT:    sdy.mesh @mesh = <["x"=2, "y"=4]>
+// CHECK-NEXT:    func.func public @main(
+// CHECK-SAME:      %arg0: tensor<64x999x256xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"x", "y"}, {}, {}]>},
+// CHECK-SAME:      %arg1: tensor<256x256xf32> {sdy.sharding = #sdy.sharding<@mesh, [{{[^\]]*}}]>})
+// CHECK-SAME:      -> (tensor<64x999x256xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"x", "y"}, {}, {}]>}) {{[{]$}}
+// The weight reaches the matmul replicated: a constraint gathers it unless it is stored so.
+// CHECK:           [[D:%.*]] = stablehlo.dot_general %arg0, {{%[^,]+}}, contracting_dims = [2] x [0]
+// CHECK-SAME:        {sdy.sharding = #sdy.sharding_per_value<[<@mesh, [{"x", "y"}, {}, {}]>]>}
+// CHECK-SAME:        : (tensor<64x999x256xf32>, tensor<256x256xf32>) -> tensor<64x999x256xf32>{{$}}
+// CHECK-NEXT:      [[ZERO:%.*]] = stablehlo.constant dense<0.000000e+00> : tensor<f32>{{$}}
+// CHECK-NEXT:      [[ZEROS:%.*]] = stablehlo.broadcast_in_dim [[ZERO]], dims = [] : (tensor<f32>) -> tensor<64x999x256xf32>{{$}}
+// CHECK-NEXT:      [[R:%.*]] = stablehlo.maximum [[D]], [[ZEROS]]
+// CHECK-SAME:        {sdy.sharding = #sdy.sharding_per_value<[<@mesh, [{"x", "y"}, {}, {}]>]>} : tensor<64x999x256xf32>{{$}}
+// CHECK-NEXT:      [[HALF:%.*]] = stablehlo.constant dense<5.000000e-01> : tensor<f32>{{$}}
+// CHECK-NEXT:      [[B:%.*]]:2 = stablehlo.optimization_barrier
+// CHECK-SAME:        {sdy.sharding = #sdy.sharding_per_value<[<@mesh, [{"x", "y"}, {}, {}]>, <@mesh, []>]>}
+// CHECK-SAME:        [[R]], [[HALF]] : tensor<64x999x256xf32>, tensor<f32>{{$}}
+// CHECK-NEXT:      [[HALVES:%.*]] = stablehlo.broadcast_in_dim [[B]]#1, dims = [] : (tensor<f32>) -> tensor<64x999x256xf32>{{$}}
+// CHECK-NEXT:      [[OUT:%.*]] = stablehlo.multiply [[B]]#0, [[HALVES]]
+// CHECK-SAME:        {sdy.sharding = #sdy.sharding_per_value<[<@mesh, [{"x", "y"}, {}, {}]>]>} : tensor<64x999x256xf32>{{$}}
+// CHECK-NEXT:      return [[OUT]] : tensor<64x999x256xf32>
+// CHECK-NEXT:    }
+// CHECK-NEXT:  }
+// CHECK-NOT:   {{.}}
+
+module @jit_mlp attributes {mhlo.num_partitions = 1 : i32, mhlo.num_replicas = 1 : i32} {
+  func.func public @main(%arg0: tensor<64x999x256xf32> loc("x"), %arg1: tensor<256x256xf32> loc("w")) -> (tensor<64x999x256xf32> {jax.result_info = "result"}) {
+    %0 = stablehlo.dot_general %arg0, %arg1, contracting_dims = [2] x [0] : (tensor<64x999x256xf32>, tensor<256x256xf32>) -> tensor<64x999x256xf32>
+    %1 = call @relu(%0) : (tensor<64x999x256xf32>) -> tensor<64x999x256xf32>
+    %cst = stablehlo.constant dense<5.000000e-01> : tensor<f32>
+    %2:2 = stablehlo.optimization_barrier %1, %cst : tensor<64x999x256xf32>, tensor<f32>
+    %3 = stablehlo.broadcast_in_dim %2#1, dims = [] : (tensor<f32>) -> tensor<64x999x256xf32>
+    %4 = stablehlo.multiply %2#0, %3 : tensor<64x999x256xf32>
+    return %4 : tensor<64x999x256xf32>
+  }
+  func.func private @relu(%arg0: tensor<64x999x256xf32>) -> tensor<64x999x256xf32> {
+    %cst = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+    %0 = stablehlo.broadcast_in_dim %cst, dims = [] : (tensor<f32>) -> tensor<64x999x256xf32>
+    %1 = stablehlo.maximum %arg0, %0 : tensor<64x999x256xf32>
+    return %1 : tensor<64x999x256xf32>
+  }
+}
+
+// -----
+
+// A loop (jax's scan) whose body calls a private function. The while op gets no sharding of its
+// own: each carried value is pinned by a constraint on the loop's operand and on the body's
+// yield (the counter replicated, the activations split on the batch). The weight's layout is
+// the planner's choice.
+// LOOP-LABEL: module @jit_scan attributes {mhlo.num_partitions = 8 : i32} {
+// LOOP-NEXT:    sdy.mesh @mesh = <["x"=2, "y"=4]>
+// LOOP-NEXT:    func.func public @main(
+// LOOP-SAME:      %arg0: tensor<64x999x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"x", "y"}, {}, {}]>},
+// LOOP-SAME:      %arg1: tensor<64x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{{[^\]]*}}]>})
+// LOOP-SAME:      -> (tensor<64x999x64xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"x", "y"}, {}, {}]>}) {{[{]$}}
+// LOOP-NEXT:     {{%.*}} = stablehlo.constant dense<1> : tensor<i32>
+// LOOP-NEXT:     {{%.*}} = stablehlo.constant dense<4> : tensor<i32>
+// LOOP-NEXT:     [[ZERO:%.*]] = stablehlo.constant dense<0> : tensor<i32>
+// LOOP-NEXT:     [[W0:%.*]] = sdy.sharding_constraint %arg1 <@mesh, [{{[^\]]*}}]> : tensor<64x64xf32>
+// LOOP-NEXT:     [[I0:%.*]] = sdy.sharding_constraint [[ZERO]] <@mesh, []> : tensor<i32>
+// LOOP-NEXT:     [[X0:%.*]] = sdy.sharding_constraint %arg0 <@mesh, [{"x", "y"}, {}, {}]> : tensor<64x999x64xf32>
+// LOOP-NEXT:     [[L:%.*]]:3 = stablehlo.while([[WI:%.*]] = [[W0]], [[II:%.*]] = [[I0]], [[XI:%.*]] = [[X0]]) : tensor<64x64xf32>, tensor<i32>, tensor<64x999x64xf32>{{$}}
+// LOOP-NEXT:     cond {
+// LOOP-NEXT:       [[N:%.*]] = stablehlo.constant dense<4> : tensor<i32>
+// LOOP-NEXT:       [[LT:%.*]] = stablehlo.compare LT, [[II]], [[N]], SIGNED {sdy.sharding = #sdy.sharding_per_value<[<@mesh, []>]>}
+// LOOP-NEXT:       stablehlo.return [[LT]] : tensor<i1>
+// LOOP-NEXT:     } do {
+// LOOP-NEXT:       [[ONE:%.*]] = stablehlo.constant dense<1> : tensor<i32>
+// LOOP:            [[D:%.*]] = stablehlo.dot_general [[XI]], {{%[^,]+}}, contracting_dims = [2] x [0]
+// LOOP-SAME:         {sdy.sharding = #sdy.sharding_per_value<[<@mesh, [{"x", "y"}, {}, {}]>]>}
+// LOOP-NEXT:       [[T:%.*]] = stablehlo.tanh [[D]] {sdy.sharding = #sdy.sharding_per_value<[<@mesh, [{"x", "y"}, {}, {}]>]>} : tensor<64x999x64xf32>{{$}}
+// LOOP-NEXT:       [[I1:%.*]] = stablehlo.add [[II]], [[ONE]] {sdy.sharding = #sdy.sharding_per_value<[<@mesh, []>]>} : tensor<i32>{{$}}
+// LOOP-NEXT:       [[WY:%.*]] = sdy.sharding_constraint [[WI]] <@mesh, [{{[^\]]*}}]> : tensor<64x64xf32>
+// LOOP-NEXT:       [[IY:%.*]] = sdy.sharding_constraint [[I1]] <@mesh, []> : tensor<i32>
+// LOOP-NEXT:       [[XY:%.*]] = sdy.sharding_constraint [[T]] <@mesh, [{"x", "y"}, {}, {}]> : tensor<64x999x64xf32>
+// LOOP-NEXT:       stablehlo.return [[WY]], [[IY]], [[XY]] : tensor<64x64xf32>, tensor<i32>, tensor<64x999x64xf32>
+// LOOP-NEXT:     }
+// LOOP-NEXT:     return [[L]]#2 : tensor<64x999x64xf32>
+// LOOP-NEXT:   }
+// LOOP-NEXT: }
+// LOOP-NOT:  {{.}}
+
+module @jit_scan {
+  func.func public @main(%arg0: tensor<64x999x64xf32> loc("x"), %arg1: tensor<64x64xf32> loc("w")) -> (tensor<64x999x64xf32> {jax.result_info = "result"}) {
+    %c = stablehlo.constant dense<1> : tensor<i32>
+    %c_0 = stablehlo.constant dense<4> : tensor<i32>
+    %c_1 = stablehlo.constant dense<0> : tensor<i32>
+    %0:3 = stablehlo.while(%iterArg = %arg1, %iterArg_2 = %c_1, %iterArg_3 = %arg0) : tensor<64x64xf32>, tensor<i32>, tensor<64x999x64xf32>
+    cond {
+      %1 = stablehlo.compare LT, %iterArg_2, %c_0, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+      stablehlo.return %1 : tensor<i1>
+    } do {
+      %1 = func.call @layer(%iterArg_3, %iterArg) : (tensor<64x999x64xf32>, tensor<64x64xf32>) -> tensor<64x999x64xf32>
+      %2 = stablehlo.add %iterArg_2, %c : tensor<i32>
+      stablehlo.return %iterArg, %2, %1 : tensor<64x64xf32>, tensor<i32>, tensor<64x999x64xf32>
+    }
+    return %0#2 : tensor<64x999x64xf32>
+  }
+  func.func private @layer(%arg0: tensor<64x999x64xf32>, %arg1: tensor<64x64xf32>) -> tensor<64x999x64xf32> {
+    %0 = stablehlo.dot_general %arg0, %arg1, contracting_dims = [2] x [0] : (tensor<64x999x64xf32>, tensor<64x64xf32>) -> tensor<64x999x64xf32>
+    %1 = stablehlo.tanh %0 : tensor<64x999x64xf32>
+    return %1 : tensor<64x999x64xf32>
+  }
+}

@@ -1,0 +1,230 @@
+"""`hloplan explain` and the decisions plan.json records: text, json, jax and svg output, error
+exits, and the local next-best arithmetic against solver.explain."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import json  # noqa: E402
+import math  # noqa: E402
+import xml.etree.ElementTree as ET  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from click.testing import CliRunner  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import hloplan  # noqa: E402
+from hloplan import decisions, explain_report  # noqa: E402
+from hloplan.cli import main  # noqa: E402
+from hloplan.solver.evaluate import evaluate  # noqa: E402
+from hloplan.solver.explain import compare, next_best  # noqa: E402
+from hloplan.solver.problem import Edge, LivePoint, Node, ShardingProblem, Solution, Strategy  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+MLP = FIXTURES / "mlp_train_step.jaxexport"
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("explain") / "plan"
+    result = hloplan.compile(str(MLP), mesh="2x4", device="toy", output=str(out))
+    return result, out
+
+
+def _run(*args):
+    return CliRunner().invoke(main, ["explain", *map(str, args)])
+
+
+def test_text_names_every_argument_and_the_mesh(compiled):
+    result, plan_dir = compiled
+    out = _run(plan_dir)
+    assert out.exit_code == 0, out.output
+    text = out.stdout
+    for argument in result.plan["arguments"]:
+        assert argument["name"] in text
+    assert "x=2, y=4" in text
+    for section in ("Mesh", "Device model", "Arguments", "Results", "Estimated step time",
+                    "Peak memory", "Top", "Decisions"):
+        assert section in text
+    assert "fixtures/models.py:45" in text  # the top ops carry their source lines
+    assert "█" in text  # the bars
+
+
+def test_json_has_decisions_with_reasons(compiled):
+    _, plan_dir = compiled
+    out = _run(plan_dir, "--format", "json")
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["ok"] is True
+    assert data["mesh"]["axis_names"] == ["x", "y"]
+    assert data["decisions"], "a 2x4 plan of an MLP has choices to explain"
+    for d in data["decisions"]:
+        assert isinstance(d["reason"], str) and len(d["reason"]) > 20
+        assert d["chosen"] != d["next_best"]
+        assert set(d["delta"]) == {"compute_s", "communication_s", "resharding_s", "total_s",
+                                   "peak_memory_bytes", "bytes_per_device"}
+    kinds = {d["kind"] for d in data["decisions"]}
+    assert kinds == {"argument", "op"}
+    ops = [d for d in data["decisions"] if d["kind"] == "op"]
+    assert all(d["location"] and d["location"].startswith("fixtures/models.py:") for d in ops)
+    parts = {p["name"]: p["seconds"] for p in data["step_time_breakdown"]}
+    est = data["estimate"]
+    assert math.isclose(sum(parts.values()), est["step_time_s"], rel_tol=1e-4)
+    assert data["top_ops"] and data["top_ops"][0]["total_s"] >= data["top_ops"][-1]["total_s"]
+
+
+def test_plan_json_decisions_are_deterministic(compiled):
+    result, _ = compiled
+    again = json.loads(json.dumps(decisions.top_decisions(result.state, count=10)))
+    assert again == result.plan["decisions"]
+    assert len(again) == 10
+    assert [d["rank"] for d in again] == list(range(1, 11))
+
+
+def test_jax_format_is_python_matching_the_argument_tree(compiled):
+    _, plan_dir = compiled
+    out = _run(plan_dir, "--format", "jax")
+    assert out.exit_code == 0, out.output
+    assert "from jax.sharding import PartitionSpec as P" in out.stdout
+    namespace: dict = {}
+    exec(compile(out.stdout, "<explain --format jax>", "exec"), namespace)
+    exported = explain_report.load_exported(plan_dir)
+    args, _ = jax.tree.unflatten(exported.in_tree, [0] * exported.in_tree.num_leaves)
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    assert (jax.tree.structure(namespace["in_shardings"], is_leaf=is_spec)
+            == jax.tree.structure(tuple(args)))
+    results = jax.tree.unflatten(exported.out_tree, [0] * exported.out_tree.num_leaves)
+    assert (jax.tree.structure(namespace["out_shardings"], is_leaf=is_spec)
+            == jax.tree.structure(results))
+    flat = jax.tree.leaves(namespace["in_shardings"], is_leaf=is_spec)
+    assert all(isinstance(s, P) for s in flat)
+    plan = json.loads((plan_dir / "plan.json").read_text())
+    by_name = {a["name"]: decisions.partition_spec_text(a["spec"]) for a in plan["arguments"]}
+    assert repr(namespace["in_shardings"][1]).replace("PartitionSpec", "P") == by_name["x"]
+
+
+def test_svg_is_written(compiled, tmp_path):
+    _, plan_dir = compiled
+    svg = tmp_path / "plan.svg"
+    out = _run(plan_dir, "--svg", svg)
+    assert out.exit_code == 0, out.output
+    text = svg.read_text()
+    assert text.startswith("<svg") or text.startswith("<?xml")
+    root = ET.fromstring(text)
+    assert root.tag.endswith("svg")
+    assert "Estimated step time" in text and "params[1]['w']" in text
+
+
+def test_in_shardings_python_api(compiled):
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    _, plan_dir = compiled
+    shardings = explain_report.in_shardings(plan_dir)
+    exported = explain_report.load_exported(plan_dir)
+    args, _ = jax.tree.unflatten(exported.in_tree, [0] * exported.in_tree.num_leaves)
+    assert jax.tree.structure(shardings) == jax.tree.structure(tuple(args))
+    plan = json.loads((plan_dir / "plan.json").read_text())
+    x_spec = next(a["spec"] for a in plan["arguments"] if a["name"] == "x")
+    assert decisions.partition_spec_text(explain_report._axes_of(shardings[1].spec)) == (
+        decisions.partition_spec_text(x_spec))
+    assert shardings[1].mesh.axis_names == ("x", "y")
+
+
+def test_explain_input_in_memory():
+    out = _run(MLP, "--mesh", "8", "--device", "toy", "--format", "json")
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["mesh"]["axis_sizes"] == [8]
+    assert data["decisions"]
+
+
+@pytest.mark.parametrize("setup", ["empty_dir", "missing", "bad_json", "not_a_plan", "no_mesh"])
+def test_errors_exit_2(tmp_path, setup):
+    target = tmp_path / "plan"
+    if setup == "empty_dir":
+        target.mkdir()
+    elif setup == "bad_json":
+        target.mkdir()
+        (target / "plan.json").write_text("{not json")
+    elif setup == "not_a_plan":
+        target.mkdir()
+        (target / "plan.json").write_text(json.dumps({"format": 1}))
+    elif setup == "no_mesh":
+        target = MLP
+    out = _run(target)
+    assert out.exit_code == 2, out.output
+    assert f"{target}: error: " in out.stderr
+
+
+def test_mesh_with_plan_dir_is_a_usage_error(compiled):
+    _, plan_dir = compiled
+    out = _run(plan_dir, "--mesh", "8")
+    assert out.exit_code == 2
+    assert f"{plan_dir}: error: " in out.stderr
+
+
+# -- the local next-best arithmetic ------------------------------------------------------------
+
+
+def _check_against_solver_explain(problem, solution):
+    index = decisions.DecisionIndex(problem, solution)
+    base = evaluate(problem, solution)
+    checked = 0
+    for node in range(len(problem.nodes)):
+        mine = index.next_best(node)
+        ref = next_best(problem, solution, node)
+        if ref is None:
+            assert mine is None
+            continue
+        alternative, evaluation = ref
+        assert mine.feasible == evaluation.feasible
+        assert math.isclose(mine.delta_total, evaluation.total - base.total, rel_tol=1e-9,
+                            abs_tol=1e-15)
+        assert math.isclose(mine.peak_memory, evaluation.peak_memory, rel_tol=1e-9)
+        if mine.strategy != alternative.choice[node]:
+            continue  # an exact tie in cost, broken differently by float noise
+        reasons = compare(problem, solution, alternative)
+        for field in ("delta_compute", "delta_communication", "delta_resharding"):
+            assert math.isclose(getattr(mine, field), sum(getattr(r, field) for r in reasons),
+                                rel_tol=1e-9, abs_tol=1e-15)
+        if len(reasons) == 1:
+            assert math.isclose(mine.delta_peak_memory, reasons[0].delta_peak_memory,
+                                rel_tol=1e-9, abs_tol=1e-9)
+        checked += 1
+    return checked
+
+
+def test_local_next_best_agrees_with_solver_explain(compiled):
+    result, _ = compiled
+    assert _check_against_solver_explain(result.state.problem, result.state.solution) > 10
+
+
+def test_local_next_best_on_a_tight_budget():
+    def s(name, compute, comm, memory):
+        return Strategy(name, compute, comm, memory, (("all-reduce", "x", 1.0),) if comm else ())
+
+    nodes = (
+        Node("a", (s("R", 0, 0, 100), s("S", 0, 0, 50))),
+        Node("b", (s("R", 4, 0, 80), s("S0", 1, 1, 40), s("S1", 1, 0.5, 40)), tie=1),
+        Node("c", (s("R", 2, 0, 60), s("S0", 0.5, 0, 30), s("S1", 0.5, 0, 30)), tie=1),
+        Node("d", (s("R", 1, 0, 10), s("S", 0.5, 0, 5))),
+    )
+    edges = (
+        Edge(0, 1, ((0, 1, 1), (2, 0, 3))),
+        Edge(1, 2, ((0, 1, 1), (1, 0, 1), (1, 1, 0))),
+        Edge(2, 3, ((0, 1), (1, 0), (1, 0))),
+    )
+    points = (LivePoint((0, 1), 10), LivePoint((0, 1, 2), 0), LivePoint((2, 3), 5))
+    problem = ShardingProblem(nodes, edges, points, memory_budget=200)
+    problem.validate()
+    for choice in ((1, 1, 1, 1), (1, 2, 2, 0), (0, 1, 1, 1), (1, 0, 0, 1)):
+        _check_against_solver_explain(problem, Solution(choice))
+    # Moving a (50 -> 100 bytes) at (1, 1, 1, 1) breaks the 120-byte budget.
+    tight = ShardingProblem(nodes, edges, points, memory_budget=130)
+    alt = decisions.DecisionIndex(tight, Solution((1, 1, 1, 1))).next_best(0)
+    assert not alt.feasible and alt.peak_memory == 170
+    text = decisions._reason("placing a", "P('x')", "P()", alt, 130, "communication",
+                             "resharding")
+    assert "P() would need 170 B > 130 B budget" in text
