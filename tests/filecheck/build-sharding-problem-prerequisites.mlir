@@ -1,8 +1,5 @@
-// Known bug: `hloplan opt -p build-sharding-problem` without extract-graph before it dies with a
-// Python traceback (AttributeError: 'NoneType' object has no attribute 'ops', exit 1), outside
-// the CLI's exit-code contract (2 for usage errors; 101 and a reproducer for internal errors).
-// solve-sharding and propagate-sharding run without their prerequisites fail the same way. It
-// should be a usage error that names the pass to run first.
+// A pass run without the pass it needs before it (build-sharding-problem without extract-graph)
+// is a usage error that names the missing pass, not a Python traceback.
 // RUN: not hloplan-opt %s -p build-sharding-problem --mesh 2x4 --device toy 2>&1 | filecheck %s
 
 // CHECK-NOT: Traceback

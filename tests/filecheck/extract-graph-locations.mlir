@@ -1,7 +1,6 @@
-// Known bug: ops and arguments without a jax location (hand-written or stripped programs) carry
-// the parser's own file:line:col location, whose file MLIR's Python parser calls "-"; hloplan
-// prints it as is (`-:13:26: error: ...`) instead of naming the input file, as it does for
-// parse errors (ir._parse_loc_text maps "-" to the file name; ir.walk_location does not).
+// Ops and arguments without a jax location (hand-written or stripped programs) carry the
+// parser's own file:line:col, whose file MLIR's Python parser calls "-": diagnostics name the
+// input file instead.
 // RUN: not hloplan-opt %s -p extract-graph --mesh 2x4 --device toy 2>&1 | filecheck %s
 
 // CHECK:      extract-graph-locations.mlir:[[# @LINE + 5]]:{{[0-9]+}}: error: argument 0 (unnamed) has a dynamic shape tensor<?x16xf32>; hloplan plans static shapes only{{$}}

@@ -1,7 +1,5 @@
-// Known bug: inline-calls erases every private function once @main is inlined, also one that
-// another public function still calls; the module is left calling a symbol that no longer
-// exists (it fails to verify, and prints in generic form). A private function that is still
-// referenced should stay (only @main's calls are inlined).
+// inline-calls inlines @main's calls and drops the private functions no public function
+// reaches any more; one that another public function still calls stays.
 // RUN: hloplan-opt %s -p inline-calls | filecheck %s
 
 // CHECK-LABEL: func.func public @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
