@@ -21,10 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common  # noqa: E402  (sets XLA_FLAGS before jax is imported)
 
-BATCH, SEQ, VOCAB, D_MODEL, HEADS, HIDDEN, LAYERS = 16, 16, 64, 32, 4, 64, 2
+BATCH, SEQ, VOCAB, D_MODEL, HEADS, HIDDEN = 16, 16, 64, 32, 4, 64
 
 
-def nnx_transformer():
+def nnx_transformer(layers: int = 2):
     import jax
     import jax.numpy as jnp
     import optax
@@ -33,8 +33,11 @@ def nnx_transformer():
     class Block(nnx.Module):
         def __init__(self, rngs: nnx.Rngs):
             self.ln1 = nnx.LayerNorm(D_MODEL, rngs=rngs)
+            # use_bias=False: the key bias gets an exactly-zero gradient (softmax ignores a shift
+            # shared by all keys), so its float32 gradient is rounding noise that AdamW's first
+            # step turns into +-lr: any reordering of sums (sharding included) changes it.
             self.attn = nnx.MultiHeadAttention(num_heads=HEADS, in_features=D_MODEL, decode=False,
-                                               rngs=rngs)
+                                               use_bias=False, rngs=rngs)
             self.ln2 = nnx.LayerNorm(D_MODEL, rngs=rngs)
             self.up = nnx.Linear(D_MODEL, HIDDEN, rngs=rngs)
             self.down = nnx.Linear(HIDDEN, D_MODEL, rngs=rngs)
@@ -47,7 +50,7 @@ def nnx_transformer():
         def __init__(self, rngs: nnx.Rngs):
             self.embed = nnx.Embed(VOCAB, D_MODEL, rngs=rngs)
             self.pos = nnx.Param(jax.random.normal(rngs.params(), (SEQ, D_MODEL)) * 0.02)
-            self.blocks = nnx.List([Block(rngs) for _ in range(LAYERS)])
+            self.blocks = nnx.List([Block(rngs) for _ in range(layers)])
             self.ln_f = nnx.LayerNorm(D_MODEL, rngs=rngs)
             self.head = nnx.Linear(D_MODEL, VOCAB, rngs=rngs)
 

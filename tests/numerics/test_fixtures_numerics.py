@@ -34,20 +34,10 @@ RTOL, ATOL = 1e-4, 1e-5
 MUST_SHARD = ["mlp_forward", "mlp_train_step", "gpt_train_step", "convnet_train_step"]
 SLOW_CASES = {("gpt_train_step", "8"), ("gpt_train_step", "4x2")}
 
-# Known hloplan bugs: strict xfails, so the test turns red (XPASS) once a fix lands.
-_SCAN_BUG = ("hloplan bug: the sharded module of a lax.scan (stablehlo.while) does not compile: "
-             "XLA RET_CHECK hlo_sharding.cc:747 'Shape (s32[], ...) has N leaf nodes while this "
-             "sharding has N+2' when the plan runs (any mesh, any device model)")
-_BARRIER_BUG = ("hloplan bug: a stablehlo.optimization_barrier with a constant operand (from "
-                "jax.checkpoint under grad) gets one result sharding for two results, so "
-                "hloplan.compile fails: 'optimization_barrier op result shardings don't match "
-                "number of values: 1 shardings vs 2 values'")
-KNOWN_BUGS = {
-    "scan_forward": (_SCAN_BUG, jax.errors.JaxRuntimeError),
-    "scan_train_step": (_SCAN_BUG, jax.errors.JaxRuntimeError),
-    # the exception type moved between ValueError and MLIRError as hloplan.ir changed
-    "misc_ops": (_BARRIER_BUG, Exception),
-}
+# Known hloplan bugs, name -> (reason, exception type): strict xfails, so a fix turns them red
+# (XPASS).  Fixed so far: lax.scan plans failing XLA's while-sharding RET_CHECK, and a constant
+# operand of optimization_barrier (jax.checkpoint under grad) left without a result sharding.
+KNOWN_BUGS: dict[str, tuple[str, type[BaseException]]] = {}
 
 # gpt_train_step ends in one AdamW step, lr=1e-3, b1=0.9 (fixtures/models.py).  Some true
 # gradients are exactly zero (the key bias b_qkv[d:2d]: softmax ignores a per-query constant), so
