@@ -103,6 +103,69 @@ def balanced_cut(costs: list[float], parts: int) -> list[int]:
     return starts
 
 
+def narrow_cut(costs: list[float], crossings: list[int], parts: int,
+               slack: float = 0.05) -> list[int]:
+    """Like balanced_cut, but among the cuts whose largest part is within `slack` of the best,
+    the one that cuts the fewest live values (`crossings[k]`: values made before position k and
+    used at or after it): a layer boundary, where only the residual stream crosses, rather than
+    the middle of an attention block."""
+    n = len(costs)
+    if parts <= 1 or n <= 1:
+        return [0]
+    best = balanced_cut(costs, parts)
+    prefix = [0.0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    bounds = best + [n]
+    limit = max(prefix[bounds[i + 1]] - prefix[bounds[i]] for i in range(len(best)))
+    limit *= 1 + slack
+    parts = len(best)
+    inf = float("inf")
+    # score[j][k]: fewest crossings with j cuts, the last at k, every part so far within limit.
+    score = [[inf] * (n + 1) for _ in range(parts)]
+    back = [[-1] * (n + 1) for _ in range(parts)]
+    score[0][0] = 0
+    for j in range(1, parts):
+        for k in range(1, n):
+            for prev in range(k - 1, -1, -1):
+                if prefix[k] - prefix[prev] > limit:
+                    break
+                if score[j - 1][prev] + crossings[k] < score[j][k]:
+                    score[j][k] = score[j - 1][prev] + crossings[k]
+                    back[j][k] = prev
+    ends = [k for k in range(1, n) if score[parts - 1][k] < inf and prefix[n] - prefix[k] <= limit]
+    if not ends:
+        return best
+    k = min(ends, key=lambda e: (score[parts - 1][e], e))
+    starts = [k]
+    for j in range(parts - 1, 1, -1):
+        k = back[j][k]
+        starts.append(k)
+    return [0] + sorted(starts)
+
+
+def _crossings(graph: Graph, forward: list[int], io) -> list[int]:
+    """For each position k in `forward`, the number of values made before k and read at or
+    after k (by forward units)."""
+    position = {u: i for i, u in enumerate(forward)}
+    made_at = {v: position[u] for u in forward for v in io[u][1]}
+    last_read: dict[int, int] = {}
+    for u in forward:
+        for v in io[u][0]:
+            if v in made_at:
+                last_read[v] = max(last_read.get(v, 0), position[u])
+    delta = [0] * (len(forward) + 2)
+    for v, made in made_at.items():
+        if v in last_read and last_read[v] > made:
+            delta[made + 1] += 1
+            delta[last_read[v] + 1] -= 1
+    out, running = [], 0
+    for k in range(len(forward) + 1):
+        running += delta[k]
+        out.append(running)
+    return out
+
+
 def cut(graph: Graph, analysis: BatchAnalysis, stages: int) -> PipelineCut:
     all_units = units(graph)
     io = {u: unit_io(graph, members) for u, members in all_units.items()}
@@ -116,13 +179,19 @@ def cut(graph: Graph, analysis: BatchAnalysis, stages: int) -> PipelineCut:
     part_a = [u for u in sorted(analysis.part_a) if u not in invariant]
     part_b = sorted({u for u in analysis.part_b if u not in invariant} | owned)
 
-    def is_backward(u: int) -> bool:
-        return BACKWARD_MARK in (graph.ops[u].label or "")
-
-    forward = [u for u in part_a if not is_backward(u)]
-    backward = [u for u in part_a if is_backward(u)]
+    # Backward: jax's transpose(...) ops and anything computed from them (a learning-rate
+    # scaling of a gradient that stays per-microbatch); the rest is forward.
+    backward_values: set[int] = set()
+    backward = []
+    for u in part_a:
+        reads, produced = io[u]
+        if BACKWARD_MARK in (graph.ops[u].label or "") or reads & backward_values:
+            backward.append(u)
+            backward_values |= produced
+    backward_set = set(backward)
+    forward = [u for u in part_a if u not in backward_set]
     costs = [unit_cost(graph, all_units[u]) for u in forward]
-    starts = balanced_cut(costs, stages)
+    starts = narrow_cut(costs, _crossings(graph, forward, io), stages)
     stage: dict[int, int] = {}
     for k, u in enumerate(forward):
         stage[u] = max(i for i, s in enumerate(starts) if s <= k)
@@ -158,13 +227,15 @@ def cut(graph: Graph, analysis: BatchAnalysis, stages: int) -> PipelineCut:
 
 
 def _dependent_units(graph, all_units, io, analysis: BatchAnalysis) -> set[int]:
-    """Units that depend on the batch (part A) or on a frontier value (part B)."""
+    """Units that depend on the batch inputs (part A) or on a partial sum (part B). A
+    batch-shaped value made from constants (a causal mask) is not: it is cloned into each task
+    that reads it."""
     dependent: set[int] = set()
+    batch_inputs = {graph.arguments[p] for p in analysis.batch_args}
     produced_by_dependent: set[int] = set()
     for u in sorted(all_units):
         reads, produced = io[u]
-        if (reads & produced_by_dependent or any(v in analysis.label or v in analysis.frontier
-                                                 for v in reads | produced)):
+        if reads & produced_by_dependent or reads & batch_inputs or reads & analysis.frontier:
             dependent.add(u)
             produced_by_dependent |= produced
     return dependent
@@ -174,15 +245,11 @@ def _tasks(graph, all_units, io, producer_unit, stage, part_a, part_b, invariant
            stages) -> list[Task]:
     phase: dict[int, int] = {}
     tasks: dict[tuple[str, int, int], Task] = {}
+    batch_values = {graph.arguments[p] for p in analysis.batch_args} | analysis.frontier
     for part, members in (("A", part_a), ("B", part_b)):
-        member_set = set(members)
+        phase.update(_phases(members, io, producer_unit, stage, batch_values))
         for u in members:
-            p = 0
-            for v in io[u][0]:
-                src = producer_unit.get(v)
-                if src in member_set and src in phase:
-                    p = max(p, phase[src] + (1 if stage[src] != stage[u] else 0))
-            phase[u] = p
+            p = phase[u]
             key = (part, stage[u], p)
             if key not in tasks:
                 tasks[key] = Task(0, part, stage[u], p)
@@ -220,6 +287,38 @@ def _tasks(graph, all_units, io, producer_unit, stage, part_a, part_b, invariant
         task.outputs = sorted(v for v in own if v in consumers or v in program_outputs
                               or v in analysis.frontier)
     return ordered
+
+
+def _phases(members: list[int], io, producer_unit, stage, batch_values: set[int]) -> dict[int, int]:
+    """phase(u) = max over its sources of phase(source) + 1 if the source is on another stage.
+
+    Units not anchored to the data flow (they read neither the batch, nor partial sums, nor
+    anything from another stage, transitively: zero buffers, batch-shaped constants) start at
+    their stage's first anchored phase instead of 0, so they join that task rather than forming
+    a task of their own ahead of it."""
+    member_set = set(members)
+    anchored: dict[int, bool] = {}
+
+    def sweep(entry: dict[int, int]) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for u in members:
+            reads = io[u][0]
+            sources = [src for src in (producer_unit.get(v) for v in reads)
+                       if src in member_set and src in out]
+            anchored[u] = bool(reads & batch_values) or any(
+                anchored[src] or stage[src] != stage[u] for src in sources)
+            p = 0 if anchored[u] else entry.get(stage[u], 0)
+            for src in sources:
+                p = max(p, out[src] + (1 if stage[src] != stage[u] else 0))
+            out[u] = p
+        return out
+
+    first = sweep({})
+    entry: dict[int, int] = {}
+    for u in members:
+        if anchored[u]:
+            entry[stage[u]] = min(entry.get(stage[u], first[u]), first[u])
+    return sweep(entry)
 
 
 def _is_input(graph: Graph, v: int, producer_unit, invariant) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hloplan.diagnostics import Diagnostic, HloplanError
@@ -22,9 +23,11 @@ class SolveSharding:
         except InfeasibleError as exc:
             raise HloplanError(_infeasible_diagnostic(state, exc)) from None
         if state.stats.status != "optimal":
+            gap = state.stats.gap
+            gap_text = f"{gap:.2%}" if math.isfinite(gap) else "unknown (no bound found in time)"
             state.log.warn(
                 f"solver stopped at its time limit ({options.time_limit:g} s) with a feasible plan; "
-                f"gap to the best bound {state.stats.gap:.2%}",
+                f"gap to the best bound {gap_text}",
                 notes=("raise --time-limit for a proven optimum",))
 
 

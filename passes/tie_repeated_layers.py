@@ -25,7 +25,9 @@ relative objective difference (the price of tying) in `state.facts["tied_gap"]`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 
@@ -42,6 +44,8 @@ class TieRepeatedLayers:
     name: str = "tie-repeated-layers"
     # Weisfeiler-Lehman rounds: how far (in dataflow hops) two ops must look alike to be tied.
     hops: int = 3
+    # Drop memory checks that another live point dominates once ties hold (exact).
+    prune_live_points: bool = True
     # Also solve the untied and the tied problem and record the tied plan's gap (benchmarks).
     compare_untied: bool = False
 
@@ -56,6 +60,11 @@ class TieRepeatedLayers:
             node if node.tie == tie else dataclasses.replace(node, tie=tie)
             for node, tie in zip(problem.nodes, ties)))
         _check_tie_counts(tied)
+        if self.prune_live_points:
+            kept = dominant_live_points(tied)
+            state.facts["live_points_before_pruning"] = len(tied.live_points)
+            state.facts["live_points_after_pruning"] = len(kept)
+            tied = dataclasses.replace(tied, live_points=tuple(tied.live_points[p] for p in kept))
         before, after = decision_count(problem), decision_count(tied)
         groups = _repeated_groups(problem, ties)
         state.problem = tied
@@ -64,8 +73,12 @@ class TieRepeatedLayers:
         state.facts["decisions_before_tying"] = before
         state.facts["decisions_after_tying"] = after
         state.facts["tie_seconds"] = time.perf_counter() - started
-        state.log.remark(f"tie-repeated-layers: {state.facts['tied_nodes']} ops in "
-                         f"{len(groups)} repeated groups tied; decisions {before} -> {after}")
+        message = (f"tie-repeated-layers: {state.facts['tied_nodes']} ops in {len(groups)} "
+                   f"repeated groups tied; decisions {before} -> {after}")
+        if self.prune_live_points:
+            message += (f"; memory checks {state.facts['live_points_before_pruning']} -> "
+                        f"{state.facts['live_points_after_pruning']}")
+        state.log.remark(message)
         if self.compare_untied:
             state.facts.update(compare_tied(problem, tied, state.options))
 
@@ -243,11 +256,88 @@ def _repeated_groups(problem: ShardingProblem, ties: list[int | None]) -> list[l
     return out
 
 
+# --------------------------------------------------------------------------- memory checks
+
+
+def dominant_live_points(problem: ShardingProblem) -> list[int]:
+    """Indices (in order) of the live points no other point dominates under the problem's ties.
+
+    A point's bytes are its fixed bytes plus, per decision, the chosen strategy's memory summed
+    over its nodes there. Nodes of one decision with the same memory per strategy form a class;
+    point P is dominated by Q when Q has at least P's fixed bytes and at least as many nodes of
+    every class: then Q holds at least as many bytes as P whatever the (tie-respecting) choice,
+    and checking Q suffices. With repeated layers tied, a layer's points are dominated by the
+    same points of the layer where most activations are live, so the number of checks stops
+    growing with depth. Exact: the peak over the kept points is the peak over all of them.
+    """
+    points = problem.live_points
+    if len(points) < 2:
+        return list(range(len(points)))
+    import numpy as np
+
+    class_ids: dict = {}
+    class_of = []  # per node: a class, or -1 (memory that no decision changes)
+    constant_of = []  # per node: its bytes when they do not depend on a decision
+    class_max = []
+    for index, node in enumerate(problem.nodes):
+        memory = tuple(s.memory for s in node.strategies)
+        if len(memory) == 1 or min(memory) == max(memory):
+            class_of.append(-1)
+            constant_of.append(memory[0])
+            continue
+        key = (("tie", node.tie) if node.tie is not None else ("node", index), memory)
+        if key not in class_ids:
+            class_ids[key] = len(class_ids)
+            class_max.append(max(memory))
+        class_of.append(class_ids[key])
+        constant_of.append(0.0)
+    summaries = []
+    for point in points:
+        unique = dict.fromkeys(point.nodes)
+        counts = collections.Counter(map(class_of.__getitem__, unique))
+        counts.pop(-1, None)
+        constant = point.fixed_bytes + sum(map(constant_of.__getitem__, unique))
+        upper = constant + sum(n * class_max[c] for c, n in counts.items())
+        summaries.append((constant, counts, upper))
+    # Likely dominators first: the points with the most bytes at their largest.
+    order = sorted(range(len(points)), key=lambda p: (-summaries[p][2], p))
+    width = max(len(class_ids), 1)
+    kept_counts = np.zeros((64, width), dtype=np.int64)
+    kept_constant = np.zeros(64)
+    kept: list[int] = []
+    for p in order:
+        constant, counts, _ = summaries[p]
+        n = len(kept)
+        if n:
+            columns = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+            needed = np.fromiter(counts.values(), dtype=np.int64, count=len(counts))
+            rows = np.flatnonzero(kept_constant[:n] >= constant)
+            if len(rows) and len(columns):
+                covered = (kept_counts[rows[:, None], columns] >= needed).all(axis=1)
+                if covered.any():
+                    continue
+            elif len(rows):
+                continue
+        if n == len(kept_constant):
+            kept_counts = np.concatenate([kept_counts, np.zeros_like(kept_counts)])
+            kept_constant = np.concatenate([kept_constant, np.zeros_like(kept_constant)])
+        for c, count in counts.items():
+            kept_counts[n, c] = count
+        kept_constant[n] = constant
+        kept.append(p)
+    return sorted(kept)
+
+
 # --------------------------------------------------------------------------- price of tying
 
 
 def compare_tied(untied: ShardingProblem, tied: ShardingProblem, options) -> dict:
-    """Solve both problems; the tied optimum's relative excess over the untied one."""
+    """Solve both problems and report the price of tying.
+
+    `tied_gap`: (tied - untied) / untied objective, exact when both statuses are "optimal";
+    `tied_gap_bound`: the same against the untied solver's lower bound, an upper bound on the
+    true price of tying even when the untied solve stopped at its time limit.
+    """
     from hloplan.solver.ilp import SolverError, solve
 
     facts: dict = {}
@@ -262,10 +352,15 @@ def compare_tied(untied: ShardingProblem, tied: ShardingProblem, options) -> dic
         facts[f"{key}_status"] = stats.status
         facts[f"{key}_how"] = stats.extra.get("raw_status", stats.solver)
         facts[f"{key}_objective"] = stats.objective
+        facts[f"{key}_bound"] = stats.bound
         facts[f"{key}_solve_seconds"] = stats.seconds
         facts[f"{key}_variables"] = stats.variables
         facts[f"{key}_constraints"] = stats.constraints
     if "untied_objective" in facts and "tied_objective" in facts:
-        base = facts["untied_objective"]
-        facts["tied_gap"] = (facts["tied_objective"] - base) / max(abs(base), 1e-12)
+        tied_objective = facts["tied_objective"]
+        base, bound = facts["untied_objective"], facts["untied_bound"]
+        facts["tied_gap"] = (tied_objective - base) / max(abs(base), 1e-12)
+        if math.isfinite(bound):
+            facts["tied_gap_bound"] = (tied_objective - bound) / max(abs(bound), 1e-12)
+        facts["tied_gap_exact"] = facts["untied_status"] == facts["tied_status"] == "optimal"
     return facts

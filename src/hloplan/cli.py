@@ -116,13 +116,18 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
         options = make_options(mesh, device=device, memory_budget=memory_budget,
                                time_limit=time_limit, solver=solver, hosts=hosts)
 
+        progress = _Progress(enabled=fmt == "text" and not quiet and sys.stderr.isatty())
+
         def after_pass(name, state):
+            progress.step(name, state)
             if "all" in print_after or name in print_after:
                 click.echo(f"// -----// IR Dump After {name} //----- //", err=True)
                 click.echo(ir.module_text(state.program.module), err=True)
 
         pipeline = _pipeline_options(stages, microbatches, schedule, batch_args)
-        result = compile_bytes(data, filename, options, after_pass=after_pass, pipeline=pipeline)
+        with progress:
+            result = compile_bytes(data, filename, options, after_pass=after_pass,
+                                   pipeline=pipeline)
         if reproducer:
             _write_problem_reproducer(reproducer, data, filename, result.state)
         if output:
@@ -155,6 +160,41 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
             click.echo(result.files["module.mlir"].decode(), nl=False)
 
 
+class _Progress:
+    """A one-line live status on a terminal (never in JSON output or CI logs)."""
+
+    NEXT = {"inline-calls": "analysing", "extract-graph": "building the sharding problem",
+            "build-sharding-problem": "solving", "solve-sharding": "annotating",
+            "propagate-sharding": "emitting"}
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.status = None
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.console import Console
+
+            self.status = Console(stderr=True).status("parsing")
+            self.status.__enter__()
+        return self
+
+    def step(self, name: str, state) -> None:
+        if self.status is None:
+            return
+        detail = ""
+        if name == "build-sharding-problem":
+            detail = f" ({state.facts.get('nodes', 0)} decisions, {state.facts.get('edges', 0)} edges)"
+        if name == "solve-sharding" and state.stats is not None:
+            detail = f" (solver {state.stats.status}, gap {state.stats.gap:.2%})"
+        self.status.update(f"{self.NEXT.get(name, name)}{detail}")
+
+    def __exit__(self, *exc):
+        if self.status is not None:
+            self.status.__exit__(*exc)
+        return False
+
+
 def _pipeline_options(stages, microbatches, schedule, batch_args):
     from hloplan.pipelining import PipelineOptions
 
@@ -183,7 +223,8 @@ def _summary(plan: dict, output: str | None) -> None:
         f"{format_seconds(est['step_time_s'])} (compute {format_seconds(est['compute_s'])}, "
         f"communication {format_seconds(est['communication_s'] + est['resharding_s'])}), "
         f"peak {format_bytes(est['peak_memory_bytes'])} per device",
-        f"solver {solver['name']}: {solver['status']}, gap {solver['gap']:.2%}, "
+        f"solver {solver['name']}: {solver['status']}, gap "
+        f"{solver['gap']:.2%}{'' if solver['gap'] != float('inf') else ' (no bound)'}, "
         f"{solver['variables']} variables, {solver['constraints']} constraints",
     ]
     pipe = plan.get("pipeline")

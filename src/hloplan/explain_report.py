@@ -308,6 +308,7 @@ def summary(plan: dict, top: int = 10) -> dict:
                                               "resharding_in_s", "total_s") if key in op}
                     for op in top_ops(plan, top)],
         "decisions": plan.get("decisions", []),
+        "pipeline": plan.get("pipeline"),
         "solver": plan.get("solver"),
         "diagnostics": plan.get("diagnostics", []),
     }
@@ -420,6 +421,7 @@ def render_text(plan: dict, console, top: int = 10) -> None:
                         style="dim")
             grid.add_row(Text(f"{d['rank']}."), body)
         console.print(grid)
+    _render_pipeline(plan, console, table, cells)
     solver = plan.get("solver") or {}
     if solver:
         console.print()
@@ -427,6 +429,79 @@ def render_text(plan: dict, console, top: int = 10) -> None:
                            f"{solver.get('gap', 0):.2%}, {solver.get('nodes')} decisions, "
                            f"{solver.get('edges')} resharding edges, "
                            f"{solver.get('memory_points')} memory points", style="dim"))
+
+
+def pipeline_timeline(pipe: dict, width: int = 60) -> list[str]:
+    """One line per stage: which microbatch's forward (digits) or backward (letters) runs when,
+    from a simulation of the dispatch order with each task taking its estimated time."""
+    tasks = {t["index"]: t for t in pipe["tasks"]}
+    stage_free = [0.0] * pipe["stages"]
+    done: dict[tuple[int, int], float] = {}
+    producer = {v: t["index"] for t in pipe["tasks"] if t["part"] == "A" for v in t["outputs"]}
+    spans: list[tuple[int, float, float, str]] = []
+    first_phase = {}
+    for t in pipe["tasks"]:
+        if t["part"] == "A":
+            first_phase[t["stage"]] = min(first_phase.get(t["stage"], t["phase"]), t["phase"])
+    for task_index, m in pipe["order"]:
+        task = tasks[task_index]
+        ready = max([done.get((producer[v], m), 0.0) for v in task["inputs"] if v in producer]
+                    + [stage_free[task["stage"]]])
+        end = ready + max(task["estimated_s"], 1e-12)
+        done[(task_index, m)] = end
+        stage_free[task["stage"]] = end
+        forward = task["phase"] == first_phase[task["stage"]]
+        mark = str(m % 10) if forward else "abcdefghij"[m % 10]
+        spans.append((task["stage"], ready, end, mark))
+    total = max((end for _, _, end, _ in spans), default=0.0) or 1.0
+    lines = []
+    for stage in range(pipe["stages"]):
+        row = ["."] * width
+        for s, start, end, mark in spans:
+            if s != stage:
+                continue
+            lo, hi = int(start / total * width), max(int(end / total * width), int(start / total * width) + 1)
+            for i in range(lo, min(hi, width)):
+                row[i] = mark
+        lines.append(f"stage {stage} |{''.join(row)}|")
+    return lines
+
+
+def _render_pipeline(plan: dict, console, table, cells) -> None:
+    from rich.text import Text
+
+    pipe = plan.get("pipeline")
+    if not pipe:
+        return
+    console.print()
+    if not pipe.get("tasks"):
+        console.print(Text("Pipeline: none — " + pipe.get("chosen", "one stage"), style="bold"))
+        for c in pipe.get("candidates", []):
+            console.print(Text(f"  {c['stages']} stages x {c['microbatches']} microbatches: "
+                               f"{format_seconds(c['step_time_s'])}"
+                               + ("" if c.get("fits", True) else " (does not fit)")))
+        return
+    est = pipe["estimate"]
+    console.print(Text(
+        f"Pipeline: {pipe['stages']} stages x {pipe['microbatches']} microbatches, "
+        f"{pipe['schedule']}; batch {pipe['batch_size']} in {', '.join(pipe['batch_arguments'])}; "
+        f"estimated step {format_seconds(est['step_time_s'])}, bubble "
+        f"{est['bubble_fraction']:.0%} ((S-1)/(M+S-1))", style="bold"))
+    t = table("Stages", "Stage", "Devices", "Mesh", "Time per microbatch", "Memory", "Source lines",
+              right=("Time per microbatch", "Memory"))
+    for stage, sub in enumerate(pipe["submeshes"]):
+        lines = sorted({line for task in pipe["tasks"] if task["stage"] == stage
+                        for line in task.get("source_lines", [])})
+        mesh = ",".join(f"{n}={s}" for n, s in zip(sub["axis_names"], sub["axis_sizes"]))
+        t.add_row(*cells(str(stage), f"{sub['devices'][0]}-{sub['devices'][-1]}", mesh,
+                         format_seconds(est["stage_time_s"][stage]),
+                         format_bytes(est["memory_per_stage_bytes"][stage]),
+                         ", ".join(lines[:3]) + (" ..." if len(lines) > 3 else "")))
+    console.print(t)
+    console.print(Text("Timeline (digits: forward of microbatch m, letters: its backward)",
+                       style="bold"))
+    for line in pipeline_timeline(pipe):
+        console.print(Text(line))
 
 
 def _signed_seconds(seconds: float) -> str:

@@ -1,0 +1,170 @@
+"""Bad input gets a located diagnostic, the right exit code, and leaves nothing half-written;
+good input gives byte-identical plans run after run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hloplan.cli import main
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+MLP = FIXTURES / "mlp_train_step.mlir"
+
+
+def run(*args, input_bytes=None):
+    return CliRunner().invoke(main, [str(a) for a in args], input=input_bytes,
+                              catch_exceptions=False)
+
+
+def test_malformed_mlir_is_located(tmp_path):
+    bad = tmp_path / "bad.mlir"
+    bad.write_text("module {\n  func.func @main(%a: tensor<4xf32>) -> tensor<4xf32> {\n"
+                   "    %0 = stablehlo.add %a, %b : tensor<4xf32>\n"
+                   "    return %0 : tensor<4xf32>\n  }\n}\n")
+    result = run("compile", bad, "--mesh", "2", "-o", tmp_path / "plan")
+    assert result.exit_code == 1
+    assert f"{bad}:3:" in result.output and "error:" in result.output
+    assert not (tmp_path / "plan").exists()
+
+
+def test_not_stablehlo_and_truncated_exported(tmp_path):
+    garbage = tmp_path / "garbage.bin"
+    garbage.write_bytes(b"\x00\x01\x02 not a program")
+    truncated = tmp_path / "truncated.jaxexport"
+    truncated.write_bytes((FIXTURES / "mlp_train_step.jaxexport").read_bytes()[:300])
+    for path in (garbage, truncated):
+        result = run("compile", path, "--mesh", "2")
+        assert result.exit_code == 1
+        assert f"{path}:1:1: error: input is neither StableHLO" in result.output
+
+
+def test_dynamic_shapes_are_refused(tmp_path):
+    dynamic = tmp_path / "dyn.mlir"
+    dynamic.write_text("func.func public @main(%arg0: tensor<?x8xf32>) -> tensor<?x8xf32> {\n"
+                       "  return %arg0 : tensor<?x8xf32>\n}\n")
+    result = run("compile", dynamic, "--mesh", "2")
+    assert result.exit_code == 1
+    assert "dynamic shape" in result.output and f"{dynamic}:1:" in result.output
+
+
+def test_unknown_custom_call_is_replicated_with_a_located_warning(tmp_path):
+    program = tmp_path / "custom.mlir"
+    program.write_text(
+        'func.func public @main(%arg0: tensor<16x16xf32>) -> tensor<16x16xf32> {\n'
+        '  %0 = stablehlo.custom_call @my_kernel(%arg0) : (tensor<16x16xf32>) -> tensor<16x16xf32> '
+        'loc("model.py":7:3)\n'
+        '  return %0 : tensor<16x16xf32>\n}\n')
+    result = run("compile", program, "--mesh", "2", "-o", tmp_path / "plan")
+    assert result.exit_code == 0
+    assert "model.py:7:3: warning: custom_call @my_kernel" in result.output
+    assert "replicated" in result.output
+
+
+@pytest.mark.parametrize("mesh,message", [
+    ("8x0", "axis sizes must be positive"),
+    ("axb", "mesh 'axb'"),
+    ("1x2x3x4", "mesh '1x2x3x4'"),
+    ("data=2,data=2", "data"),
+])
+def test_bad_mesh_is_a_usage_error(mesh, message):
+    result = run("compile", MLP, "--mesh", mesh)
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_mesh_that_does_not_divide_tensors_is_planned_around(tmp_path):
+    # Every dim is prime (7, 11): no split divides it, so the plan replicates, and says so
+    # through its specs rather than crashing.
+    program = tmp_path / "prime.mlir"
+    program.write_text(
+        "func.func public @main(%arg0: tensor<7x11xf32>, %arg1: tensor<11x7xf32>) -> tensor<7x7xf32> {\n"
+        "  %0 = stablehlo.dot_general %arg0, %arg1, contracting_dims = [1] x [0] : "
+        "(tensor<7x11xf32>, tensor<11x7xf32>) -> tensor<7x7xf32>\n"
+        "  return %0 : tensor<7x7xf32>\n}\n")
+    result = run("compile", program, "--mesh", "2x4", "-o", tmp_path / "plan")
+    assert result.exit_code == 0
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert all(not any(spec) for spec in (a["spec"] for a in plan["arguments"]))
+
+
+def test_budget_nothing_fits_says_by_how_much(tmp_path):
+    result = run("compile", MLP, "--mesh", "2", "--memory-budget", "1KiB", "-o", tmp_path / "p")
+    assert result.exit_code == 1
+    assert "no plan fits the memory budget of 1.00 KiB" in result.output
+    assert "over budget" in result.output and "largest tensors" in result.output
+    assert not (tmp_path / "p").exists()
+
+
+def test_bad_budget_and_device_are_usage_errors():
+    assert run("compile", MLP, "--mesh", "2", "--memory-budget", "lots").exit_code == 2
+    result = run("compile", MLP, "--mesh", "2", "--device", "abacus")
+    assert result.exit_code == 2 and "known models" in result.output
+
+
+def test_output_directory_that_is_not_a_plan_is_not_overwritten(tmp_path):
+    precious = tmp_path / "out"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    result = run("compile", MLP, "--mesh", "2", "-o", precious)
+    assert result.exit_code == 2
+    assert (precious / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in precious.iterdir()) == ["notes.txt"]
+
+
+def test_stdin_input_and_json_output(tmp_path):
+    result = run("compile", "-", "--mesh", "2", "--format", "json", "-o", tmp_path / "p",
+                 input_bytes=MLP.read_bytes())
+    assert result.exit_code == 0
+    payload = json.loads(result.stdout)
+    assert payload["ok"] and payload["solver"]["status"] == "optimal"
+
+
+def test_json_errors_are_json():
+    result = run("compile", MLP, "--mesh", "2", "--memory-budget", "1KiB", "--format", "json")
+    assert result.exit_code == 1
+    payload = json.loads(result.stdout)
+    assert payload["ok"] is False and payload["diagnostics"][0]["severity"] == "error"
+
+
+def test_time_limit_keeps_a_plan_and_exits_zero(tmp_path):
+    result = run("compile", FIXTURES / "gpt_train_step.mlir", "--mesh", "2x4", "--device", "toy",
+                 "--memory-budget", "500KiB", "--time-limit", "0.5", "-o", tmp_path / "p")
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert result.exit_code == 0
+    if plan["solver"]["status"] == "time_limit":
+        assert "time limit" in result.output and "gap" in result.output
+    else:  # solved to optimality within the limit: nothing to warn about
+        assert plan["solver"]["gap"] <= 1e-6
+
+
+def test_compile_twice_gives_byte_identical_plans(tmp_path):
+    for name in ("a", "b"):
+        assert run("compile", MLP, "--mesh", "2x4", "--device", "toy",
+                   "-o", tmp_path / name).exit_code == 0
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*")
+                   if p.is_file() and p.name != "timings.json")
+    assert files
+    for path in files:
+        assert (tmp_path / "a" / path).read_bytes() == (tmp_path / "b" / path).read_bytes(), path
+
+
+def test_print_after_and_time_passes():
+    result = run("compile", MLP, "--mesh", "2", "--print-after", "propagate-sharding",
+                 "--time-passes", "-q")
+    assert result.exit_code == 0
+    assert "IR Dump After propagate-sharding" in result.stderr
+    assert "solve-sharding" in result.stderr
+    assert run("compile", MLP, "--mesh", "2", "--print-after", "nope").exit_code == 2
+
+
+def test_reproducer_holds_input_command_and_problem(tmp_path):
+    result = run("compile", MLP, "--mesh", "2", "--reproducer", tmp_path / "repro", "-q")
+    assert result.exit_code == 0
+    names = sorted(p.name for p in (tmp_path / "repro").iterdir())
+    assert names == ["command.txt", "input.mlir", "problem.json"]
+    problem = json.loads((tmp_path / "repro" / "problem.json").read_text())
+    assert problem["nodes"]
