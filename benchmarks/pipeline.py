@@ -77,6 +77,10 @@ def main() -> None:
         }
         if pipe.get("tasks"):
             case["estimate"] = pipe["estimate"]
+            print(f"  chosen pipeline: stage times per microbatch "
+                  f"{[round(t * 1e3, 3) for t in pipe['estimate']['stage_time_s']]} ms, transfers "
+                  f"{[round(t * 1e3, 3) for t in pipe['estimate']['transfer_s']]} ms, once per step "
+                  f"{pipe['estimate']['per_step_s'] * 1e3:.3f} ms")
         results["cases"].append(case)
         print(f"\n{case['device']}: single stage {single * 1e3:.2f} ms; --stages auto chose "
               f"{chosen[0]} stages x {chosen[1]} microbatches (planned in {seconds:.0f} s)")

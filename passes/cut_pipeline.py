@@ -144,9 +144,50 @@ def narrow_cut(costs: list[float], crossings: list[int], parts: int,
     return [0] + sorted(starts)
 
 
-def _crossings(graph: Graph, forward: list[int], io) -> list[int]:
-    """For each position k in `forward`, the number of values made before k and read at or
-    after k (by forward units)."""
+def timed_cut(seconds: list[float], boundary: list[float], parts: int) -> list[int]:
+    """Contiguous parts minimising the slowest part, where a part costs its ops' seconds plus
+    the transfers at its two boundaries (`boundary[k]`: seconds to move what crosses position
+    k). The pipeline's step is about (M + S - 1) times its slowest stage, so this is the cut
+    that balances compute and keeps activations small where they cross (layer boundaries)."""
+    n = len(seconds)
+    if parts <= 1 or n <= 1:
+        return [0]
+    parts = min(parts, n)
+    prefix = [0.0]
+    for value in seconds:
+        prefix.append(prefix[-1] + value)
+
+    def part(start: int, end: int) -> float:
+        return (prefix[end] - prefix[start] + (boundary[start] if start > 0 else 0.0)
+                + (boundary[end] if end < n else 0.0))
+
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    back = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for j in range(1, parts + 1):
+        for end in range(j, n + 1):
+            if j == parts and end != n:
+                continue
+            for start in range(end - 1, j - 2, -1):
+                if best[j - 1][start] == inf:
+                    continue
+                compute = prefix[end] - prefix[start]
+                if compute >= best[j][end]:
+                    break  # longer parts only get slower
+                value = max(best[j - 1][start], part(start, end))
+                if value < best[j][end]:
+                    best[j][end], back[j][end] = value, start
+    starts, end = [], n
+    for j in range(parts, 0, -1):
+        end = back[j][end]
+        starts.append(end)
+    return sorted(starts)
+
+
+def _crossings(graph: Graph, forward: list[int], io, weight=None) -> list[float]:
+    """For each position k in `forward`, the values made before k and read at or after k (by
+    forward units): their count, or the sum of weight(value)."""
     position = {u: i for i, u in enumerate(forward)}
     made_at = {v: position[u] for u in forward for v in io[u][1]}
     last_read: dict[int, int] = {}
@@ -154,11 +195,12 @@ def _crossings(graph: Graph, forward: list[int], io) -> list[int]:
         for v in io[u][0]:
             if v in made_at:
                 last_read[v] = max(last_read.get(v, 0), position[u])
-    delta = [0] * (len(forward) + 2)
+    delta = [0.0] * (len(forward) + 2)
     for v, made in made_at.items():
         if v in last_read and last_read[v] > made:
-            delta[made + 1] += 1
-            delta[last_read[v] + 1] -= 1
+            w = 1 if weight is None else weight(v)
+            delta[made + 1] += w
+            delta[last_read[v] + 1] -= w
     out, running = [], 0
     for k in range(len(forward) + 1):
         running += delta[k]
@@ -166,7 +208,10 @@ def _crossings(graph: Graph, forward: list[int], io) -> list[int]:
     return out
 
 
-def cut(graph: Graph, analysis: BatchAnalysis, stages: int) -> PipelineCut:
+def cut(graph: Graph, analysis: BatchAnalysis, stages: int, flop_rate: float | None = None,
+        link_bandwidth: float | None = None) -> PipelineCut:
+    """With a device's FLOP/s and the stage axis's link bandwidth, the cut balances compute
+    plus boundary transfers (timed_cut); without, it balances FLOPs and prefers narrow points."""
     all_units = units(graph)
     io = {u: unit_io(graph, members) for u, members in all_units.items()}
     producer_unit = {v: u for u, (_, produced) in io.items() for v in produced}
@@ -191,7 +236,13 @@ def cut(graph: Graph, analysis: BatchAnalysis, stages: int) -> PipelineCut:
     backward_set = set(backward)
     forward = [u for u in part_a if u not in backward_set]
     costs = [unit_cost(graph, all_units[u]) for u in forward]
-    starts = narrow_cut(costs, _crossings(graph, forward, io), stages)
+    if flop_rate and link_bandwidth:
+        # Activations cross forward and their gradients cross back: twice the bytes.
+        crossing = _crossings(graph, forward, io,
+                              weight=lambda v: 2.0 * graph.type_of(v).nbytes / link_bandwidth)
+        starts = timed_cut([c / flop_rate for c in costs], crossing, stages)
+    else:
+        starts = narrow_cut(costs, _crossings(graph, forward, io), stages)
     stage: dict[int, int] = {}
     for k, u in enumerate(forward):
         stage[u] = max(i for i, s in enumerate(starts) if s <= k)

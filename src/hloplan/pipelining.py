@@ -97,7 +97,9 @@ def _plan_task(state: CompileState, task, analysis: BatchAnalysis, microbatches:
         cached = cache[key]
         return TaskPlan(task, cached.state, cached.exported, cached.seconds, cached.peak_bytes)
     program = ir.load_program(text.encode(), f"{state.filename}#{task.name}")
-    sub_options = dataclasses.replace(options, mesh=sub)
+    # The submesh keeps its share of hosts: a stage on 2 of 4 nodes spans 2 hosts.
+    hosts = None if options.hosts is None else max(1, options.hosts * sub.size // options.mesh.size)
+    sub_options = dataclasses.replace(options, mesh=sub, hosts=hosts)
     task_state = run_pipeline(program, sub_options, [ExtractGraph(), BuildShardingProblem(),
                                                      SolveSharding(), PropagateSharding()])
     evaluation = evaluate(task_state.problem, task_state.solution)
@@ -233,7 +235,9 @@ def plan_pipeline(state: CompileState, options: CompileOptions, popts: PipelineO
                                  f"{batch}")
             if stages == 1 and microbatches == 1:
                 continue
-            cut_ = cut(graph, analysis, stages)
+            dtype = graph.type_of(graph.outputs[0]).dtype if graph.outputs else "f32"
+            cut_ = cut(graph, analysis, stages, flop_rate=options.device.flops_for(dtype),
+                       link_bandwidth=comm.links[0].bandwidth)
             plan_tasks = [_plan_task(state, task, analysis, microbatches, options, stages, cache)
                           for task in cut_.tasks]
             estimate = _estimate(state, cut_, plan_tasks, analysis, microbatches, options, comm,
