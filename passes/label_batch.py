@@ -416,21 +416,24 @@ class LabelBatch:
     batch_args: tuple[str, ...] = ()  # argument names or positions given by --batch-arg
 
     def apply(self, state: CompileState) -> None:
-        graph = state.graph
-        positions = None
-        if self.batch_args:
-            positions = [_resolve_arg(graph, a) for a in self.batch_args]
-        try:
-            analysis = analyse(graph, positions)
-        except BatchError as exc:
-            op = exc.op
-            raise HloplanError(Diagnostic(
-                "error", f"cannot split the batch into microbatches: {exc.message}",
-                op.location if op else None, op=op.name if op else None,
-                notes=("name the batch inputs with --batch-arg NAME, or plan without "
-                       "--microbatches/--stages",))) from None
+        analysis = analyse_program(state.graph, self.batch_args)
         state.facts["batch"] = analysis
-        state.log.remark(analysis.describe(graph))
+        state.log.remark(analysis.describe(state.graph))
+
+
+def analyse_program(graph: Graph, batch_arg_names: tuple[str, ...] = ()) -> BatchAnalysis:
+    """analyse() with the batch inputs named by the user (if any), its failure a located
+    diagnostic."""
+    positions = [_resolve_arg(graph, a) for a in batch_arg_names] if batch_arg_names else None
+    try:
+        return analyse(graph, positions)
+    except BatchError as exc:
+        op = exc.op
+        raise HloplanError(Diagnostic(
+            "error", f"cannot split the batch into microbatches: {exc.message}",
+            op.location if op else None, op=op.name if op else None,
+            notes=("name the batch inputs with --batch-arg NAME, or plan without "
+                   "--microbatches/--stages",))) from None
 
 
 def _resolve_arg(graph: Graph, name: str) -> int:

@@ -12,23 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 from dataclasses import dataclass, field
 
 from hloplan import ir
-from hloplan.diagnostics import Diagnostic, HloplanError, UsageError
+from hloplan.diagnostics import UsageError
 from hloplan.mesh import MeshSpec
 from hloplan.passes.build_sharding_problem import BuildShardingProblem
 from hloplan.passes.cut_pipeline import PipelineCut, cut, schedule
 from hloplan.passes.extract_graph import ExtractGraph
-from hloplan.passes.label_batch import BatchAnalysis, BatchError, analyse
+from hloplan.passes.label_batch import BatchAnalysis, analyse_program
 from hloplan.passes.propagate_sharding import PropagateSharding
 from hloplan.passes.solve_sharding import SolveSharding
 from hloplan.pipeline import run_pipeline
 from hloplan.plan import value_spec
 from hloplan.solver.evaluate import evaluate
 from hloplan.state import CompileOptions, CompileState
-from hloplan.strategies import local_bytes
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -192,24 +190,12 @@ def _divisors(n: int) -> list[int]:
 def plan_pipeline(state: CompileState, options: CompileOptions, popts: PipelineOptions,
                   single_stage_seconds: float | None) -> PipelinePlan | None:
     """Choose stages and microbatches (where 'auto') and plan every task. Returns None when the
-    best choice is one stage and one microbatch (the plain plan)."""
+    best choice is one stage and one microbatch (the plain plan), NoPipeline when pipelining
+    was considered and lost."""
     if popts.schedule not in SCHEDULES:
         raise UsageError(f"unknown schedule {popts.schedule!r} ({', '.join(SCHEDULES)})")
     graph = state.graph
-    positions = None
-    if popts.batch_args:
-        from hloplan.passes.label_batch import _resolve_arg
-
-        positions = [_resolve_arg(graph, a) for a in popts.batch_args]
-    try:
-        analysis = analyse(graph, positions)
-    except BatchError as exc:
-        op = exc.op
-        raise HloplanError(Diagnostic(
-            "error", f"cannot split the batch into microbatches: {exc.message}",
-            op.location if op else None, op=op.name if op else None,
-            notes=("name the batch inputs with --batch-arg NAME, or plan without "
-                   "--stages/--microbatches",))) from None
+    analysis = analyse_program(graph, popts.batch_args)
     first = options.mesh.axis_sizes[0]
     stage_choices = [popts.stages] if popts.stages else [d for d in _divisors(first) if d <= 8]
     for s in stage_choices:
@@ -256,7 +242,7 @@ def plan_pipeline(state: CompileState, options: CompileOptions, popts: PipelineO
                               "fits": True})
         explicit = popts.stages is not None or popts.microbatches is not None
         if best is None or (not explicit and single_stage_seconds <= best[0][1]):
-            return None if best is None else _none_with(candidates)
+            return None if best is None else NoPipeline(candidates)
     if best is None:
         return None
     _, stages, microbatches, cut_, plan_tasks, estimate = best
@@ -270,15 +256,11 @@ def plan_pipeline(state: CompileState, options: CompileOptions, popts: PipelineO
                         plan_tasks, order, estimate, candidates)
 
 
-class _NoPipeline:
-    """Marks that pipelining was considered and lost; carries the candidates for the plan."""
+@dataclass
+class NoPipeline:
+    """Pipelining was considered and one stage won; the candidates go into plan.json."""
 
-    def __init__(self, candidates):
-        self.candidates = candidates
-
-
-def _none_with(candidates):
-    return _NoPipeline(candidates)
+    candidates: list[dict]
 
 
 def describe(plan: PipelinePlan, state: CompileState) -> dict:
@@ -347,9 +329,5 @@ def task_files(plan: PipelinePlan) -> dict[str, bytes]:
     return files
 
 
-def stage_memory(plan: PipelinePlan) -> list[float]:
-    return plan.estimate["memory_per_stage_bytes"]
-
-
 __all__ = ["PipelineOptions", "PipelinePlan", "describe", "plan_pipeline", "task_files",
-           "submesh", "local_bytes", "itertools"]
+           "submesh"]
