@@ -50,12 +50,21 @@ class PipelineCut:
     backward_units: int = 0
 
 
-def unit_cost(graph: Graph, members) -> float:
+def unit_cost(graph: Graph, members, flop_rate: float | None = None,
+              memory_bandwidth: float | None = None) -> float:
+    """FLOPs of a unit; with a device's FLOP/s and memory bandwidth, its roofline seconds on one
+    device (max of arithmetic and memory traffic per op: elementwise work is memory-bound)."""
     total = 0.0
     for op in members:
         if op.name in ("stablehlo.while", "stablehlo.case", "stablehlo.if", "arg"):
             continue
-        total += rule_for(graph, op).flops * op.multiplier
+        flops = rule_for(graph, op).flops * op.multiplier
+        if flop_rate and memory_bandwidth:
+            moved = sum(graph.type_of(v).nbytes for v in (*op.operands, *op.results)
+                        if graph.type_of(v) is not None) * op.multiplier
+            total += max(flops / flop_rate, moved / memory_bandwidth)
+        else:
+            total += flops
     return total
 
 
@@ -209,7 +218,7 @@ def _crossings(graph: Graph, forward: list[int], io, weight=None) -> list[float]
 
 
 def cut(graph: Graph, analysis: BatchAnalysis, stages: int, flop_rate: float | None = None,
-        link_bandwidth: float | None = None) -> PipelineCut:
+        link_bandwidth: float | None = None, memory_bandwidth: float | None = None) -> PipelineCut:
     """With a device's FLOP/s and the stage axis's link bandwidth, the cut balances compute
     plus boundary transfers (timed_cut); without, it balances FLOPs and prefers narrow points."""
     all_units = units(graph)
@@ -235,13 +244,16 @@ def cut(graph: Graph, analysis: BatchAnalysis, stages: int, flop_rate: float | N
             backward_values |= produced
     backward_set = set(backward)
     forward = [u for u in part_a if u not in backward_set]
-    costs = [unit_cost(graph, all_units[u]) for u in forward]
-    if flop_rate and link_bandwidth:
-        # Activations cross forward and their gradients cross back: twice the bytes.
+    if flop_rate and link_bandwidth and memory_bandwidth:
+        # Seconds on one device, for both sides: a stage's devices split its compute and each
+        # sends its own shard of what crosses. Activations cross forward and their gradients
+        # cross back: twice the bytes.
+        seconds = [unit_cost(graph, all_units[u], flop_rate, memory_bandwidth) for u in forward]
         crossing = _crossings(graph, forward, io,
                               weight=lambda v: 2.0 * graph.type_of(v).nbytes / link_bandwidth)
-        starts = timed_cut([c / flop_rate for c in costs], crossing, stages)
+        starts = timed_cut(seconds, crossing, stages)
     else:
+        costs = [unit_cost(graph, all_units[u]) for u in forward]
         starts = narrow_cut(costs, _crossings(graph, forward, io), stages)
     stage: dict[int, int] = {}
     for k, u in enumerate(forward):

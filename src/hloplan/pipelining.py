@@ -134,7 +134,9 @@ def _transfer_seconds(state: CompileState, plan_tasks: list[TaskPlan], analysis,
                 continue
             type_ = graph.type_of(v)
             nbytes = type_.nbytes / (microbatches if v in analysis.label else 1)
-            per_stage[tp.task.stage] += link.latency + nbytes / link.bandwidth
+            # Each device of the receiving stage gets its own shard over its own link.
+            devices = submesh(options.mesh, len(per_stage), tp.task.stage)[0].size
+            per_stage[tp.task.stage] += link.latency + nbytes / devices / link.bandwidth
     return per_stage
 
 
@@ -223,7 +225,8 @@ def plan_pipeline(state: CompileState, options: CompileOptions, popts: PipelineO
                 continue
             dtype = graph.type_of(graph.outputs[0]).dtype if graph.outputs else "f32"
             cut_ = cut(graph, analysis, stages, flop_rate=options.device.flops_for(dtype),
-                       link_bandwidth=comm.links[0].bandwidth)
+                       link_bandwidth=comm.links[0].bandwidth,
+                       memory_bandwidth=options.device.hbm_bandwidth)
             plan_tasks = [_plan_task(state, task, analysis, microbatches, options, stages, cache)
                           for task in cut_.tasks]
             estimate = _estimate(state, cut_, plan_tasks, analysis, microbatches, options, comm,
