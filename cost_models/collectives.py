@@ -100,12 +100,19 @@ class CommModel:
 
     `hosts`, if given, is how many hosts the mesh's devices are spread over (see
     `hardware.axis_links`). `links[i]` is the interconnect level mesh axis i runs over.
+
+    `combine_bytes`, if given, models XLA's collective combiners: independent small collectives
+    (the gradient all-reduces of many small parameters) are merged into buffers of about that
+    size, so a collective of S bytes pays only min(1, S / combine_bytes) of the per-call
+    latency. Without it every collective pays its full latency.
     """
 
-    def __init__(self, model: DeviceModel, mesh: MeshSpec, hosts: int | None = None) -> None:
+    def __init__(self, model: DeviceModel, mesh: MeshSpec, hosts: int | None = None,
+                 combine_bytes: float | None = None) -> None:
         self.model = model
         self.mesh = mesh
         self.hosts = hosts
+        self.combine_bytes = combine_bytes
         self.links: tuple[Interconnect, ...] = axis_links(model, mesh, hosts)
 
     def __repr__(self) -> str:
@@ -172,7 +179,10 @@ class CommModel:
         if n == 1 or nbytes <= 0:
             return 0.0
         steps = 2 * (n - 1) if kind == ALL_REDUCE else n - 1
-        return self.bytes_sent(kind, nbytes, group.axes) / group.bandwidth + steps * group.latency
+        latency = steps * group.latency
+        if self.combine_bytes:
+            latency *= min(1.0, nbytes / self.combine_bytes)
+        return self.bytes_sent(kind, nbytes, group.axes) / group.bandwidth + latency
 
     def all_reduce(self, nbytes: float, axes: int | str | Iterable[int | str]) -> float:
         """All-reduce of a buffer of `nbytes` on each device."""

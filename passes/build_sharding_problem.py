@@ -17,7 +17,7 @@ from hloplan.cost_models import CommModel
 from hloplan.graph import Graph, Op
 from hloplan.op_rules import OpRule, rule_for
 from hloplan.solver.problem import Edge, LivePoint, Node, ShardingProblem, Strategy
-from hloplan.state import CompileState, PlanSpace
+from hloplan.state import COMBINE_BYTES, CompileState, PlanSpace
 from hloplan.strategies import OpStrategy, enumerate_strategies, local_bytes, replicated
 
 UNPLANNED = {"stablehlo.while", "stablehlo.case", "stablehlo.if"}
@@ -35,7 +35,8 @@ class BuildShardingProblem:
     def apply(self, state: CompileState) -> None:
         graph = state.graph
         options = state.options
-        comm = CommModel(options.device, options.mesh, hosts=options.hosts)
+        comm = CommModel(options.device, options.mesh, hosts=options.hosts,
+                     combine_bytes=COMBINE_BYTES)
         state.comm = comm
         builder = _ProblemBuilder(graph, comm, self.follow_pointwise, state)
         state.space, state.problem = builder.build(options.budget)

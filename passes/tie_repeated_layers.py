@@ -18,6 +18,11 @@ variables, so the ILP grows with the number of distinct blocks, not with depth. 
 - Arguments (parameters, optimizer state) are tied only when, in addition, their consumers
   ended up tied: layer i's and layer j's weights, not two tensors of one shape with different
   roles.
+- Memory checks: once the ties hold, a live point whose bytes another point's bytes bound for
+  every choice (same decisions, at least as many of their nodes, at least as many fixed bytes)
+  is dropped. Exact (the peak over the kept points is the peak over all of them); in the
+  forward pass a tied layer's checks are covered by the next layer's, where more activations
+  are live. (The backward pass trades activations for gradients: those checks stay.)
 
 With `compare_untied`, the pass also solves the untied and the tied problem and records the
 relative objective difference (the price of tying) in `state.facts["tied_gap"]`.
@@ -360,7 +365,7 @@ def compare_tied(untied: ShardingProblem, tied: ShardingProblem, options) -> dic
         tied_objective = facts["tied_objective"]
         base, bound = facts["untied_objective"], facts["untied_bound"]
         facts["tied_gap"] = (tied_objective - base) / max(abs(base), 1e-12)
-        if math.isfinite(bound):
+        if math.isfinite(bound) and bound > 0:
             facts["tied_gap_bound"] = (tied_objective - bound) / max(abs(bound), 1e-12)
         facts["tied_gap_exact"] = facts["untied_status"] == facts["tied_status"] == "optimal"
     return facts

@@ -107,6 +107,10 @@ def check_plan(plan_dir: str, *, inputs: str | None = None, seed: int = 0, rtol:
 
         pipelined = PipelineRunner(plan_dir)
         outputs = pipelined(*args, **kwargs)
+        if jax.process_count() > 1:
+            # The results live on the stage submeshes, each on some of the processes: gather
+            # them (a collective) so that every process checks all of them.
+            outputs = pipelined.fetch(outputs)
     report: dict = {"plan": str(plan_dir), "devices": runner.mesh.size,
                     "mesh": dict(zip(runner.mesh.axis_names, runner.mesh.devices.shape))}
     if jax.process_count() > 1:

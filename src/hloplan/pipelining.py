@@ -15,6 +15,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from hloplan import ir
+from hloplan.cost_models import CommModel
 from hloplan.diagnostics import UsageError
 from hloplan.mesh import MeshSpec
 from hloplan.passes.build_sharding_problem import BuildShardingProblem
@@ -26,7 +27,7 @@ from hloplan.passes.solve_sharding import SolveSharding
 from hloplan.pipeline import run_pipeline
 from hloplan.plan import value_spec
 from hloplan.solver.evaluate import evaluate
-from hloplan.state import CompileOptions, CompileState
+from hloplan.state import COMBINE_BYTES, CompileOptions, CompileState
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -208,9 +209,8 @@ def plan_pipeline(state: CompileState, options: CompileOptions, popts: PipelineO
     candidates = []
     cache: dict = {}
     best = None
-    from hloplan.cost_models import CommModel
-
-    comm = CommModel(options.device, options.mesh, hosts=options.hosts)
+    comm = CommModel(options.device, options.mesh, hosts=options.hosts,
+                     combine_bytes=COMBINE_BYTES)
     for stages in stage_choices:
         if popts.microbatches:
             micro_choices = [popts.microbatches]

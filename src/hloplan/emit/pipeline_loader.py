@@ -5,6 +5,22 @@ dispatch order of (task, microbatch) pairs (GPipe or 1F1B), which inputs carry t
 values are summed over microbatches, and where each result comes from. Tasks are dispatched in
 that order with JAX's asynchronous dispatch, so stages on different devices overlap; values move
 between submeshes with jax.device_put (resharding on the way when the two sides differ).
+
+In a multi-process `jax.distributed` job (jax.devices() ordered by process, so the stages of the
+leading mesh axis fall on different processes) every process runs the same schedule: it
+dispatches every task, sum and transfer in the plan's order, and decides every step that
+involves other processes from the plan and the arrays' shardings, never from which shards it
+holds. A task on a submesh with no
+device of this process does nothing here (it is not a collective: the owners run it whether or
+not the others call it) and yields an array with no addressable shards, which keeps the value's
+shape and sharding known for later transfers. jax.device_put cannot move an array between
+processes (on CPU: "Cannot reshard an input that is not fully addressable"), so a value
+crossing processes moves in one program over both submeshes, which every process runs: a mesh
+("stage", "dev") of the source and destination devices, the source shards stacked on slice 0
+and zeros on slice 1, `lax.ppermute` along "stage" inside `shard_map`; the destination shards
+then form the array on the destination submesh (same PartitionSpec), resharded there to the
+consumer's sharding. Results are global arrays on the stage submeshes: `fetch` gathers them
+into numpy in every process (a collective as well).
 """
 
 from __future__ import annotations
@@ -25,17 +41,29 @@ class PipelineRunner:
         self.pipe = self.plan["pipeline"]
         self.reference = export.deserialize(
             bytearray((self.plan_dir / "sharded.jaxexport").read_bytes()))
-        devices = list(jax.devices() if devices is None else devices)
+        self.multi_process = jax.process_count() > 1
+        if devices is None:
+            devices = list(jax.devices())
+            if self.multi_process:  # the same order in every process (as loader.build_mesh)
+                devices.sort(key=lambda d: (d.process_index, d.id))
+        devices = list(devices)
         needed = self.plan["mesh"]["devices"]
         if len(devices) < needed:
             raise RuntimeError(f"the plan needs {needed} devices but only {len(devices)} are "
                                "visible")
+        # The whole plan's mesh (what loader.Runner.mesh is), for scripts that report on it.
+        names, sizes = tuple(self.plan["mesh"]["axis_names"]), tuple(self.plan["mesh"]["axis_sizes"])
+        grid = np.array(devices[:int(np.prod(sizes))], dtype=object).reshape(sizes)
+        self.mesh = Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
+        self.exported = self.reference  # in_avals, in_tree, out_tree of the whole step
         self.meshes = []
         for sub in self.pipe["submeshes"]:
             grid = np.array([devices[i] for i in sub["devices"]], dtype=object)
             grid = grid.reshape(tuple(sub["axis_sizes"]))
             self.meshes.append(Mesh(grid, tuple(sub["axis_names"]),
                                     axis_types=(AxisType.Auto,) * len(sub["axis_names"])))
+        self._stage_of_devices = {frozenset(mesh.devices.flat): s
+                                  for s, mesh in enumerate(self.meshes)}
         self.tasks = []
         for task in self.pipe["tasks"]:
             exported = export.deserialize(bytearray((self.plan_dir / task["file"]).read_bytes()))
@@ -51,6 +79,8 @@ class PipelineRunner:
         self.batch_dims = {int(k): v for k, v in self.pipe["argument_batch_dims"].items()}
         self.frontier = set(self.pipe["frontier"])
         self._add = jax.jit(lambda a, b: a + b)
+        self._transfers: dict = {}  # (source stage, destination stage) -> (mesh, jitted program)
+        self._reshards: dict = {}  # sharding -> jitted identity resharding to it
 
     def _flat_args(self, args, kwargs) -> dict[int, object]:
         import jax
@@ -73,11 +103,123 @@ class PipelineRunner:
         index[dim] = slice(m * size, (m + 1) * size)
         return array[tuple(index)]
 
-    def _run_task(self, task, env_lookup):
+    # ------------------------------------------------------------------ moving values
+
+    def _move(self, value, sharding, aval=None):
+        """`value` in `sharding` (one stage's submesh). Single process: jax.device_put. Across
+        processes: see the module docstring; every process calls this in the same order."""
+        import jax
+        import numpy as np
+
+        if not self.multi_process:
+            return jax.device_put(value, sharding)
+        stage = None
+        if isinstance(value, jax.Array):
+            stage = self._stage_of_devices.get(frozenset(value.sharding.device_set))
+        if stage is None:
+            if isinstance(value, jax.Array) and not value.is_fully_addressable:
+                raise ValueError("in a multi-process job, pass the full arguments as host "
+                                 "arrays (the same in every process) or arrays on the plan's "
+                                 f"stage submeshes; got an array sharded as {value.sharding}")
+            # A host value (or a process-local array), the same in every process: each process
+            # builds only the shards its own devices hold.
+            dtype = None if aval is None else aval.dtype
+            host = np.asarray(value, dtype=dtype)
+            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index],
+                                                dtype=host.dtype)
+        if value.sharding == sharding:
+            return value
+        source, target = value.sharding.device_set, sharding.device_set
+        if source == target:  # the same submesh: a reshard within it
+            return self._reshard(value, sharding)
+        processes = {d.process_index for d in source} | {d.process_index for d in target}
+        if len(processes) == 1:  # both submeshes in one process: that process copies
+            if jax.process_index() in processes:
+                return jax.device_put(value, sharding)
+            return jax.make_array_from_single_device_arrays(value.shape, sharding, [],
+                                                            dtype=value.dtype)
+        destination = self._stage_of_devices.get(frozenset(target))
+        if destination is None:
+            raise ValueError(f"cannot move a value to {sharding}: not a stage submesh")
+        moved = self._transfer(value, stage, destination)
+        return self._reshard(moved, sharding)
+
+    def _reshard(self, value, sharding):
+        """A reshard within one submesh: device_put where this process holds all of the array,
+        else a jitted identity (every process of the submesh takes part)."""
         import jax
 
-        inputs = [jax.device_put(env_lookup(v), s)
-                  for v, s in zip(task["inputs"], task["in_shardings"])]
+        if value.sharding == sharding:
+            return value
+        if value.is_fully_addressable:
+            return jax.device_put(value, sharding)
+        call = self._reshards.get(sharding)
+        if call is None:
+            call = self._reshards[sharding] = jax.jit(lambda x: x, out_shardings=sharding)
+        return call(value)
+
+    def _transfer(self, value, source: int, destination: int):
+        """`value` (on stage `source`'s submesh) on stage `destination`'s submesh, in the same
+        PartitionSpec, by one ppermute program over both submeshes' devices."""
+        import jax
+        import numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        src_mesh, dst_mesh = self.meshes[source], self.meshes[destination]
+        if src_mesh.shape != dst_mesh.shape:
+            raise ValueError(f"stages {source} and {destination} have different submeshes "
+                             f"({dict(src_mesh.shape)} vs {dict(dst_mesh.shape)})")
+        sharding = value.sharding
+        shape = tuple(value.shape)
+        if (not isinstance(sharding, NamedSharding) or sharding.mesh != src_mesh
+                or len(_shard_shapes(sharding, shape)) > 1):
+            # Uneven shards (or a sharding that is not by name): replicate on the source first.
+            sharding = NamedSharding(src_mesh, PartitionSpec())
+            value = self._reshard(value, sharding)
+        block = _shard_shapes(sharding, shape).pop()
+        mesh, call = self._transfer_program(source, destination)
+        n = src_mesh.size
+        stacked = NamedSharding(mesh, PartitionSpec("stage", "dev"))
+        mine = {shard.device: shard.data for shard in value.addressable_shards}
+        buffers = []
+        for device in mesh.local_devices:
+            if device in mine:
+                buffers.append(mine[device].reshape((1, 1, *block)))
+            else:  # a destination device: its slice-1 block is overwritten by the ppermute
+                buffers.append(jax.device_put(np.zeros((1, 1, *block), value.dtype), device))
+        stacked_value = jax.make_array_from_single_device_arrays(
+            (2, n, *block), stacked, buffers, dtype=value.dtype)
+        received = {shard.device: shard.data for shard in call(stacked_value).addressable_shards}
+        target = NamedSharding(dst_mesh, sharding.spec)
+        pieces = [received[d].reshape(block) for d in dst_mesh.devices.flat if d in received]
+        return jax.make_array_from_single_device_arrays(shape, target, pieces, dtype=value.dtype)
+
+    def _transfer_program(self, source: int, destination: int):
+        import jax
+        import numpy as np
+        from jax import lax
+        from jax.sharding import AxisType, Mesh, PartitionSpec
+
+        key = (source, destination)
+        if key not in self._transfers:
+            grid = np.array([list(self.meshes[source].devices.flat),
+                             list(self.meshes[destination].devices.flat)], dtype=object)
+            mesh = Mesh(grid, ("stage", "dev"), axis_types=(AxisType.Auto,) * 2)
+            spec = PartitionSpec("stage", "dev")
+
+            def send(block):
+                return lax.ppermute(block, "stage", [(0, 1)])
+
+            call = jax.jit(jax.shard_map(send, mesh=mesh, in_specs=spec, out_specs=spec))
+            self._transfers[key] = (mesh, call)
+        return self._transfers[key]
+
+    # ------------------------------------------------------------------ running
+
+    def _run_task(self, task, env_lookup):
+        avals = task["exported"].in_avals
+        inputs = [self._move(env_lookup(v), s, a)
+                  for v, s, a in zip(task["inputs"], task["in_shardings"], avals)]
         outputs = task["call"](*inputs)
         if not isinstance(outputs, (list, tuple)):
             outputs = (outputs,)
@@ -133,11 +275,49 @@ class PipelineRunner:
             elif entry["from"] == "sum":
                 results.append(sums[v])
             elif entry["from"] == "concat":
-                parts = [jax.device_put(p, jax.devices()[0]) for p in concat[v]]
-                results.append(jnp.concatenate(parts, axis=entry["dim"]))
+                if self.multi_process:
+                    # One task made every part, on one submesh: concatenate there.
+                    first = concat[v][0].sharding
+                    parts = [self._move(p, first) for p in concat[v]]
+                    results.append(jnp.concatenate(parts, axis=entry["dim"]))
+                else:
+                    parts = [jax.device_put(p, jax.devices()[0]) for p in concat[v]]
+                    results.append(jnp.concatenate(parts, axis=entry["dim"]))
             else:
                 results.append(once[v] if v in once else per_micro[-1][v])
         return jax.tree.unflatten(self.reference.out_tree, results)
+
+    def fetch(self, outputs):
+        """The results as numpy arrays in every process. In a multi-process job each result is
+        first copied, replicated, onto every stage's submesh (so every process holds it): a
+        collective, so every process must call it, in the same order."""
+        import jax
+        import numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        if not self.multi_process:
+            return jax.tree.map(np.asarray, outputs)
+        replicated = [NamedSharding(mesh, PartitionSpec()) for mesh in self.meshes]
+
+        def gather(value):
+            # Decided the same way in every process (never by what this process holds), so
+            # that every process runs the same transfers in the same order.
+            if (not isinstance(value, jax.Array)
+                    or frozenset(value.sharding.device_set) not in self._stage_of_devices):
+                return np.asarray(value)
+            copies = [self._move(value, sharding) for sharding in replicated]
+            for copy in copies:
+                if copy.addressable_shards:
+                    return np.asarray(copy.addressable_shards[0].data)
+            raise RuntimeError("this process holds no device of the plan's stages")
+
+        return jax.tree.map(gather, outputs)
+
+
+def _shard_shapes(sharding, shape) -> set:
+    """The distinct shapes of the shards of an array of `shape` in `sharding`."""
+    return {tuple(len(range(*index.indices(size))) for index, size in zip(indices, shape))
+            for indices in sharding.devices_indices_map(tuple(shape)).values()}
 
 
 def load(plan_dir, devices=None) -> PipelineRunner:
