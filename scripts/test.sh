@@ -8,4 +8,4 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[test]" --config-settings editable_mode=strict
 .venv/bin/ruff check .
-.venv/bin/python -m pytest -q -m "not slow" "$@"
+.venv/bin/python -m pytest -m "not slow" "$@"
