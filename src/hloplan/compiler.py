@@ -19,6 +19,10 @@ from hloplan.state import CompileOptions, CompileState
 from hloplan.units import parse_bytes
 
 
+# The largest mesh hloplan plans for (a sanity bound on typos such as 1024x1024x1024).
+MAX_DEVICES = 1 << 20
+
+
 @dataclass
 class CompileResult:
     state: CompileState
@@ -41,6 +45,9 @@ def make_options(mesh: str | MeshSpec, device: str = "h100", memory_budget: str 
         mesh_spec = parse_mesh(mesh) if isinstance(mesh, str) else mesh
     except MeshError as exc:
         raise UsageError(str(exc)) from None
+    if mesh_spec.size > MAX_DEVICES:
+        raise UsageError(f"mesh {mesh_spec} has {mesh_spec.size:,} devices; hloplan plans meshes of "
+                         f"up to {MAX_DEVICES:,}")
     try:
         model = load_device_model(device)
     except DeviceModelError as exc:

@@ -69,6 +69,7 @@ def test_unknown_custom_call_is_replicated_with_a_located_warning(tmp_path):
     ("axb", "mesh 'axb'"),
     ("1x2x3x4", "mesh '1x2x3x4'"),
     ("data=2,data=2", "data"),
+    ("1024x1024x1024", "up to 1,048,576"),
 ])
 def test_bad_mesh_is_a_usage_error(mesh, message):
     result = run("compile", MLP, "--mesh", mesh)
