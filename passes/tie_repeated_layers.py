@@ -30,7 +30,6 @@ relative objective difference (the price of tying) in `state.facts["tied_gap"]`.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import time
@@ -53,11 +52,18 @@ class TieRepeatedLayers:
     prune_live_points: bool = True
     # Also solve the untied and the tied problem and record the tied plan's gap (benchmarks).
     compare_untied: bool = False
+    # Tie only problems with more decisions than this: smaller ones solve in seconds untied,
+    # and tying can cost plan quality (identical MLP layers want alternating column/row
+    # splits, which one shared decision cannot express).
+    min_decisions: int = 2000
 
     def apply(self, state: CompileState) -> None:
         graph, space, problem = state.graph, state.space, state.problem
         if graph is None or space is None or problem is None:
             raise RuntimeError("tie-repeated-layers runs after build-sharding-problem")
+        if decision_count(problem) <= self.min_decisions and not self.compare_untied:
+            state.facts["tied_groups"] = 0
+            return
         started = time.perf_counter()
         colors = structural_colors(graph, space, self.hops)
         ties = tie_ids(graph, space, problem, colors)
@@ -271,9 +277,9 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
     over its nodes there. Nodes of one decision with the same memory per strategy form a class;
     point P is dominated by Q when Q has at least P's fixed bytes and at least as many nodes of
     every class: then Q holds at least as many bytes as P whatever the (tie-respecting) choice,
-    and checking Q suffices. With repeated layers tied, a layer's points are dominated by the
-    same points of the layer where most activations are live, so the number of checks stops
-    growing with depth. Exact: the peak over the kept points is the peak over all of them.
+    and checking Q suffices. With repeated layers tied, a forward-pass point is dominated by the
+    same point of a later layer, where more activations are live. Exact: the peak over the kept
+    points is the peak over all of them.
     """
     points = problem.live_points
     if len(points) < 2:
@@ -281,54 +287,63 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
     import numpy as np
 
     class_ids: dict = {}
-    class_of = []  # per node: a class, or -1 (memory that no decision changes)
-    constant_of = []  # per node: its bytes when they do not depend on a decision
+    class_of = np.full(len(problem.nodes), -1, dtype=np.int64)  # -1: no decision changes it
+    constant_of = np.zeros(len(problem.nodes))  # bytes of the nodes of class -1
     class_max = []
     for index, node in enumerate(problem.nodes):
         memory = tuple(s.memory for s in node.strategies)
         if len(memory) == 1 or min(memory) == max(memory):
-            class_of.append(-1)
-            constant_of.append(memory[0])
+            constant_of[index] = memory[0]
             continue
         key = (("tie", node.tie) if node.tie is not None else ("node", index), memory)
         if key not in class_ids:
             class_ids[key] = len(class_ids)
             class_max.append(max(memory))
-        class_of.append(class_ids[key])
-        constant_of.append(0.0)
-    summaries = []
-    for point in points:
-        unique = dict.fromkeys(point.nodes)
-        counts = collections.Counter(map(class_of.__getitem__, unique))
-        counts.pop(-1, None)
-        constant = point.fixed_bytes + sum(map(constant_of.__getitem__, unique))
-        upper = constant + sum(n * class_max[c] for c, n in counts.items())
-        summaries.append((constant, counts, upper))
-    # Likely dominators first: the points with the most bytes at their largest.
-    order = sorted(range(len(points)), key=lambda p: (-summaries[p][2], p))
+        class_of[index] = class_ids[key]
     width = max(len(class_ids), 1)
+    largest = np.array(class_max + [0.0] * (width - len(class_max)))
+    summaries = []  # per point: (constant bytes, classes, counts, bytes at the largest choice)
+    for point in points:
+        nodes = np.array(point.nodes, dtype=np.int64)
+        if len(nodes) > 1 and not (nodes[1:] > nodes[:-1]).all():
+            nodes = np.unique(nodes)  # a node listed twice counts once
+        classes = class_of[nodes]
+        counts = np.bincount(classes[classes >= 0], minlength=width)
+        columns = np.flatnonzero(counts)
+        needed = counts[columns]
+        constant = point.fixed_bytes + float(constant_of[nodes].sum())
+        summaries.append((constant, columns, needed, constant + float(needed @ largest[columns])))
+    # Likely dominators first: the points with the most bytes at their largest.
+    order = sorted(range(len(points)), key=lambda p: (-summaries[p][3], p))
     kept_counts = np.zeros((64, width), dtype=np.int64)
     kept_constant = np.zeros(64)
     kept: list[int] = []
+    having: list[list[int]] = [[] for _ in range(width)]  # class -> kept rows that have it
     for p in order:
-        constant, counts, _ = summaries[p]
+        constant, columns, needed, _ = summaries[p]
         n = len(kept)
         if n:
-            columns = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
-            needed = np.fromiter(counts.values(), dtype=np.int64, count=len(counts))
-            rows = np.flatnonzero(kept_constant[:n] >= constant)
+            # A dominator has every class of this point: look among the kept points that
+            # have its rarest one (all of them when it has none).
+            if len(columns):
+                rarest = min(columns.tolist(), key=lambda c: len(having[c]))
+                rows = np.array(having[rarest], dtype=np.int64)
+            else:
+                rows = np.arange(n)
+            if len(rows):
+                rows = rows[kept_constant[rows] >= constant]
             if len(rows) and len(columns):
-                covered = (kept_counts[rows[:, None], columns] >= needed).all(axis=1)
-                if covered.any():
+                if (kept_counts[rows[:, None], columns] >= needed).all(axis=1).any():
                     continue
             elif len(rows):
                 continue
         if n == len(kept_constant):
             kept_counts = np.concatenate([kept_counts, np.zeros_like(kept_counts)])
             kept_constant = np.concatenate([kept_constant, np.zeros_like(kept_constant)])
-        for c, count in counts.items():
-            kept_counts[n, c] = count
+        kept_counts[n, columns] = needed
         kept_constant[n] = constant
+        for c in columns.tolist():
+            having[c].append(n)
         kept.append(p)
     return sorted(kept)
 

@@ -298,7 +298,9 @@ def run_command(plan_dir, check, inputs, seed, rtol, atol, processes, timeout, f
 @click.option("--mesh", default="1", help=MESH_HELP)
 @click.option("--device", default="h100", show_default=True)
 @click.option("--memory-budget", default=None)
-def opt_command(input_path, pass_list, mesh, device, memory_budget):
+@click.option("--pass-option", "pass_options", multiple=True, metavar="PASS.FIELD=VALUE",
+              help="set a pass option, e.g. tie-repeated-layers.min_decisions=0 (repeatable)")
+def opt_command(input_path, pass_list, mesh, device, memory_budget, pass_options):
     """Run passes on INPUT and print the module (for golden IR tests)."""
     from hloplan import ir
     from hloplan.compiler import make_options
@@ -312,6 +314,7 @@ def opt_command(input_path, pass_list, mesh, device, memory_budget):
         for name in names:
             if name not in by_name:
                 raise UsageError(f"unknown pass {name!r}", notes=("passes: " + ", ".join(by_name),))
+        by_name = _with_pass_options(by_name, pass_options)
         options = make_options(mesh, device=device, memory_budget=memory_budget)
         program = ir.load_program(data, filename)
         state = run_pipeline(program, options, [by_name[n] for n in names])
@@ -320,6 +323,32 @@ def opt_command(input_path, pass_list, mesh, device, memory_budget):
         return
     _emit_diagnostics(state.log.entries, filename, "text", False)
     click.echo(ir.module_text(program.module, debug_info=False), nl=False)
+
+
+def _with_pass_options(by_name: dict, settings: tuple[str, ...]) -> dict:
+    """Passes with fields replaced from PASS.FIELD=VALUE (options are frozen-dataclass fields)."""
+    import dataclasses
+
+    by_name = dict(by_name)
+    for setting in settings:
+        key, _, text = setting.partition("=")
+        pass_name, _, field_name = key.rpartition(".")
+        step = by_name.get(pass_name)
+        fields = {f.name: f for f in dataclasses.fields(step)} if step is not None else {}
+        if not text or field_name not in fields or field_name == "name":
+            raise UsageError(f"--pass-option {setting!r}: expected PASS.FIELD=VALUE with a field "
+                             f"of a pass in the pipeline")
+        current = getattr(step, field_name)
+        try:
+            if isinstance(current, bool):
+                value = {"true": True, "false": False, "1": True, "0": False}[text.lower()]
+            else:
+                value = type(current)(text)
+        except (KeyError, ValueError):
+            raise UsageError(f"--pass-option {setting!r}: {text!r} is not a "
+                             f"{type(current).__name__}") from None
+        by_name[pass_name] = dataclasses.replace(step, **{field_name: value})
+    return by_name
 
 
 def entry() -> None:

@@ -12,6 +12,7 @@ from hloplan.passes.extract_graph import ExtractGraph
 from hloplan.passes.inline_calls import InlineCalls
 from hloplan.passes.propagate_sharding import PropagateSharding
 from hloplan.passes.solve_sharding import SolveSharding
+from hloplan.passes.tie_repeated_layers import TieRepeatedLayers
 from hloplan.state import CompileOptions, CompileState, Pass
 
 
@@ -20,6 +21,7 @@ def compile_pipeline() -> list[Pass]:
         InlineCalls(),            # private functions -> main, one copy per call site
         ExtractGraph(),           # MLIR -> plain-data graph (shapes, attrs, locations, trip counts)
         BuildShardingProblem(),   # strategies per op, resharding edges, memory points
+        TieRepeatedLayers(),      # one decision per repeated layer (ILP grows with width, not depth)
         SolveSharding(),          # ILP: one strategy per op under the memory budget
         PropagateSharding(),      # write sdy shardings and constraints into the module
     ]
