@@ -18,7 +18,6 @@ from hloplan.pipelining import PipelineOptions
 from hloplan.state import CompileOptions, CompileState
 from hloplan.units import parse_bytes
 
-
 # The largest mesh hloplan plans for (a sanity bound on typos such as 1024x1024x1024).
 MAX_DEVICES = 1 << 20
 
