@@ -1,0 +1,132 @@
+"""Expert hand-written sharding plans, with jax's public sharding API on the original function.
+
+A plan maps the models' logical axis names (see models.py) onto mesh axes, for parameters and
+for activations (`models.constrain`, the Flax logical-partitioning pattern), and optionally
+shards every parameter and optimizer-state tensor over an FSDP axis group (ZeRO-3):
+
+* replicated: everything on every device (baseline);
+* dp: batch over all devices, parameters replicated;
+* fsdp: batch over all devices, parameters and optimizer state sharded over all devices too
+  (each tensor on its largest divisible dim); XLA all-gathers weights at use and
+  reduce-scatters gradients;
+* tp (1-axis meshes): Megatron tensor parallel over all devices (column/row splits, heads,
+  vocab-parallel embeddings and logits), batch replicated;
+* tp_dp (2-axis meshes): data on the first axis, Megatron tensor parallel on the second;
+* fsdp_tp (2-axis meshes): tp_dp plus parameters/optimizer state sharded over the data axis;
+* ep / ep_dp (MoE only): expert parallel (the experts dim) instead of splitting expert FFNs.
+
+`compile_plan` lowers `jax.jit(step, in_shardings=..., out_shardings=...)` on ShapeDtypeStructs
+and compiles it (compile only: nothing is allocated).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import jax
+import models
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+TP_NAMES = ("heads", "kv_heads", "mlp", "vocab", "channels_hidden", "classes")
+
+
+@dataclass(frozen=True)
+class HandPlan:
+    name: str
+    rules: dict  # logical name -> mesh axes (params and activations)
+    fsdp: tuple[str, ...] = ()  # mesh axes every parameter/optimizer tensor is also sharded over
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def make_mesh(shape: tuple[int, ...]):
+    names = ("x", "y", "z")[: len(shape)]
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+def plans_for(model_name: str, shape: tuple[int, ...]) -> list[HandPlan]:
+    tp_names = TP_NAMES
+    if len(shape) == 1:
+        data, every = "x", ("x",)
+        plans = [
+            HandPlan("replicated", {}),
+            HandPlan("dp", {"batch": every}),
+            HandPlan("fsdp", {"batch": every}, fsdp=every),
+            HandPlan("tp", {n: data for n in tp_names}),
+        ]
+        if model_name == "moe":
+            plans.append(HandPlan("ep", {"experts": data}))
+        return plans
+    data, model = "x", "y"
+    every = ("x", "y")
+    plans = [
+        HandPlan("replicated", {}),
+        HandPlan("dp", {"batch": every}),
+        HandPlan("fsdp", {"batch": every}, fsdp=every),
+        HandPlan("tp_dp", {"batch": data, **{n: model for n in tp_names}}),
+        HandPlan("fsdp_tp", {"batch": data, **{n: model for n in tp_names}}, fsdp=(data,)),
+    ]
+    if model_name == "moe":
+        plans.append(HandPlan("ep_dp", {"batch": data, "experts": model}))
+    return plans
+
+
+def leaf_spec(leaf: models.Leaf, plan: HandPlan, mesh_shape: dict) -> PartitionSpec:
+    """Parameter/state spec: the plan's logical rules, then FSDP over the largest free dim."""
+    rules = {k: v for k, v in plan.rules.items() if k != "batch"}
+    spec = list(models.logical_spec(leaf.axes, rules, leaf.shape, mesh_shape))
+    if plan.fsdp and leaf.shape:
+        used = {a for e in spec if e for a in ((e,) if isinstance(e, str) else e)}
+        axes = tuple(a for a in plan.fsdp if a not in used)
+        parts = math.prod(mesh_shape[a] for a in axes)
+        if axes and parts > 1:
+            free = [d for d in range(len(leaf.shape))
+                    if spec[d] is None and leaf.shape[d] % parts == 0]
+            if free:
+                d = max(free, key=lambda d: leaf.shape[d])
+                spec[d] = axes if len(axes) > 1 else axes[0]
+    return PartitionSpec(*spec)
+
+
+def batch_spec(leaf: models.Leaf, plan: HandPlan, mesh_shape: dict) -> PartitionSpec:
+    return models.logical_spec(leaf.axes, plan.rules, leaf.shape, mesh_shape)
+
+
+def shardings(plan: HandPlan, mesh, state_spec, batch_spec_tree):
+    mesh_shape = dict(mesh.shape)
+
+    def named(fn):
+        return lambda leaf: NamedSharding(mesh, fn(leaf, plan, mesh_shape))
+
+    state = jax.tree.map(named(leaf_spec), state_spec, is_leaf=models.is_leaf)
+    batch = jax.tree.map(named(batch_spec), batch_spec_tree, is_leaf=models.is_leaf)
+    return state, batch
+
+
+def compile_plan(plan: HandPlan, mesh, step, state_spec, batch_spec_tree, donate: bool = True):
+    """Compiled (not run) jax.jit of `step` under `plan` on `mesh`."""
+    state_sh, batch_sh = shardings(plan, mesh, state_spec, batch_spec_tree)
+    loss_sh = NamedSharding(mesh, PartitionSpec())
+    def fresh(state, batch):  # a new function object: jit's trace cache ignores the rules
+        return step(state, batch)
+
+    jitted = jax.jit(fresh, in_shardings=(state_sh, batch_sh), out_shardings=(loss_sh, state_sh),
+                     donate_argnums=(0,) if donate else ())
+    act_rules = {k: (v if isinstance(v, str) else tuple(v)) for k, v in plan.rules.items()}
+    with models.logical_rules(mesh, act_rules):
+        lowered = jitted.lower(models.abstract(state_spec), models.abstract(batch_spec_tree))
+    return lowered.compile()
+
+
+def describe(plan: HandPlan, mesh, state_spec) -> dict:
+    """A few parameter specs, to show what the plan does (for reports)."""
+    mesh_shape = dict(mesh.shape)
+    flat, _ = jax.tree_util.tree_flatten_with_path(state_spec, is_leaf=models.is_leaf)
+    out = {}
+    for path, leaf in flat:
+        name = jax.tree_util.keystr(path)
+        if len(leaf.shape) >= 2 and "['opt']" not in name and "[1]" not in name \
+                and "[2]" not in name and "[3]" not in name:
+            out[name] = str(leaf_spec(leaf, plan, mesh_shape))
+    return out
