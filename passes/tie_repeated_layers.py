@@ -52,21 +52,31 @@ class TieRepeatedLayers:
     prune_live_points: bool = True
     # Also solve the untied and the tied problem and record the tied plan's gap (benchmarks).
     compare_untied: bool = False
+    # Copies of a layer take `period` decisions in turn (layer k: decision k mod period).
+    # 2 lets a stack of identical dense layers alternate column and row splits (Megatron's
+    # pairing across layers), which one shared decision cannot express; 1 suits transformer
+    # blocks, which pair column and row splits inside each block.
+    period: int = 1
     # Tie only problems with more decisions than this: smaller ones solve in seconds untied,
     # and tying can cost plan quality (identical MLP layers want alternating column/row
     # splits, which one shared decision cannot express).
     min_decisions: int = 2000
+    # ... or more resharding-cost entries than this (strategies multiply on meshes of 3+ axes:
+    # a 2-layer GPT on 16x8x8 has 458 decisions but 6.7M entries, a 1.6M-variable ILP).
+    min_edge_cells: int = 2_000_000
 
     def apply(self, state: CompileState) -> None:
         graph, space, problem = state.graph, state.space, state.problem
         if graph is None or space is None or problem is None:
             raise RuntimeError("tie-repeated-layers runs after build-sharding-problem")
-        if decision_count(problem) <= self.min_decisions and not self.compare_untied:
+        cells = sum(len(edge.costs) * len(edge.costs[0]) for edge in problem.edges)
+        if (decision_count(problem) <= self.min_decisions and cells <= self.min_edge_cells
+                and not self.compare_untied):
             state.facts["tied_groups"] = 0
             return
         started = time.perf_counter()
         colors = structural_colors(graph, space, self.hops)
-        ties = tie_ids(graph, space, problem, colors)
+        ties = tie_ids(graph, space, problem, colors, self.period)
         tied = dataclasses.replace(problem, nodes=tuple(
             node if node.tie == tie else dataclasses.replace(node, tie=tie)
             for node, tie in zip(problem.nodes, ties)))
@@ -176,7 +186,7 @@ class _UnionFind:
 
 
 def tie_ids(graph: Graph, space: PlanSpace, problem: ShardingProblem,
-            colors: list[int]) -> list[int | None]:
+            colors: list[int], period: int = 1) -> list[int | None]:
     """The new tie id of every node (None: a decision of its own)."""
     nodes = problem.nodes
     # A node's unit: its existing tie id, or its own op index (never another group's tie id:
@@ -219,19 +229,25 @@ def tie_ids(graph: Graph, space: PlanSpace, problem: ShardingProblem,
         key = (colors[op.index], names[i], tuple(sorted(set(used_by))))
         buckets.setdefault(key, []).append(i)
     tie_buckets(buckets)
+    # With a period p > 1, the copies of a group (its previous decisions, in program order)
+    # take p decisions in turn: copy k joins decision k mod p.
+    key = [uf.find(unit[i]) for i in range(len(nodes))]
+    if period > 1:
+        start: dict[int, int] = {}  # unit -> its first op
+        for i in range(len(nodes)):
+            start[unit[i]] = min(start.get(unit[i], space.op_of[i]), space.op_of[i])
+        copies: dict[int, list[int]] = {}
+        for u in sorted(start, key=start.__getitem__):
+            copies.setdefault(uf.find(u), []).append(u)
+        turn = {u: k % period for members in copies.values() for k, u in enumerate(members)}
+        key = [(key[i], turn[unit[i]]) for i in range(len(nodes))]
     # Tie id of a group: the smallest op index in it (an untouched group keeps its id).
-    first: dict[int, int] = {}
-    size: dict[int, int] = {}
+    first: dict = {}
+    size: dict = {}
     for i in range(len(nodes)):
-        root = uf.find(unit[i])
-        first.setdefault(root, space.op_of[i])
-        first[root] = min(first[root], space.op_of[i])
-        size[root] = size.get(root, 0) + 1
-    out: list[int | None] = []
-    for i in range(len(nodes)):
-        root = uf.find(unit[i])
-        out.append(first[root] if size[root] > 1 else None)
-    return out
+        first[key[i]] = min(first.get(key[i], space.op_of[i]), space.op_of[i])
+        size[key[i]] = size.get(key[i], 0) + 1
+    return [first[k] if size[k] > 1 else None for k in key]
 
 
 def _check_tie_counts(problem: ShardingProblem) -> None:

@@ -8,11 +8,17 @@
 // is not changed. (In the compile pipeline the pass only ties problems of more than
 // min_decisions decisions; this test sets it to 0.)
 // RUN: hloplan-opt %s -p extract-graph,build-sharding-problem,tie-repeated-layers --pass-option tie-repeated-layers.min_decisions=0 --mesh 2x4 --device toy 2>&1 | filecheck %s
+// With period=2 the interior layers take two decisions in turn (layers 1 and 3, layers 2 and
+// 4), so that consecutive layers can alternate column and row splits: 4 groups, 9 decisions.
+// RUN: hloplan-opt %s -p extract-graph,build-sharding-problem,tie-repeated-layers --pass-option tie-repeated-layers.min_decisions=0 --pass-option tie-repeated-layers.period=2 --mesh 2x4 --device toy 2>&1 | filecheck %s --check-prefix=PERIOD2
 
 // CHECK:      tie-repeated-layers.mlir: remark: tie-repeated-layers: 12 ops in 2 repeated groups tied; decisions 13 -> 7; memory checks 12 -> 5{{$}}
 // CHECK-NEXT: module @jit_stack {
 // CHECK-NOT:  sdy.
 // CHECK:      return
+
+// PERIOD2:      tie-repeated-layers.mlir: remark: tie-repeated-layers: 12 ops in 4 repeated groups tied; decisions 13 -> 9; memory checks 12 -> 7{{$}}
+// PERIOD2-NEXT: module @jit_stack {
 
 module @jit_stack {
   func.func public @main(%arg0: tensor<64x256xf32> loc("x"), %arg1: tensor<256x256xf32> loc("layers[0].w"), %arg2: tensor<256x256xf32> loc("layers[1].w"), %arg3: tensor<256x256xf32> loc("layers[2].w"), %arg4: tensor<256x256xf32> loc("layers[3].w"), %arg5: tensor<256x256xf32> loc("layers[4].w"), %arg6: tensor<256x256xf32> loc("layers[5].w")) -> (tensor<64x256xf32> {jax.result_info = "result"}) {

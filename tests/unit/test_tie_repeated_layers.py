@@ -277,3 +277,36 @@ def test_dominated_points_are_dropped_exactly():
                                                dataclasses.replace(nodes[2], tie=9), nodes[3]))
     # y and z are one decision with the same memory: x+z is now x+y plus 5 fixed bytes.
     assert dominant_live_points(tied) == [2, 3]
+
+
+def _square_stack_program() -> ir.Program:
+    """Eight identical wide square layers on a small batch: tensor parallel wins, and the best
+    plan alternates column- and row-split weights from one layer to the next."""
+    def loss(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.sum(x)
+
+    def step(ws, x):
+        value, grads = jax.value_and_grad(loss)(ws, x)
+        return value, [w - 0.1 * g for w, g in zip(ws, grads)]
+
+    w = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
+    x = jax.ShapeDtypeStruct((8, 4096), jnp.float32)
+    exported = export.export(jax.jit(step), platforms=("cpu",))([w] * 8, x)
+    return ir.load_program(bytes(exported.serialize()), "square.jaxexport")
+
+
+def test_period_two_lets_identical_layers_alternate():
+    facts = {}
+    for period in (1, 2):
+        state = run_pipeline(_square_stack_program(), make_options("4", device="h100"), [
+            *FRONT, TieRepeatedLayers(compare_untied=True, min_decisions=0, period=period)])
+        facts[period] = state.facts
+        assert state.facts["tied_gap_exact"]
+    # One shared decision per layer cannot alternate: it pays for it.
+    assert facts[1]["tied_gap"] > 1e-3
+    # Two decisions in turn can: the untied optimum, with fewer decisions than untied.
+    assert abs(facts[2]["tied_gap"]) < 1e-9
+    assert (facts[1]["decisions_after_tying"] < facts[2]["decisions_after_tying"]
+            < facts[2]["decisions_before_tying"])
