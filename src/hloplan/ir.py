@@ -8,7 +8,7 @@ the section marked "Private JAX APIs" at the bottom.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from jax.extend.lowering import upstream_dialects
@@ -353,14 +353,14 @@ def sink_constants(module: ir.Module, filename: str) -> int:
                 continue
             for region in op.operation.regions:
                 block = region.blocks[0]
-                inside = {id_ for id_ in _defined_in(block)}
+                inside = _defined_in(block)
                 mapping: dict = {}
                 for inner in list(_walk_ops(block)):
                     for operand in inner.operation.operands:
                         owner = operand.owner
                         if isinstance(owner, ir.Block) or operand in mapping:
                             continue
-                        if owner.name == "stablehlo.constant" and _value_key(operand) not in inside:
+                        if owner.name == "stablehlo.constant" and operand not in inside:
                             first = next(iter(block.operations))
                             clone = owner.clone(ir.InsertionPoint(first))
                             mapping[operand] = clone.results[0]
@@ -369,10 +369,6 @@ def sink_constants(module: ir.Module, filename: str) -> int:
                     for inner in list(block.operations):
                         _remap_operands(inner, mapping)
     return cloned
-
-
-def _value_key(value) -> object:
-    return value
 
 
 def _defined_in(block) -> set:
@@ -1068,5 +1064,3 @@ def _numpy_dtype(dtype: str) -> str:
         raise HloplanError(f"element type {dtype} is not supported in arguments or results")
     return table[dtype]
 
-
-Callback = Callable[..., None]
