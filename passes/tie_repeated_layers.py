@@ -60,7 +60,7 @@ class TieRepeatedLayers:
     # Tie only problems with more decisions than this: smaller ones solve in seconds untied,
     # and tying can cost plan quality (identical MLP layers want alternating column/row
     # splits, which one shared decision cannot express).
-    min_decisions: int = 2000
+    min_decisions: int = 1000
     # ... or more resharding-cost entries than this (strategies multiply on meshes of 3+ axes:
     # a 2-layer GPT on 16x8x8 has 458 decisions but 6.7M entries, a 1.6M-variable ILP).
     min_edge_cells: int = 2_000_000
