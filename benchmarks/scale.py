@@ -100,6 +100,7 @@ def param_shapes(c: Config) -> dict:
 def make_step(c: Config):
     import jax
     import jax.numpy as jnp
+    import models  # benchmarks/models.py, beside this script
     from jax import lax
 
     def layer_norm(x, p, eps=1e-5):
@@ -146,15 +147,9 @@ def make_step(c: Config):
         logp = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
-    def adamw(params, grads, opt, lr=1e-4, b1=0.9, b2=0.95, eps=1e-8, wd=0.1):
-        count = opt["count"] + 1
-        m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, opt["m"], grads)
-        v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, opt["v"], grads)
-        t = count.astype(jnp.float32)
-        c1, c2 = 1 - b1**t, 1 - b2**t
-        new = jax.tree.map(lambda p, m, v: p - lr * ((m / c1) / (jnp.sqrt(v / c2) + eps) + wd * p),
-                           params, m, v)
-        return new, {"m": m, "v": v, "count": count}
+    def adamw(params, grads, opt):
+        # The benchmark models' AdamW (benchmarks/models.py), with large-model settings.
+        return models.adamw(params, grads, opt, lr=1e-4, wd=0.1)
 
     def step(state, tokens, targets):
         loss, grads = jax.value_and_grad(loss_fn)(state["params"], tokens, targets)
