@@ -15,6 +15,7 @@ the input comes from another stage.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from hloplan.graph import Graph
@@ -122,9 +123,7 @@ def narrow_cut(costs: list[float], crossings: list[int], parts: int,
     if parts <= 1 or n <= 1:
         return [0]
     best = balanced_cut(costs, parts)
-    prefix = [0.0]
-    for cost in costs:
-        prefix.append(prefix[-1] + cost)
+    prefix = list(itertools.accumulate(costs, initial=0.0))
     bounds = best + [n]
     limit = max(prefix[bounds[i + 1]] - prefix[bounds[i]] for i in range(len(best)))
     limit *= 1 + slack
@@ -162,9 +161,7 @@ def timed_cut(seconds: list[float], boundary: list[float], parts: int) -> list[i
     if parts <= 1 or n <= 1:
         return [0]
     parts = min(parts, n)
-    prefix = [0.0]
-    for value in seconds:
-        prefix.append(prefix[-1] + value)
+    prefix = list(itertools.accumulate(seconds, initial=0.0))
 
     def part(start: int, end: int) -> float:
         return (prefix[end] - prefix[start] + (boundary[start] if start > 0 else 0.0)

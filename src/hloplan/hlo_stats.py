@@ -634,12 +634,19 @@ def _known_trip_count(attrs: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _constant_value(comp: _Computation, name: str) -> int | None:
+def _through_copies(comp: _Computation, name: str) -> _Instr | None:
+    """The instruction `name` refers to, looking through up to 8 copies, bitcasts, reshapes and
+    converts."""
     ins = comp.get(name)
     seen = 0
     while ins is not None and ins.opcode in ("copy", "bitcast", "reshape", "convert") and seen < 8:
         ins = comp.get(ins.operands[0])
         seen += 1
+    return ins
+
+
+def _constant_value(comp: _Computation, name: str) -> int | None:
+    ins = _through_copies(comp, name)
     if ins is None or ins.opcode != "constant":
         return None
     text = ins.operands[0].strip().strip("{}").strip()
@@ -654,11 +661,7 @@ def _constant_value(comp: _Computation, name: str) -> int | None:
 
 
 def _gte_index(comp: _Computation, name: str) -> int | None:
-    ins = comp.get(name)
-    seen = 0
-    while ins is not None and ins.opcode in ("copy", "bitcast", "reshape", "convert") and seen < 8:
-        ins = comp.get(ins.operands[0])
-        seen += 1
+    ins = _through_copies(comp, name)
     if ins is None or ins.opcode != "get-tuple-element":
         return None
     m = re.search(r"\bindex=(\d+)", ins.attrs)

@@ -161,10 +161,6 @@ def _estimate(state, cut_: PipelineCut, plan_tasks: list[TaskPlan], analysis, mi
     # Memory per stage: the stage's largest task peak, plus the activations kept between its
     # forward and backward for each microbatch in flight (GPipe: all M; 1F1B: S - s).
     residual = [0.0] * stages
-    forward_out = {}
-    for tp in plan_tasks:
-        if tp.task.part == "A":
-            forward_out.setdefault(tp.task.stage, set())
     peaks = [0.0] * stages
     for tp in plan_tasks:
         peaks[tp.task.stage] = max(peaks[tp.task.stage], tp.peak_bytes)
