@@ -18,5 +18,5 @@ class InlineCalls:
 
     def apply(self, state: CompileState) -> None:
         state.facts["inlined_calls"] = ir.inline_calls(state.program.module, state.filename)
-        # Loops become self-contained (XLA mis-sizes while shardings over captured values).
+        # Loop regions get their own copies of the constants they read.
         state.facts["sunk_constants"] = ir.sink_constants(state.program.module, state.filename)

@@ -342,8 +342,9 @@ def _inline_one(call, callee) -> None:
 def sink_constants(module: ir.Module, filename: str) -> int:
     """Clone constants defined outside a while/case into each region that uses them.
 
-    XLA mis-sizes the sharding of a while whose body captures values from outside (it adds them
-    as loop operands), so loops are made self-contained where that is free: for constants.
+    A loop's regions then read no constant from outside: a constant stays free (no decision, no
+    transfer) in every region and in every task cut out of the program. (The XLA while-sharding
+    failure seen here is avoided by Annotator.pin_while_carry, not by this.)
     Returns the number of constants cloned."""
     cloned = 0
     with module.context, ir.Location.unknown():
