@@ -1,9 +1,10 @@
 """propagate-sharding: write the chosen shardings into the module in Shardy form.
 
 The mesh goes in as `sdy.mesh @mesh`; main's arguments and results get `sdy.sharding`; every
-planned op gets its result shardings (closed: XLA may not change them); where a strategy needs an
-operand in another layout than its producer gives, an `sdy.sharding_constraint` makes the
-resharding explicit at that point, so XLA's partitioner does what the plan priced.
+planned op's results are fixed by an `sdy.sharding_constraint` right after it (XLA keeps
+constraints; it re-propagates `sdy.sharding` attributes on ops as it likes); where a strategy
+needs an operand in another layout than its producer gives, a second constraint before the
+consumer makes that resharding explicit, so XLA's partitioner does what the plan priced.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class PropagateSharding:
         annotator = ir.Annotator(state.program.module, handles)
         annotator.set_mesh(mesh.axis_names, mesh.axis_sizes)
         per_mlir_op: dict[int, tuple[object, dict[int, tuple]]] = {}
-        constraints = 0
+        operand_constraints: list[tuple[object, int, tuple]] = []
+        pins: list[tuple[object, int, tuple]] = []
         for op_index in state.space.strategies:
             op = graph.ops[op_index]
             chosen = state.chosen(op_index)
@@ -36,9 +38,7 @@ class PropagateSharding:
                 continue
             mlir_op, result_indices = handles.ops[op_index]
             if op.name == "while.carry":
-                annotator.pin_while_carry(mlir_op, op.attrs["result"],
-                                          spec_names(chosen.results[0], mesh))
-                constraints += 2
+                pins.append((mlir_op, op.attrs["result"], spec_names(chosen.results[0], mesh)))
                 continue
             entry = per_mlir_op.setdefault(id(mlir_op), (mlir_op, {}))
             for result_index, spec in zip(result_indices, chosen.results):
@@ -51,16 +51,24 @@ class PropagateSharding:
                 if required is None or given is None or given == required:
                     continue
                 operand_index = op.attrs["result"] if op.name in ("while.carry", "barrier.result") else k
-                annotator.constrain_operand(mlir_op, operand_index, spec_names(required, mesh))
-                constraints += 1
+                operand_constraints.append((mlir_op, operand_index, spec_names(required, mesh)))
+        results = 0
         for mlir_op, specs in per_mlir_op.values():
-            annotator.set_op(mlir_op, specs)
+            annotator.constrain_results(mlir_op, specs)
+            results += len(specs)
+        # Pins and operand constraints go in after the result constraints, so that one that
+        # would repeat the layout its operand already has is left out.
+        for mlir_op, result_index, spec in pins:
+            annotator.pin_while_carry(mlir_op, result_index, spec)
+        for mlir_op, operand_index, spec in operand_constraints:
+            annotator.constrain_operand(mlir_op, operand_index, spec)
         for index, value_id in enumerate(graph.outputs):
             spec = self._given(state, value_id)
             if spec is None:
                 spec = replicated(graph.type_of(value_id).rank)
             annotator.set_result(index, spec_names(spec, mesh))
-        state.facts["sharding_constraints"] = constraints
+        state.facts["sharding_constraints"] = 2 * len(pins) + len(operand_constraints)
+        state.facts["result_constraints"] = results
 
     @staticmethod
     def _given(state: CompileState, value_id: int):

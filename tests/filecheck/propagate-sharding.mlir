@@ -1,8 +1,9 @@
 // propagate-sharding writes the solved plan into the module in Shardy form: `sdy.mesh @mesh`,
-// `sdy.sharding` on @main's arguments and results, `sdy.sharding_per_value` on planned ops,
-// `sdy.sharding_constraint` where an op needs an operand in another layout than its producer
-// gives. The ops themselves are unchanged. Output that fails to verify would print in MLIR's
-// generic form ("stablehlo.add"(...)), so the pretty-form lines below also check validity.
+// `sdy.sharding` on @main's arguments and results, an `sdy.sharding_constraint` right after every
+// planned op (XLA keeps constraints but re-propagates `sdy.sharding` attributes on ops), and a
+// second constraint where an op needs an operand in another layout than its producer gives. The
+// ops themselves are unchanged. Output that fails to verify would print in MLIR's generic form
+// ("stablehlo.add"(...)), so the pretty-form lines below also check validity.
 // Chunks are separated by `// -----` (see lit.cfg.py).
 
 // RUN: %split-input %s 0 | hloplan-opt - -p inline-calls,extract-graph,build-sharding-problem,solve-sharding,propagate-sharding --mesh 2x4 --device toy | filecheck %s
@@ -12,7 +13,7 @@
 // optimization barrier that also carries a scalar constant. The batch dim is split over all 8
 // devices (999 does not divide by 8; splitting the 256 output columns would need all of x on
 // every device). The weight may be stored in any layout; free ops (constants and their
-// broadcasts) get no sharding; the barrier's scalar result is replicated.
+// broadcasts) get no constraint; the barrier's scalar result is left alone.
 // CHECK-LABEL: module @jit_mlp attributes {mhlo.num_partitions = 8 : i32, mhlo.num_replicas = 1 : i32} {
 // CHECK-NEXT:    sdy.mesh @mesh = <["x"=2, "y"=4]>
 // CHECK-NEXT:    func.func public @main(
@@ -21,20 +22,19 @@
 // CHECK-SAME:      -> (tensor<64x999x256xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"x", "y"}, {}, {}]>}) {{[{]$}}
 // The weight reaches the matmul replicated: a constraint gathers it unless it is stored so.
 // CHECK:           [[D:%.*]] = stablehlo.dot_general %arg0, {{%[^,]+}}, contracting_dims = [2] x [0]
-// CHECK-SAME:        {sdy.sharding = #sdy.sharding_per_value<[<@mesh, [{"x", "y"}, {}, {}]>]>}
 // CHECK-SAME:        : (tensor<64x999x256xf32>, tensor<256x256xf32>) -> tensor<64x999x256xf32>{{$}}
+// CHECK-NEXT:      [[DC:%.*]] = sdy.sharding_constraint [[D]] <@mesh, [{"x", "y"}, {}, {}]> : tensor<64x999x256xf32>{{$}}
 // CHECK-NEXT:      [[ZERO:%.*]] = stablehlo.constant dense<0.000000e+00> : tensor<f32>{{$}}
 // CHECK-NEXT:      [[ZEROS:%.*]] = stablehlo.broadcast_in_dim [[ZERO]], dims = [] : (tensor<f32>) -> tensor<64x999x256xf32>{{$}}
-// CHECK-NEXT:      [[R:%.*]] = stablehlo.maximum [[D]], [[ZEROS]]
-// CHECK-SAME:        {sdy.sharding = #sdy.sharding_per_value<[<@mesh, [{"x", "y"}, {}, {}]>]>} : tensor<64x999x256xf32>{{$}}
+// CHECK-NEXT:      [[R:%.*]] = stablehlo.maximum [[DC]], [[ZEROS]] : tensor<64x999x256xf32>{{$}}
+// CHECK-NEXT:      [[RC:%.*]] = sdy.sharding_constraint [[R]] <@mesh, [{"x", "y"}, {}, {}]> : tensor<64x999x256xf32>{{$}}
 // CHECK-NEXT:      [[HALF:%.*]] = stablehlo.constant dense<5.000000e-01> : tensor<f32>{{$}}
-// CHECK-NEXT:      [[B:%.*]]:2 = stablehlo.optimization_barrier
-// CHECK-SAME:        {sdy.sharding = #sdy.sharding_per_value<[<@mesh, [{"x", "y"}, {}, {}]>, <@mesh, []>]>}
-// CHECK-SAME:        [[R]], [[HALF]] : tensor<64x999x256xf32>, tensor<f32>{{$}}
+// CHECK-NEXT:      [[B:%.*]]:2 = stablehlo.optimization_barrier [[RC]], [[HALF]] : tensor<64x999x256xf32>, tensor<f32>{{$}}
+// CHECK-NEXT:      [[BC:%.*]] = sdy.sharding_constraint [[B]]#0 <@mesh, [{"x", "y"}, {}, {}]> : tensor<64x999x256xf32>{{$}}
 // CHECK-NEXT:      [[HALVES:%.*]] = stablehlo.broadcast_in_dim [[B]]#1, dims = [] : (tensor<f32>) -> tensor<64x999x256xf32>{{$}}
-// CHECK-NEXT:      [[OUT:%.*]] = stablehlo.multiply [[B]]#0, [[HALVES]]
-// CHECK-SAME:        {sdy.sharding = #sdy.sharding_per_value<[<@mesh, [{"x", "y"}, {}, {}]>]>} : tensor<64x999x256xf32>{{$}}
-// CHECK-NEXT:      return [[OUT]] : tensor<64x999x256xf32>
+// CHECK-NEXT:      [[OUT:%.*]] = stablehlo.multiply [[BC]], [[HALVES]] : tensor<64x999x256xf32>{{$}}
+// CHECK-NEXT:      [[OC:%.*]] = sdy.sharding_constraint [[OUT]] <@mesh, [{"x", "y"}, {}, {}]> : tensor<64x999x256xf32>{{$}}
+// CHECK-NEXT:      return [[OC]] : tensor<64x999x256xf32>
 // CHECK-NEXT:    }
 // CHECK-NEXT:  }
 // CHECK-NOT:   {{.}}
@@ -57,11 +57,13 @@ module @jit_mlp attributes {mhlo.num_partitions = 1 : i32, mhlo.num_replicas = 1
   }
 }
 
+
 // -----
 
 // A loop (jax's scan) whose body calls a private function. The while op gets no sharding of its
 // own: each carried value is pinned by a constraint on the loop's operand and on the body's
-// yield (the counter replicated, the activations split on the batch). The weight's layout is
+// yield (the counter replicated, the activations split on the batch); a yielded value whose
+// producer's constraint already has that layout gets no second one. The weight's layout is
 // the planner's choice.
 // LOOP-LABEL: module @jit_scan attributes {mhlo.num_partitions = 8 : i32} {
 // LOOP-NEXT:    sdy.mesh @mesh = <["x"=2, "y"=4]>
@@ -78,18 +80,19 @@ module @jit_mlp attributes {mhlo.num_partitions = 1 : i32, mhlo.num_replicas = 1
 // LOOP-NEXT:     [[L:%.*]]:3 = stablehlo.while([[WI:%.*]] = [[W0]], [[II:%.*]] = [[I0]], [[XI:%.*]] = [[X0]]) : tensor<64x64xf32>, tensor<i32>, tensor<64x999x64xf32>{{$}}
 // LOOP-NEXT:     cond {
 // LOOP-NEXT:       [[N:%.*]] = stablehlo.constant dense<4> : tensor<i32>
-// LOOP-NEXT:       [[LT:%.*]] = stablehlo.compare LT, [[II]], [[N]], SIGNED {sdy.sharding = #sdy.sharding_per_value<[<@mesh, []>]>}
-// LOOP-NEXT:       stablehlo.return [[LT]] : tensor<i1>
+// LOOP-NEXT:       [[LT:%.*]] = stablehlo.compare LT, [[II]], [[N]], SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+// LOOP-NEXT:       [[LTC:%.*]] = sdy.sharding_constraint [[LT]] <@mesh, []> : tensor<i1>
+// LOOP-NEXT:       stablehlo.return [[LTC]] : tensor<i1>
 // LOOP-NEXT:     } do {
 // LOOP-NEXT:       [[ONE:%.*]] = stablehlo.constant dense<1> : tensor<i32>
 // LOOP:            [[D:%.*]] = stablehlo.dot_general [[XI]], {{%[^,]+}}, contracting_dims = [2] x [0]
-// LOOP-SAME:         {sdy.sharding = #sdy.sharding_per_value<[<@mesh, [{"x", "y"}, {}, {}]>]>}
-// LOOP-NEXT:       [[T:%.*]] = stablehlo.tanh [[D]] {sdy.sharding = #sdy.sharding_per_value<[<@mesh, [{"x", "y"}, {}, {}]>]>} : tensor<64x999x64xf32>{{$}}
-// LOOP-NEXT:       [[I1:%.*]] = stablehlo.add [[II]], [[ONE]] {sdy.sharding = #sdy.sharding_per_value<[<@mesh, []>]>} : tensor<i32>{{$}}
+// LOOP-NEXT:       [[DC:%.*]] = sdy.sharding_constraint [[D]] <@mesh, [{"x", "y"}, {}, {}]> : tensor<64x999x64xf32>
+// LOOP-NEXT:       [[T:%.*]] = stablehlo.tanh [[DC]] : tensor<64x999x64xf32>{{$}}
+// LOOP-NEXT:       [[TC:%.*]] = sdy.sharding_constraint [[T]] <@mesh, [{"x", "y"}, {}, {}]> : tensor<64x999x64xf32>
+// LOOP-NEXT:       [[I1:%.*]] = stablehlo.add [[II]], [[ONE]] : tensor<i32>{{$}}
+// LOOP-NEXT:       [[IC:%.*]] = sdy.sharding_constraint [[I1]] <@mesh, []> : tensor<i32>
 // LOOP-NEXT:       [[WY:%.*]] = sdy.sharding_constraint [[WI]] <@mesh, [{{[^\]]*}}]> : tensor<64x64xf32>
-// LOOP-NEXT:       [[IY:%.*]] = sdy.sharding_constraint [[I1]] <@mesh, []> : tensor<i32>
-// LOOP-NEXT:       [[XY:%.*]] = sdy.sharding_constraint [[T]] <@mesh, [{"x", "y"}, {}, {}]> : tensor<64x999x64xf32>
-// LOOP-NEXT:       stablehlo.return [[WY]], [[IY]], [[XY]] : tensor<64x64xf32>, tensor<i32>, tensor<64x999x64xf32>
+// LOOP-NEXT:       stablehlo.return [[WY]], [[IC]], [[TC]] : tensor<64x64xf32>, tensor<i32>, tensor<64x999x64xf32>
 // LOOP-NEXT:     }
 // LOOP-NEXT:     return [[L]]#2 : tensor<64x999x64xf32>
 // LOOP-NEXT:   }
