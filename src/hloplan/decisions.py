@@ -42,7 +42,9 @@ def partition_spec_text(spec_axes) -> str:
                for axes in spec_axes]
     while entries and entries[-1] is None:
         entries.pop()
-    return "P(" + ", ".join(repr(e) for e in entries) + ")"
+    # One multi-axis entry is written as jax prints it, P(('x', 'y'),), not P(('x', 'y')).
+    trailing = "," if len(entries) == 1 and isinstance(entries[0], tuple) else ""
+    return "P(" + ", ".join(repr(e) for e in entries) + trailing + ")"
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,12 @@ Per-device bytes (`CollectiveOp.bytes_sent`) follow the ring algorithm, with S t
 operand bytes (result bytes for all-gather) and n the group size:
 all-reduce 2(n-1)/n*S, all-gather (n-1)/n*S_result, reduce-scatter and all-to-all (n-1)/n*S,
 collective-permute and collective-broadcast S.
+
+An all-reduce whose result is only ever read through a 1/n dynamic-slice (the partitioner's form
+of "reduce, then keep my shard") is counted as a reduce-scatter, as XLA's GPU and TPU pipelines
+rewrite it (ReduceScatterCreator); the CPU pipeline, which these measurements often come from,
+keeps the all-reduce. `collective_stats(..., fold_reduce_scatter=False)` counts it as compiled.
+A combined (tuple) all-reduce is split: its scattered elements become one reduce-scatter entry.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -902,11 +908,104 @@ def _collective(
     )
 
 
+def _elements(shape: str) -> int | None:
+    m = re.match(r"\w+\[([\d,]*)\]", shape.strip())
+    if m is None:
+        return None
+    return math.prod(int(d) for d in m.group(1).split(",") if d) if m.group(1) else 1
+
+
+def _users(comp: _Computation) -> dict[str, list[_Instr]]:
+    out: dict[str, list[_Instr]] = {}
+    for ins in comp.instrs:
+        for name in ins.operands:
+            out.setdefault(name, []).append(ins)
+    return out
+
+
+def _only_sliced(module: _Module, comp: _Computation, users: dict[str, list[_Instr]],
+                 name: str, elements: int, n: int, depth: int = 0) -> bool:
+    """Whether value `name` (of `elements` elements) is read only by dynamic-slices keeping 1/n
+    of it (directly, through bitcasts, or inside fusions)."""
+    readers = users.get(name, [])
+    if not readers or depth > 4:
+        return False
+    for user in readers:
+        if user.opcode == "dynamic-slice" and user.operands[0] == name:
+            size = _elements(user.shape)
+            if size is None or size * n != elements:
+                return False
+        elif user.opcode == "bitcast":
+            if not _only_sliced(module, comp, users, user.name, elements, n, depth + 1):
+                return False
+        elif user.opcode == "fusion":
+            callee = next(iter(_callees(user)), None)
+            fused = module.computations.get(callee) if callee else None
+            if fused is None:
+                return False
+            fused_users = _users(fused)
+            for index, operand in enumerate(user.operands):
+                if operand != name:
+                    continue
+                param = next((i for i in fused.instrs if i.opcode == "parameter"
+                              and i.operands and i.operands[0].strip() == str(index)), None)
+                if param is None or not _only_sliced(module, fused, fused_users, param.name,
+                                                     elements, n, depth + 1):
+                    return False
+        else:
+            return False
+    return True
+
+
+def _scattered_elements(module: _Module, comp: _Computation, users: dict[str, list[_Instr]],
+                        ins: _Instr, n: int) -> list[int]:
+    """Indices of an all-reduce's results (tuple elements, or [0]) read only as 1/n slices."""
+    elements = _tuple_elements(ins.shape)
+    if elements is None:
+        size = _elements(ins.shape)
+        ok = size is not None and size % n == 0 and _only_sliced(module, comp, users, ins.name, size, n)
+        return [0] if ok else []
+    out = []
+    by_index: dict[int, list[_Instr]] = {}
+    for user in users.get(ins.name, []):
+        if user.opcode != "get-tuple-element":
+            return []
+        m = re.search(r"\bindex=(\d+)", user.attrs)
+        if m is None:
+            return []
+        by_index.setdefault(int(m.group(1)), []).append(user)
+    for k, shape in enumerate(elements):
+        size = _elements(shape)
+        gtes = by_index.get(k, [])
+        if (size and size % n == 0 and gtes
+                and all(_only_sliced(module, comp, users, g.name, size, n) for g in gtes)):
+            out.append(k)
+    return out
+
+
+def _split_reduce_scatter(op: CollectiveOp, ins: _Instr, scattered: list[int]) -> list[CollectiveOp]:
+    """An all-reduce as compiled -> [remaining all-reduce?, reduce-scatter of the sliced part]."""
+    elements = _tuple_elements(ins.shape) or [ins.shape]
+    part = sum(shape_bytes(elements[k]) for k in scattered)
+    rest = op.operand_bytes - part
+    n = op.group_size
+    scatter = replace(
+        op, kind="reduce-scatter", name=op.name + " (reduce-scatter part)"
+        if rest else op.name, operand_bytes=part, result_bytes=part // max(n, 1),
+        bytes_sent=_ring_bytes("reduce-scatter", n, part, part // max(n, 1)))
+    if not rest:
+        return [scatter]
+    remaining = replace(op, operand_bytes=rest, result_bytes=rest,
+                                    bytes_sent=_ring_bytes("all-reduce", n, rest, rest))
+    return [remaining, scatter]
+
+
 def collective_stats(
     hlo_text: str,
     *,
     num_devices: int | None = None,
     mesh_axes: Sequence[tuple[str, int]] | None = None,
+    fold_reduce_scatter: bool = True,
 ) -> CollectiveStats:
     """The collectives in a compiled (post-SPMD) HLO module's text, with per-device byte counts.
 
@@ -915,7 +1014,8 @@ def collective_stats(
     row-major device order let each op report which mesh axes its groups span.
     Computations unreachable from the entry are ignored; ops in while bodies are multiplied by
     the loop trip count (from `known_trip_count` in the backend config, else from the loop
-    condition), calls and conditional branches count once.
+    condition), calls and conditional branches count once. `fold_reduce_scatter`: count an
+    all-reduce read only through 1/n slices as the reduce-scatter GPU/TPU XLA makes of it.
     """
     module = _parse_module(hlo_text)
     if num_devices is None:
@@ -928,12 +1028,19 @@ def collective_stats(
     ops: list[CollectiveOp] = []
     for comp_name, (mult, known) in multipliers.items():
         comp = module.computations[comp_name]
+        users = _users(comp) if fold_reduce_scatter else {}
         for ins in comp.instrs:
             spec = _OPCODES.get(ins.opcode)
             if spec is None:
                 continue
             kind, is_async = spec
-            ops.append(_collective(comp, ins, kind, is_async, num_devices, mesh, mult, known))
+            op = _collective(comp, ins, kind, is_async, num_devices, mesh, mult, known)
+            if fold_reduce_scatter and kind == "all-reduce" and not is_async and op.group_size > 1:
+                scattered = _scattered_elements(module, comp, users, ins, op.group_size)
+                if scattered:
+                    ops.extend(_split_reduce_scatter(op, ins, scattered))
+                    continue
+            ops.append(op)
     return CollectiveStats(ops=tuple(ops), num_devices=num_devices)
 
 

@@ -109,6 +109,30 @@ def enumerate_strategies(rule: OpRule, operand_types: list[TensorType | None],
             seen.add(key)
             out.append(_price(rule, tuple(results), operands, reduced, factor_axes, operand_types,
                               result_types, mesh, comm, multiplier, flops_dtype))
+            for scattered in _scatter_variants(results, reduced, result_types, mesh):
+                key = (scattered, operands, reduced)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(_price(rule, scattered, operands, reduced, factor_axes,
+                                      operand_types, result_types, mesh, comm, multiplier,
+                                      flops_dtype, scatter=True))
+    return out
+
+
+def _scatter_variants(results: list[Spec], reduced: tuple[int, ...],
+                      result_types: list[TensorType], mesh: MeshSpec) -> list[tuple[Spec, ...]]:
+    """Reduce-scatter forms of a partial-sum strategy: the one result keeps the shard of one of
+    its dims over all the reduced axes (Alpa's "RS" strategies; ZeRO-2 gradients)."""
+    if not reduced or len(results) != 1:
+        return []
+    spec, type_ = results[0], result_types[0]
+    split = 1
+    for axis in reduced:
+        split *= mesh.axis_sizes[axis]
+    out = []
+    for dim, (size, axes) in enumerate(zip(type_.shape, spec)):
+        if not axes and size % split == 0:
+            out.append((tuple(tuple(reduced) if d == dim else a for d, a in enumerate(spec)),))
     return out
 
 
@@ -123,28 +147,37 @@ def _divides(rule: OpRule, factor_axes: list[list[int]], mesh: MeshSpec) -> bool
 
 
 def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types, result_types,
-           mesh: MeshSpec, comm: CommModel, multiplier: float, flops_dtype: str) -> OpStrategy:
+           mesh: MeshSpec, comm: CommModel, multiplier: float, flops_dtype: str,
+           scatter: bool = False) -> OpStrategy:
+    """Costs of one strategy; `scatter`: the partial sums are reduce-scattered into `results`
+    (whose dims carry the reduced axes) instead of all-reduced."""
     split = 1
     for axes in factor_axes:
         for axis in axes:
             split *= mesh.axis_sizes[axis]
     result_bytes = [local_bytes(t, s, mesh) for t, s in zip(result_types, results)]
-    moved = sum(result_bytes)
+    reduce_split = 1
+    for axis in reduced:
+        reduce_split *= mesh.axis_sizes[axis]
+    # The op itself computes the unscattered partial sums; the collective shrinks them.
+    computed_bytes = [b * reduce_split for b in result_bytes] if scatter else result_bytes
+    moved = sum(computed_bytes)
     for t, s in zip(operand_types, operands):
         if t is not None and s is not None:
             moved += local_bytes(t, s, mesh)
     compute = 0.0 if rule.free else comm.compute_time(rule.flops / split, moved, flops_dtype)
     communication = 0.0
     collectives = []
+    kind = "reduce-scatter" if scatter else "all-reduce"
     if reduced:
-        for nbytes in result_bytes:
-            communication += comm.all_reduce(nbytes, reduced)
-            sent = comm.bytes_sent("all-reduce", nbytes, reduced)
+        for nbytes in computed_bytes:
+            communication += comm.collective(kind, nbytes, reduced)
+            sent = comm.bytes_sent(kind, nbytes, reduced)
             if sent:
-                collectives.append(("all-reduce", comm.axes_label(reduced), sent * multiplier))
+                collectives.append((kind, comm.axes_label(reduced), sent * multiplier))
     name = ", ".join(spec_text(s, mesh) for s in results) or "()"
     if reduced:
-        name += " + all-reduce(" + comm.axes_label(reduced) + ")"
+        name += f" + {kind}(" + comm.axes_label(reduced) + ")"
     if operands and any(s is not None and any(s) for s in operands) or reduced:
         name += " <- " + " ".join(spec_text(s, mesh) for s in operands if s is not None)
     return OpStrategy(results, operands, reduced, compute * multiplier,

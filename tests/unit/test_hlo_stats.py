@@ -538,7 +538,7 @@ def test_real_loop_multiplies_by_trip_count(mesh) -> None:
         return jax.lax.fori_loop(0, 6, body, a)
 
     text = jax.jit(f, out_shardings=col).lower(x, w).compile().as_text()
-    stats = collective_stats(text, mesh_axes=MESH_AXES)
+    stats = collective_stats(text, mesh_axes=MESH_AXES, fold_reduce_scatter=False)
     (op,) = stats.ops
     per_iter = 2 * 3 / 4 * 16 * 32 * 4
     assert op.kind == "all-reduce" and op.axes == ("model",) and op.group_size == 4
@@ -546,6 +546,11 @@ def test_real_loop_multiplies_by_trip_count(mesh) -> None:
     assert op.bytes_sent == pytest.approx(per_iter)
     assert stats.by_kind() == {"all-reduce": (6, pytest.approx(6 * per_iter))}
     assert stats.total_bytes == pytest.approx(6 * per_iter)
+    # The CPU partitioner all-reduces the partial sums and keeps a column slice: GPU/TPU XLA
+    # makes that a reduce-scatter, half the bytes, which is how it counts by default.
+    (scatter,) = collective_stats(text, mesh_axes=MESH_AXES).ops
+    assert scatter.kind == "reduce-scatter" and scatter.group_size == 4
+    assert scatter.bytes_sent == pytest.approx(per_iter / 2) and scatter.trip_count == 6
     # Without known_trip_count the loop condition (i < 6, init 0) gives the same count.
     assert "known_trip_count" in text
     stripped = re.sub(r',"known_trip_count":\{"n":"\d+"\}', "", text)
@@ -568,8 +573,8 @@ def test_real_scan_multiplies_by_length(mesh) -> None:
 
     stats = _stats(jax.jit(f, out_shardings=col).lower(x, w).compile())
     (op,) = stats.ops
-    assert op.kind == "all-reduce" and op.trip_count == 3
-    assert stats.by_kind()["all-reduce"] == (3, pytest.approx(3 * 2 * 3 / 4 * 2048))
+    assert op.kind == "reduce-scatter" and op.trip_count == 3  # all-reduce + slice, as on GPU
+    assert stats.by_kind()["reduce-scatter"] == (3, pytest.approx(3 * 3 / 4 * 2048))
 
 
 def test_real_shard_map_collectives(mesh) -> None:
@@ -610,3 +615,50 @@ def test_real_device_ids_are_mesh_positions(mesh) -> None:
     (op,) = _stats(compiled).ops
     assert op.axes == ("model",)
     assert op.replica_groups == ((0, 1, 2, 3), (4, 5, 6, 7))
+
+
+_SNIPPET_SLICED = """\
+HloModule m, num_partitions=4
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %a = f32[] add(%x, %y)
+}
+
+%fused (param_0: f32[64,16], param_1: u32[]) -> f32[16,16] {
+  %param_0 = f32[64,16]{1,0} parameter(0)
+  %param_1 = u32[] parameter(1)
+  %c = s32[] convert(%param_1)
+  %k = s32[] constant(16)
+  %off = s32[] multiply(%c, %k)
+  %z = s32[] constant(0)
+  %ds = f32[16,16]{1,0} dynamic-slice(%param_0, %off, %z), dynamic_slice_sizes={16,16}
+  ROOT %t = f32[16,16]{1,0} tanh(%ds)
+}
+
+ENTRY %main (p0: f32[64,16], p1: f32[8]) -> (f32[16,16], f32[8]) {
+  %p0 = f32[64,16]{1,0} parameter(0)
+  %p1 = f32[8]{0} parameter(1)
+  %ar = (f32[64,16]{1,0}, f32[8]{0}) all-reduce(%p0, %p1), channel_id=1, replica_groups={{0,1,2,3}}, use_global_device_ids=true, to_apply=%add
+  %g0 = f32[64,16]{1,0} get-tuple-element(%ar), index=0
+  %g1 = f32[8]{0} get-tuple-element(%ar), index=1
+  %pid = u32[] partition-id()
+  %f = f32[16,16]{1,0} fusion(%g0, %pid), kind=kLoop, calls=%fused
+  ROOT %out = (f32[16,16]{1,0}, f32[8]{0}) tuple(%f, %g1)
+}
+"""
+
+
+def test_all_reduce_read_only_as_shards_counts_as_reduce_scatter() -> None:
+    # Element 0 is only read through a 1/4 dynamic-slice (inside a fusion): a reduce-scatter on
+    # GPU/TPU. Element 1 is used whole: it stays an all-reduce.
+    ops = collective_stats(_SNIPPET_SLICED).ops
+    assert [op.kind for op in ops] == ["all-reduce", "reduce-scatter"]
+    rest, scatter = ops
+    assert rest.operand_bytes == 8 * 4 and rest.bytes_sent == pytest.approx(2 * 3 / 4 * 32)
+    assert scatter.operand_bytes == 64 * 16 * 4 and scatter.result_bytes == 16 * 16 * 4
+    assert scatter.bytes_sent == pytest.approx(3 / 4 * 64 * 16 * 4)
+    # As compiled: one all-reduce of both.
+    (whole,) = collective_stats(_SNIPPET_SLICED, fold_reduce_scatter=False).ops
+    assert whole.kind == "all-reduce" and whole.operand_bytes == 64 * 16 * 4 + 8 * 4

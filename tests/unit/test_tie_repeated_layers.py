@@ -304,8 +304,9 @@ def test_period_two_lets_identical_layers_alternate():
             *FRONT, TieRepeatedLayers(compare_untied=True, min_decisions=0, period=period)])
         facts[period] = state.facts
         assert state.facts["tied_gap_exact"]
-    # One shared decision per layer cannot alternate: it pays for it.
-    assert facts[1]["tied_gap"] > 1e-3
+    # One shared decision per layer cannot alternate: it pays for it (little, since
+    # reduce-scatter + all-gather of the small activations replaces the alternation).
+    assert facts[1]["tied_gap"] > 1e-4
     # Two decisions in turn can: the untied optimum, with fewer decisions than untied.
     assert abs(facts[2]["tied_gap"]) < 1e-9
     assert (facts[1]["decisions_after_tying"] < facts[2]["decisions_after_tying"]
