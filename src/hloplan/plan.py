@@ -88,7 +88,13 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
         })
     from hloplan.passes.build_sharding_problem import chosen_reshards
 
+    # One reshard per value and layout: XLA computes the layout once (CSE) however many
+    # consumers need it (the ILP charges each consuming edge; see README, fidelity).
+    seen_reshards: set = set()
     for _op, value_id, src, dst, multiplier in chosen_reshards(state):
+        if (value_id, src, dst, multiplier) in seen_reshards:
+            continue
+        seen_reshards.add((value_id, src, dst, multiplier))
         type_ = graph.type_of(value_id)
         for kind, axes, sent in state.comm.reshard(type_.shape, type_.itemsize, src, dst).collectives:
             label = state.comm.axes_label(axes)
