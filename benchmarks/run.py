@@ -85,9 +85,14 @@ def comm_model(mesh: str):
 
 
 def collective_seconds(op, comm) -> float:
+    return sum(collective_parts(op, comm))
+
+
+def collective_parts(op, comm) -> tuple[float, float]:
+    """(latency seconds, bandwidth seconds) of one compiled collective over a step."""
     n = op.group_size
     if op.total_bytes_sent <= 0 and n <= 1:
-        return 0.0
+        return 0.0, 0.0
     if op.axes:
         group = comm.group(op.axes)
         bandwidth, latency = group.bandwidth, group.latency
@@ -100,7 +105,7 @@ def collective_seconds(op, comm) -> float:
         steps = 1
     else:
         steps = n - 1
-    return op.trip_count * (steps * latency + op.bytes_sent / bandwidth)
+    return op.trip_count * steps * latency, op.trip_count * op.bytes_sent / bandwidth
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = ")
@@ -134,14 +139,18 @@ def measure(compiled, mesh_axes, comm) -> dict:
     if isinstance(cost, list | tuple):
         cost = cost[0] if cost else {}
     flops = float(cost.get("flops", 0.0))
+    bytes_accessed = float(cost.get("bytes accessed", 0.0))
     memory = memory_stats(compiled)
     compute_s = flops / comm.model.flops_for("f32")
+    hbm_s = bytes_accessed / comm.model.hbm_bandwidth
     per_kind: dict[str, dict] = {}
     per_axes: dict[str, dict] = {}
-    comm_s = 0.0
+    comm_s = latency_s = 0.0
     for op in stats.ops:
-        seconds = collective_seconds(op, comm)
+        latency, transfer = collective_parts(op, comm)
+        seconds = latency + transfer
         comm_s += seconds
+        latency_s += latency
         for table, key in ((per_kind, op.kind), (per_axes, f"{op.kind}({','.join(op.axes) or '?'})")):
             slot = table.setdefault(key, {"count": 0, "bytes": 0.0, "seconds": 0.0})
             slot["count"] += op.trip_count
@@ -152,7 +161,13 @@ def measure(compiled, mesh_axes, comm) -> dict:
         "flops": flops,
         "compute_s": compute_s,
         "communication_s": comm_s,
+        "latency_s": latency_s,
         "step_s": compute_s + comm_s,
+        # Secondary, not the headline: the formula ignores memory-bound work (layer norms,
+        # softmax, the optimizer update); this roofline on totals counts it.
+        "bytes_accessed": bytes_accessed,
+        "hbm_s": hbm_s,
+        "step_hbm_s": max(compute_s, hbm_s) + comm_s,
         "collective_bytes": stats.total_bytes,
         "collectives": per_kind,
         "collectives_by_axes": per_axes,
@@ -235,6 +250,10 @@ def explain_loss(hl: dict, hand: dict, hand_name: str, plan_json: dict) -> dict:
         "flops": {"hloplan": hl["flops"], hand_name: hand["flops"]},
         "compute_s": {"hloplan": hl["compute_s"], hand_name: hand["compute_s"]},
         "communication_s": {"hloplan": hl["communication_s"], hand_name: hand["communication_s"]},
+        "latency_s": {"hloplan": hl["latency_s"], hand_name: hand["latency_s"]},
+        "collective_count": {"hloplan": sum(v["count"] for v in hl["collectives"].values()),
+                             hand_name: sum(v["count"] for v in hand["collectives"].values())},
+        "bytes_accessed": {"hloplan": hl["bytes_accessed"], hand_name: hand["bytes_accessed"]},
         "collectives": diff,
         "top_ops": top_ops(plan_json),
         "hloplan_top_collectives": hl["top_collectives"],
@@ -326,6 +345,9 @@ def run_case(model_name: str, mesh: str, workdir: str, keep: str | None = None) 
     rep = hand.get("replicated", {})
     if "error" not in hl and best is not None:
         case["ratio"] = hl["step_s"] / feasible[best]["step_s"]
+        best_hbm = min(feasible, key=lambda k: feasible[k]["step_hbm_s"])
+        case["ratio_hbm"] = hl["step_hbm_s"] / feasible[best_hbm]["step_hbm_s"]
+        case["best_hand_hbm"] = best_hbm
         if "step_s" in rep:
             case["replicated_ratio"] = rep["step_s"] / feasible[best]["step_s"]
         if not hl["fits"]:
@@ -605,13 +627,13 @@ def _gb(x) -> str:
 def headline_table(cases: list[dict]) -> list[str]:
     lines = ["| model | mesh | hloplan step (ms) | best hand plan | its step (ms) | **ratio** "
              "| replicated (ms) | replicated / best | hloplan peak GiB | XLA full remats "
-             "(hloplan / best hand) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "(hloplan / best hand) | HBM GB/device (hloplan / best) | ratio with HBM time |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         hl = c.get("hloplan", {})
         rep = c.get("hand", {}).get("replicated", {})
         if "harness_error" in c:
-            lines.append(f"| {c['model']} | {c['mesh']} | harness error | | | - | | | | |")
+            lines.append(f"| {c['model']} | {c['mesh']} | harness error | | | - | | | | | | |")
             continue
         if "error" in hl:
             first = hl["error"].splitlines()[0][:120].replace("|", "/")
@@ -630,8 +652,18 @@ def headline_table(cases: list[dict]) -> list[str]:
         lines.append(f"| {c['model']} | {c['mesh']} | {hl_cell} | {c.get('best_hand', '-')} | "
                      f"{_ms(c.get('best_hand_step_s'))} | {ratio_cell} | {rep_cell} | "
                      f"{'-' if rr is None else f'{rr:.2f}'} | {_gb(hl.get('peak_bytes'))} | "
-                     f"{remats} |")
+                     f"{remats} | {_hbm_cell(hl, best)} | {_ratio_cell(c.get('ratio_hbm'))} |")
     return lines
+
+
+def _hbm_cell(hl: dict, best: dict) -> str:
+    if "bytes_accessed" not in hl or "bytes_accessed" not in best:
+        return "-"
+    return f"{hl['bytes_accessed'] / 1e9:.1f} / {best['bytes_accessed'] / 1e9:.1f}"
+
+
+def _ratio_cell(ratio) -> str:
+    return "-" if ratio is None else f"{ratio:.3f}"
 
 
 def ratio_matrix(cases: list[dict]) -> list[str]:
@@ -739,7 +771,14 @@ def why_section(cases: list[dict]) -> list[str]:
                   f"({why['flops']['hloplan']:.3g} flops/device), {vs} "
                   f"{_ms(why['compute_s'][vs])} ms ({why['flops'][vs]:.3g})",
                   f"- communication: hloplan {_ms(why['communication_s']['hloplan'])} ms, {vs} "
-                  f"{_ms(why['communication_s'][vs])} ms", "",
+                  f"{_ms(why['communication_s'][vs])} ms; of which latency (per compiled "
+                  f"collective, {why['collective_count']['hloplan']} vs "
+                  f"{why['collective_count'][vs]} of them): "
+                  f"{_ms(why['latency_s']['hloplan'])} vs {_ms(why['latency_s'][vs])} ms",
+                  f"- HBM traffic (not in the formula): hloplan "
+                  f"{why['bytes_accessed']['hloplan'] / 1e9:.1f} GB/device, {vs} "
+                  f"{why['bytes_accessed'][vs] / 1e9:.1f} GB; ratio with HBM time "
+                  f"{_ratio_cell(c.get('ratio_hbm'))}", "",
                   f"| collective(axes) | hloplan count | hloplan GB | hloplan ms | {vs} count "
                   f"| {vs} GB | {vs} ms |", "|---|---|---|---|---|---|---|"]
         for kind, d in why["collectives"].items():
@@ -927,7 +966,9 @@ def _print_case(c: dict) -> None:
         vs = why["vs"]
         print(f"         why: flops/device {why['flops']['hloplan']:.3g} vs {why['flops'][vs]:.3g}, "
               f"communication {_ms(why['communication_s']['hloplan'])} vs "
-              f"{_ms(why['communication_s'][vs])} ms; XLA full remats "
+              f"{_ms(why['communication_s'][vs])} ms (latency {_ms(why['latency_s']['hloplan'])} "
+              f"vs {_ms(why['latency_s'][vs])}); HBM {why['bytes_accessed']['hloplan'] / 1e9:.1f} "
+              f"vs {why['bytes_accessed'][vs] / 1e9:.1f} GB; XLA full remats "
               f"{hl.get('xla_full_rematerializations', '-')}", flush=True)
         for t in why["hloplan_top_collectives"][:2]:
             print(f"         {t['kind']}({t['axes']}) {t['shape'][:40]} {t['bytes'] / 1e9:.2f} GB "

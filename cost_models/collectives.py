@@ -104,15 +104,20 @@ class CommModel:
     `combine_bytes`, if given, models XLA's collective combiners: independent small collectives
     (the gradient all-reduces of many small parameters) are merged into buffers of about that
     size, so a collective of S bytes pays only min(1, S / combine_bytes) of the per-call
-    latency. Without it every collective pays its full latency.
+    latency. Without it every collective pays its full latency. Only `combined_kinds` are
+    amortised: gradient all-reduces and reduce-scatters are independent of each other and are
+    bucketed; all-gathers feed the next op and usually run alone (XLA's CPU pipeline has no
+    all-gather combiner at all), so each pays its latency.
     """
 
     def __init__(self, model: DeviceModel, mesh: MeshSpec, hosts: int | None = None,
-                 combine_bytes: float | None = None) -> None:
+                 combine_bytes: float | None = None,
+                 combined_kinds: Iterable[str] = ("all-reduce", "reduce-scatter")) -> None:
         self.model = model
         self.mesh = mesh
         self.hosts = hosts
         self.combine_bytes = combine_bytes
+        self.combined_kinds = frozenset(_kind(k) for k in combined_kinds)
         self.links: tuple[Interconnect, ...] = axis_links(model, mesh, hosts)
 
     def __repr__(self) -> str:
@@ -180,7 +185,7 @@ class CommModel:
             return 0.0
         steps = 2 * (n - 1) if kind == ALL_REDUCE else n - 1
         latency = steps * group.latency
-        if self.combine_bytes:
+        if self.combine_bytes and kind in self.combined_kinds:
             latency *= min(1.0, nbytes / self.combine_bytes)
         return self.bytes_sent(kind, nbytes, group.axes) / group.bandwidth + latency
 
