@@ -1,8 +1,10 @@
 """cut-pipeline: assign every top-level op to a pipeline stage and group ops into tasks.
 
 Plain data in (the graph, the batch analysis), plain data out (`PipelineCut`):
-- forward ops of the per-microbatch part are cut into `stages` contiguous groups of balanced
-  cost (the cut minimising the most expensive stage);
+- forward ops of the per-microbatch part are cut into contiguous groups: at given positions
+  (`cut_at`: the stages the inter-operator DP chose, hloplan.inter_op), or into `stages` groups
+  of balanced cost (`cut`: the cut minimising the most expensive stage; `layer_starts` gives the
+  DP its candidate layers the same way);
 - a backward op goes to the stage of the forward values it reads (its residuals), else to the
   lowest stage among the backward values it reads (gradients flow down the stages);
 - per-step ops (the optimizer) go to the highest stage among what they read, so a parameter's
@@ -15,6 +17,7 @@ the input comes from another stage.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass, field
 
@@ -49,6 +52,7 @@ class PipelineCut:
     stage_cost: list[float]  # per-microbatch FLOPs per stage
     forward_units: int = 0
     backward_units: int = 0
+    starts: list[int] = field(default_factory=list)  # forward position where each stage starts
 
 
 def unit_cost(graph: Graph, members, flop_rate: float | None = None,
@@ -214,15 +218,39 @@ def _crossings(graph: Graph, forward: list[int], io, weight=None) -> list[float]
     return out
 
 
-def cut(graph: Graph, analysis: BatchAnalysis, stages: int, flop_rate: float | None = None,
-        link_bandwidth: float | None = None, memory_bandwidth: float | None = None) -> PipelineCut:
-    """With a device's FLOP/s and the stage axis's link bandwidth, the cut balances compute
-    plus boundary transfers (timed_cut); without, it balances FLOPs and prefers narrow points."""
+@dataclass
+class CutContext:
+    """What every cut of one program shares, computed once (`prepare`): the units, what they
+    read and make, the parts, and each unit's position on the forward sequence (`key`): a cut
+    into contiguous forward ranges puts a unit on the stage whose range holds its key."""
+
+    graph: Graph
+    analysis: BatchAnalysis
+    all_units: dict[int, list]
+    io: dict[int, tuple[set[int], set[int]]]
+    producer_unit: dict[int, int]
+    invariant: set[int]
+    part_a: list[int]
+    part_b: list[int]
+    forward: list[int]
+    backward: list[int]
+    key: dict[int, int]  # unit -> forward position
+    arg_key: dict[int, int]  # argument value id -> forward position of the stage holding it
+
+
+def prepare(graph: Graph, analysis: BatchAnalysis) -> CutContext:
+    """Units, parts and keys: a forward unit's key is its position; a backward unit's is the
+    largest key among the forward values it reads (its residuals), else the smallest among the
+    backward values it reads (gradients flow down the stages), else the last position; a
+    per-step unit's is the largest key among what it reads (a parameter counts at the key of
+    its first per-microbatch reader), else 0. Stage numbers grow with positions, so the stage
+    of a key is the stage these rules give for any contiguous cut."""
     all_units = units(graph)
     io = {u: unit_io(graph, members) for u, members in all_units.items()}
     producer_unit = {v: u for u, (_, produced) in io.items() for v in produced}
     args = set(graph.arguments)
-    invariant = {u for u in all_units if u not in _dependent_units(graph, all_units, io, analysis)}
+    dependent = _dependent_units(graph, all_units, io, analysis)
+    invariant = {u for u in all_units if u not in dependent}
     # An invariant unit that yields a program result is computed once, in part B.
     outputs = set(graph.outputs)
     owned = {u for u in invariant if io[u][1] & outputs}
@@ -241,6 +269,41 @@ def cut(graph: Graph, analysis: BatchAnalysis, stages: int, flop_rate: float | N
             backward_values |= produced
     backward_set = set(backward)
     forward = [u for u in part_a if u not in backward_set]
+    key: dict[int, int] = {u: k for k, u in enumerate(forward)}
+    forward_set = set(forward)
+    last = max(len(forward) - 1, 0)
+    for u in backward:
+        reads = io[u][0]
+        fwd = [key[producer_unit[v]] for v in reads if producer_unit.get(v) in forward_set]
+        bwd = [key[producer_unit[v]] for v in reads
+               if producer_unit.get(v) in key and producer_unit[v] not in forward_set]
+        key[u] = max(fwd) if fwd else min(bwd) if bwd else last
+    arg_key: dict[int, int] = {}
+    for u in part_a:
+        for v in io[u][0]:
+            if v in args:
+                arg_key.setdefault(v, key[u])
+    for u in part_b:
+        reads = io[u][0]
+        known = [key[producer_unit[v]] for v in reads if producer_unit.get(v) in key]
+        known += [arg_key[v] for v in reads if v in arg_key]
+        key[u] = max(known) if known else 0
+        for v in reads:
+            if v in args:
+                arg_key.setdefault(v, key[u])
+    for v in graph.arguments:
+        arg_key.setdefault(v, 0)
+    return CutContext(graph, analysis, all_units, io, producer_unit, invariant, part_a, part_b,
+                      forward, backward, key, arg_key)
+
+
+def layer_starts(ctx: CutContext, parts: int, flop_rate: float | None = None,
+                 link_bandwidth: float | None = None,
+                 memory_bandwidth: float | None = None) -> list[int]:
+    """Forward positions where `parts` contiguous parts start. With a device's FLOP/s and the
+    stage axis's link bandwidth, the parts balance compute plus boundary transfers (timed_cut);
+    without, they balance FLOPs and prefer narrow points."""
+    graph, forward, io, all_units = ctx.graph, ctx.forward, ctx.io, ctx.all_units
     if flop_rate and link_bandwidth and memory_bandwidth:
         # Seconds on one device, for both sides: a stage's devices split its compute and each
         # sends its own shard of what crosses. Activations cross forward and their gradients
@@ -248,42 +311,31 @@ def cut(graph: Graph, analysis: BatchAnalysis, stages: int, flop_rate: float | N
         seconds = [unit_cost(graph, all_units[u], flop_rate, memory_bandwidth) for u in forward]
         crossing = _crossings(graph, forward, io,
                               weight=lambda v: 2.0 * graph.type_of(v).nbytes / link_bandwidth)
-        starts = timed_cut(seconds, crossing, stages)
-    else:
-        costs = [unit_cost(graph, all_units[u]) for u in forward]
-        starts = narrow_cut(costs, _crossings(graph, forward, io), stages)
-    stage: dict[int, int] = {}
-    for k, u in enumerate(forward):
-        stage[u] = max(i for i, s in enumerate(starts) if s <= k)
-    forward_set = set(forward)
-    for u in backward:
-        reads = io[u][0]
-        fwd = [stage[producer_unit[v]] for v in reads if producer_unit.get(v) in forward_set]
-        bwd = [stage[producer_unit[v]] for v in reads
-               if producer_unit.get(v) in stage and producer_unit[v] not in forward_set]
-        stage[u] = max(fwd) if fwd else min(bwd) if bwd else stages - 1
-    stage_of_arg: dict[int, int] = {}
-    for u in part_a:
-        for v in io[u][0]:
-            if v in args:
-                stage_of_arg.setdefault(v, stage[u])
-    for u in part_b:
-        reads = io[u][0]
-        known = [stage[producer_unit[v]] for v in reads if producer_unit.get(v) in stage]
-        known += [stage_of_arg[v] for v in reads if v in stage_of_arg]
-        stage[u] = max(known) if known else 0
-        for v in reads:
-            if v in args:
-                stage_of_arg.setdefault(v, stage[u])
-    for v in graph.arguments:
-        stage_of_arg.setdefault(v, 0)
-    tasks = _tasks(graph, all_units, io, producer_unit, stage, part_a, part_b, invariant,
-                   analysis, stages)
+        return timed_cut(seconds, crossing, parts)
+    costs = [unit_cost(graph, all_units[u]) for u in forward]
+    return narrow_cut(costs, _crossings(graph, forward, io), parts)
+
+
+def cut_at(ctx: CutContext, starts: list[int]) -> PipelineCut:
+    """The cut whose stage s starts at forward position starts[s] (starts[0] == 0)."""
+    stages = len(starts)
+    stage = {u: max(bisect.bisect_right(starts, k) - 1, 0) for u, k in ctx.key.items()}
+    stage_of_arg = {v: max(bisect.bisect_right(starts, k) - 1, 0) for v, k in ctx.arg_key.items()}
+    tasks = _tasks(ctx.graph, ctx.all_units, ctx.io, ctx.producer_unit, stage, ctx.part_a,
+                   ctx.part_b, ctx.invariant, ctx.analysis, stages)
     stage_cost = [0.0] * stages
     for task in tasks:
         if task.part == "A":
             stage_cost[task.stage] += task.cost
-    return PipelineCut(stages, tasks, stage_of_arg, stage_cost, len(forward), len(backward))
+    return PipelineCut(stages, tasks, stage_of_arg, stage_cost, len(ctx.forward),
+                       len(ctx.backward), list(starts))
+
+
+def cut(graph: Graph, analysis: BatchAnalysis, stages: int, flop_rate: float | None = None,
+        link_bandwidth: float | None = None, memory_bandwidth: float | None = None) -> PipelineCut:
+    """`stages` contiguous stages of balanced cost (see layer_starts)."""
+    ctx = prepare(graph, analysis)
+    return cut_at(ctx, layer_starts(ctx, stages, flop_rate, link_bandwidth, memory_bandwidth))
 
 
 def _dependent_units(graph, all_units, io, analysis: BatchAnalysis) -> set[int]:

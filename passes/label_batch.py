@@ -358,15 +358,21 @@ def split_parts(graph: Graph, label: dict[int, int], frontier: set[int]) -> tupl
 def state_like_args(graph: Graph) -> set[int]:
     """Argument positions that flow into an output through pointwise ops only (parameters and
     optimizer state updated in place): never batch inputs."""
+    return set(state_outputs(graph))
+
+
+def state_outputs(graph: Graph) -> dict[int, int]:
+    """Argument position -> the output value it becomes through pointwise ops of its own type
+    (a parameter's or an optimizer moment's next value), for the arguments that have one."""
     outputs = set(graph.outputs)
-    state = set()
+    state: dict[int, int] = {}
     for position, value_id in enumerate(graph.arguments):
         frontier_ = [value_id]
         seen = set()
         while frontier_:
             v = frontier_.pop()
             if v in outputs:
-                state.add(position)
+                state[position] = v
                 break
             for user in graph.values[v].users:
                 op = graph.ops[user]

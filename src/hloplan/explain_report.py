@@ -467,6 +467,41 @@ def pipeline_timeline(pipe: dict, width: int = 60) -> list[str]:
     return lines
 
 
+def device_ranges(devices: list[int]) -> str:
+    """[0, 1, 2, 3, 8, 9] -> '0-3,8-9'."""
+    runs: list[list[int]] = []
+    for d in devices:
+        if runs and d == runs[-1][1] + 1:
+            runs[-1][1] = d
+        else:
+            runs.append([d, d])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _candidate_text(c: dict) -> str:
+    text = f"{c['stages']} stages x {c['microbatches']} microbatches"
+    if c.get("submeshes"):
+        text += f" on {' + '.join(c['submeshes'])}"
+    return text
+
+
+def _print_search(console, search: dict | None) -> None:
+    from rich.text import Text
+
+    if not search:
+        return
+    console.print(Text(
+        f"Stage search: {search['layers']} layers x {len(search['submesh_shapes'])} submesh "
+        f"shapes ({', '.join(search['submesh_shapes'])}) x microbatches "
+        f"{', '.join(sorted(search.get('microbatches_stages', {}), key=int))}: {search['pairs']} "
+        f"(range, submesh) "
+        f"pairs, {search['pairs_planned']} planned with the ILP ({search['ilp_solves']} solves), "
+        f"the rest priced by a roofline lower bound; "
+        + (f"optimal under the cost model (within {search.get('gap', 0):.0%})"
+           if search.get("optimal") else f"stopped at {search['max_solves']} solves"),
+        style="dim"))
+
+
 def _render_pipeline(plan: dict, console, table, cells) -> None:
     from rich.text import Text
 
@@ -477,27 +512,34 @@ def _render_pipeline(plan: dict, console, table, cells) -> None:
     if not pipe.get("tasks"):
         console.print(Text("Pipeline: none — " + pipe.get("chosen", "one stage"), style="bold"))
         for c in pipe.get("candidates", []):
-            console.print(Text(f"  {c['stages']} stages x {c['microbatches']} microbatches: "
-                               f"{format_seconds(c['step_time_s'])}"
+            console.print(Text(f"  {_candidate_text(c)}: {format_seconds(c['step_time_s'])}"
                                + ("" if c.get("fits", True) else " (does not fit)")))
+        _print_search(console, pipe.get("search"))
         return
     est = pipe["estimate"]
     console.print(Text(
-        f"Pipeline: {pipe['stages']} stages x {pipe['microbatches']} microbatches, "
-        f"{pipe['schedule']}; batch {pipe['batch_size']} in {', '.join(pipe['batch_arguments'])}; "
+        f"Pipeline: {pipe['stages']} stages x {pipe['microbatches']} microbatches"
+        + (" on " + " + ".join(f"{s['shape'][0]}x{s['shape'][1]}" for s in pipe["submeshes"])
+           if all("shape" in s for s in pipe["submeshes"]) else "")
+        + f", {pipe['schedule']}; batch {pipe['batch_size']} in {', '.join(pipe['batch_arguments'])}; "
         f"estimated step {format_seconds(est['step_time_s'])}, bubble "
         f"{est['bubble_fraction']:.0%} ((S-1)/(M+S-1))", style="bold"))
-    t = table("Stages", "Stage", "Devices", "Mesh", "Time per microbatch", "Memory", "Source lines",
-              right=("Time per microbatch", "Memory"))
+    t = table("Stages", "Stage", "Devices", "Mesh", "Layers", "Time per microbatch", "Memory",
+              "Source lines", right=("Time per microbatch", "Memory"))
+    per_stage = {p["stage"]: p for p in pipe.get("per_stage", [])}
     for stage, sub in enumerate(pipe["submeshes"]):
         lines = sorted({line for task in pipe["tasks"] if task["stage"] == stage
                         for line in task.get("source_lines", [])})
         mesh = ",".join(f"{n}={s}" for n, s in zip(sub["axis_names"], sub["axis_sizes"]))
-        t.add_row(*cells(str(stage), f"{sub['devices'][0]}-{sub['devices'][-1]}", mesh,
+        layers = per_stage.get(stage, {}).get("layers")
+        t.add_row(*cells(str(stage), device_ranges(sub["devices"]), mesh,
+                         ("" if not layers else str(layers[0]) if layers[1] - layers[0] == 1
+                          else f"{layers[0]}-{layers[1] - 1}"),
                          format_seconds(est["stage_time_s"][stage]),
                          format_bytes(est["memory_per_stage_bytes"][stage]),
                          ", ".join(lines[:3]) + (" ..." if len(lines) > 3 else "")))
     console.print(t)
+    _print_search(console, pipe.get("search"))
     console.print(Text("Timeline (digits: forward of microbatch m, letters: its backward)",
                        style="bold"))
     for line in pipeline_timeline(pipe):

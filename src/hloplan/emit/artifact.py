@@ -92,8 +92,7 @@ def render(state: CompileState, input_bytes: bytes, original_module_text: str,
             files[PIPELINE_LOADER_FILE] = package.joinpath("pipeline_loader.py").read_bytes()
             pipeline_section = describe(plan_, pipe_state)
         elif plan_ is not None:
-            pipeline_section = {"stages": 1, "microbatches": 1, "candidates": plan_.candidates,
-                                "chosen": "single stage: no pipeline beats it under the cost model"}
+            pipeline_section = plan_.describe()
     plan = build_plan(state, input_bytes, {name: name for name in sorted(files)})
     if pipeline_section is not None:
         plan["pipeline"] = pipeline_section

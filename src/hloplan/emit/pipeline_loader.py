@@ -19,7 +19,9 @@ crossing processes moves in one program over both submeshes, which every process
 ("stage", "dev") of the source and destination devices, the source shards stacked on slice 0
 and zeros on slice 1, `lax.ppermute` along "stage" inside `shard_map`; the destination shards
 then form the array on the destination submesh (same PartitionSpec), resharded there to the
-consumer's sharding. Results are global arrays on the stage submeshes: `fetch` gathers them
+consumer's sharding. Stages may have submeshes of different sizes (the stage DP gives a heavy
+stage more devices): between those, the value is replicated on the source and each destination
+device receives a whole copy (a 1-D mesh of both submeshes, ppermute rounds). Results are global arrays on the stage submeshes: `fetch` gathers them
 into numpy in every process (a collective as well).
 """
 
@@ -81,6 +83,7 @@ class PipelineRunner:
         self._add = jax.jit(lambda a, b: a + b)
         self._transfers: dict = {}  # (source stage, destination stage) -> (mesh, jitted program)
         self._reshards: dict = {}  # sharding -> jitted identity resharding to it
+        self._whole_args: set = set()  # argument value ids not split into microbatches
 
     def _flat_args(self, args, kwargs) -> dict[int, object]:
         import jax
@@ -160,15 +163,15 @@ class PipelineRunner:
 
     def _transfer(self, value, source: int, destination: int):
         """`value` (on stage `source`'s submesh) on stage `destination`'s submesh, in the same
-        PartitionSpec, by one ppermute program over both submeshes' devices."""
+        PartitionSpec, by one ppermute program over both submeshes' devices (submeshes of the
+        same shape; otherwise replicated, see _transfer_replicated)."""
         import jax
         import numpy as np
         from jax.sharding import NamedSharding, PartitionSpec
 
         src_mesh, dst_mesh = self.meshes[source], self.meshes[destination]
         if src_mesh.shape != dst_mesh.shape:
-            raise ValueError(f"stages {source} and {destination} have different submeshes "
-                             f"({dict(src_mesh.shape)} vs {dict(dst_mesh.shape)})")
+            return self._transfer_replicated(value, source, destination)
         sharding = value.sharding
         shape = tuple(value.shape)
         if (not isinstance(sharding, NamedSharding) or sharding.mesh != src_mesh
@@ -194,6 +197,62 @@ class PipelineRunner:
         pieces = [received[d].reshape(block) for d in dst_mesh.devices.flat if d in received]
         return jax.make_array_from_single_device_arrays(shape, target, pieces, dtype=value.dtype)
 
+    def _transfer_replicated(self, value, source: int, destination: int):
+        """`value` replicated on stage `destination`'s submesh, for submeshes of different
+        shapes: replicated on the source first, then every destination device receives a whole
+        copy from one source device (ceil(n_dst / n_src) rounds of ppermute in one program over
+        both submeshes' devices, a 1-D mesh "d": sources first)."""
+        import jax
+        import numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        src_mesh, dst_mesh = self.meshes[source], self.meshes[destination]
+        value = self._reshard(value, NamedSharding(src_mesh, PartitionSpec()))
+        shape = tuple(value.shape)
+        mesh, call = self._replicated_program(source, destination)
+        mine = {shard.device: shard.data for shard in value.addressable_shards}
+        buffers = []
+        for device in mesh.local_devices:
+            if device in mine:
+                buffers.append(mine[device].reshape((1, *shape)))
+            else:  # a destination device: overwritten by what it receives
+                buffers.append(jax.device_put(np.zeros((1, *shape), value.dtype), device))
+        stacked = jax.make_array_from_single_device_arrays(
+            (mesh.size, *shape), NamedSharding(mesh, PartitionSpec("d")), buffers,
+            dtype=value.dtype)
+        received = {shard.device: shard.data for shard in call(stacked).addressable_shards}
+        target = NamedSharding(dst_mesh, PartitionSpec())
+        pieces = [received[d].reshape(shape) for d in dst_mesh.devices.flat if d in received]
+        return jax.make_array_from_single_device_arrays(shape, target, pieces, dtype=value.dtype)
+
+    def _replicated_program(self, source: int, destination: int):
+        import jax
+        import numpy as np
+        from jax import lax
+        from jax.sharding import AxisType, Mesh, PartitionSpec
+
+        key = ("replicated", source, destination)
+        if key not in self._transfers:
+            senders = list(self.meshes[source].devices.flat)
+            receivers = list(self.meshes[destination].devices.flat)
+            mesh = Mesh(np.array(senders + receivers, dtype=object), ("d",),
+                        axis_types=(AxisType.Auto,))
+            n_src, n_dst = len(senders), len(receivers)
+            rounds = [[(k % n_src, n_src + k) for k in range(start, min(start + n_src, n_dst))]
+                      for start in range(0, n_dst, n_src)]
+
+            def send(block):
+                # A device receives in one round only; ppermute gives zeros elsewhere.
+                out = lax.ppermute(block, "d", rounds[0])
+                for pairs in rounds[1:]:
+                    out = out + lax.ppermute(block, "d", pairs)
+                return out
+
+            spec = PartitionSpec("d")
+            call = jax.jit(jax.shard_map(send, mesh=mesh, in_specs=spec, out_specs=spec))
+            self._transfers[key] = (mesh, call)
+        return self._transfers[key]
+
     def _transfer_program(self, source: int, destination: int):
         import jax
         import numpy as np
@@ -216,10 +275,18 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ running
 
-    def _run_task(self, task, env_lookup):
+    def _run_task(self, task, env_lookup, held=None):
+        """Run one task; `held` keeps the step's copies of whole arguments (parameters) in each
+        sharding a task takes them in, so each is moved once per step, not per microbatch."""
         avals = task["exported"].in_avals
-        inputs = [self._move(env_lookup(v), s, a)
-                  for v, s, a in zip(task["inputs"], task["in_shardings"], avals)]
+        inputs = []
+        for v, s, a in zip(task["inputs"], task["in_shardings"], avals):
+            if held is not None and v in self._whole_args:
+                if (v, s) not in held:
+                    held[(v, s)] = self._move(env_lookup(v), s, a)
+                inputs.append(held[(v, s)])
+            else:
+                inputs.append(self._move(env_lookup(v), s, a))
         outputs = task["call"](*inputs)
         if not isinstance(outputs, (list, tuple)):
             outputs = (outputs,)
@@ -230,6 +297,8 @@ class PipelineRunner:
         import jax.numpy as jnp
 
         arguments = self._flat_args(args, kwargs)
+        self._whole_args = set(arguments) - set(self.batch_dims)
+        held: dict = {}
         per_micro: list[dict] = [{} for _ in range(self.microbatches)]
         sums: dict[int, object] = {}
         concat: dict[int, list] = {}
@@ -243,7 +312,7 @@ class PipelineRunner:
                     return env[v]
                 return self._microbatch(v, arguments[v], m)
 
-            produced = self._run_task(task, lookup)
+            produced = self._run_task(task, lookup, held)
             env.update(produced)
             for v, array in produced.items():
                 if v in self.frontier:
@@ -266,7 +335,7 @@ class PipelineRunner:
                 # parameters through unchanged): every microbatch computed the same.
                 return per_micro[-1][v]
 
-            once.update(self._run_task(task, lookup_b))
+            once.update(self._run_task(task, lookup_b, held))
         results = []
         for entry in self.pipe["outputs"]:
             v = entry["value"]
