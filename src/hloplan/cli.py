@@ -90,7 +90,7 @@ def main() -> None:
 @click.option("--reproducer", "reproducer", default=None, metavar="DIR",
               help="save input, options and the sharding problem to DIR for a bug report")
 @click.option("--stages", default=None, metavar="auto|N",
-              help="pipeline stages over the first mesh axis ('auto': only if it beats one stage)")
+              help="pipeline stages, each on a submesh chosen with them ('auto': only if it beats one stage)")
 @click.option("--microbatches", default=None, metavar="auto|M", help="microbatches per step")
 @click.option("--schedule", type=click.Choice(["gpipe", "1f1b"]), default="1f1b", show_default=True)
 @click.option("--batch-arg", "batch_args", multiple=True, metavar="NAME",
