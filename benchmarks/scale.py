@@ -27,9 +27,11 @@ untied problem is solved too (small depths), and the compiler's peak RSS.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -203,6 +205,9 @@ class Case:
     period: int = 1  # TieRepeatedLayers.period
     target_s: float | None = None
     tags: tuple[str, ...] = ()
+    solver: str = "auto"  # CompileOptions.solver: auto (HiGHS), highs, cbc
+    decompose: str = "auto"  # CompileOptions.decompose: auto, always, never (the whole ILP)
+    time_limit: float = 60.0  # CompileOptions.time_limit (seconds for the solver)
 
 
 def _suite() -> list[Case]:
@@ -210,11 +215,14 @@ def _suite() -> list[Case]:
     # Depth: a GPT with hidden 1024 on 32 devices; the untied problem is solved where small.
     for layers in (2, 8, 24, 48, 96):
         cases.append(Case(f"gpt-d1024-L{layers}-8x4", gpt(layers, 1024, 16, seq=1024, batch=32),
-                          "8x4", compare_untied=layers <= 2, tags=("depth",)))
+                          "8x4", compare_untied=layers <= 8, tags=("depth",)))
     cases.append(Case("gpt-d1024-L8-8x4-untied", gpt(8, 1024, 16, seq=1024, batch=32), "8x4",
                       tie=False, tags=("depth",)))
     cases.append(Case("gpt-d1024-L8-8x4-period2", gpt(8, 1024, 16, seq=1024, batch=32), "8x4",
                       compare_untied=True, period=2, tags=("depth",)))
+    # The same plans with CBC (through PuLP) instead of HiGHS.
+    cases.append(Case("gpt-d1024-L8-8x4-cbc", gpt(8, 1024, 16, seq=1024, batch=32), "8x4",
+                      solver="cbc", tags=("depth", "cbc")))
     # Width: 8 layers, hidden 1024..12288, on 64 devices.
     for d, heads in ((1024, 16), (2048, 16), (4096, 32), (8192, 64), (12288, 96)):
         cases.append(Case(f"gpt-d{d}-L8-8x8", gpt(8, d, heads, batch=64), "8x8",
@@ -226,14 +234,21 @@ def _suite() -> list[Case]:
                       tags=("llama3",)))
     cases.append(Case("llama3-8b-L32-8x4-period2", llama3_8b(batch=32), "8x4", period=2,
                       target_s=5.0, tags=("llama3",)))
+    cases.append(Case("llama3-8b-L32-8x4-cbc", llama3_8b(batch=32), "8x4", solver="cbc",
+                      time_limit=600.0, tags=("llama3", "cbc")))
     cases.append(Case("llama3-8b-L32-8x8", llama3_8b(batch=64), "8x8", target_s=5.0,
                       tags=("llama3",)))
     cases.append(Case("gpt3-175b-L2-16x8x8", gpt3_175b(2, batch=64), "16x8x8", tags=("gpt3",)))
+    # The whole 3-axis ILP (no two-axis views), for the objective the views give up.
+    cases.append(Case("gpt3-175b-L2-16x8x8-full", gpt3_175b(2, batch=64), "16x8x8",
+                      decompose="never", time_limit=900.0, tags=("gpt3", "full")))
     cases.append(Case("gpt3-175b-L2-16x8x8-untied", gpt3_175b(2, batch=64), "16x8x8", tie=False,
                       tags=("gpt3",)))
     cases.append(Case("gpt3-175b-L96-8x8", gpt3_175b(batch=64), "8x8", tags=("gpt3",)))
     cases.append(Case("gpt3-175b-L96-16x8x8", gpt3_175b(batch=64), "16x8x8", target_s=60.0,
                       tags=("gpt3",)))
+    cases.append(Case("gpt3-175b-L96-16x8x8-full", gpt3_175b(batch=64), "16x8x8",
+                      decompose="never", time_limit=1800.0, tags=("gpt3", "full")))
     return cases
 
 
@@ -310,7 +325,9 @@ def run_case(case: Case, profile: str | None = None) -> dict:
 
     _patch_pipeline(case)
     _clock_comparison()
-    options = make_options(case.mesh, device="h100")
+    options = dataclasses.replace(
+        make_options(case.mesh, device="h100", solver=case.solver, time_limit=case.time_limit),
+        decompose=case.decompose)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started, cpu_started = time.perf_counter(), time.process_time()
     if profile:
@@ -384,7 +401,12 @@ def run_in_subprocess(case: Case, timeout: float, memory_limit: float | None = N
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         out_of_memory = "MemoryError" in proc.stderr or proc.returncode == -9
-        return {"case": case.name, "status": "out of memory" if out_of_memory else "error",
+        status = "out of memory" if out_of_memory else "error"
+        if "no plan fits the memory budget" in proc.stderr:
+            peak = re.search(r"smallest achievable peak is ((?:at least )?[0-9.]+ [KMGT]?i?B)",
+                             proc.stderr)
+            status = "no plan fits" + (f" (smallest peak {peak.group(1)})" if peak else "")
+        return {"case": case.name, "status": status,
                 "memory_limit_gib": memory_limit / 2**30 if memory_limit else None, "returncode": proc.returncode,
                 "mesh": case.mesh, "tie": case.tie, "config": asdict(case.config),
                 "target_s": case.target_s, "parameters": case.config.parameters(),
@@ -400,7 +422,8 @@ def _fmt_s(x) -> str:
 
 def table(results: list[dict]) -> str:
     head = ("| case | params | devices | ops | decisions (untied -> tied) | memory checks | ILP vars / cons | "
-            "build | tie | solve | compile wall (CPU) | peak RSS | tied vs untied | target |")
+            "solver | plan step time | build | tie | solve | compile wall (CPU) | peak RSS | "
+            "tied vs untied | target |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         params = f"{r['parameters'] / 1e9:.2f}B"
@@ -409,10 +432,10 @@ def table(results: list[dict]) -> str:
             why = r["status"]
             if r["status"] == "timeout":
                 why += f" ({r['timeout_s']:.0f} s)"
-            elif r.get("memory_limit_gib"):
+            elif r["status"] == "out of memory" and r.get("memory_limit_gib"):
                 why += f" ({r['memory_limit_gib']:.0f} GiB heap)"
-            lines.append(f"| {r['case']} | {params} | {r['mesh']} | - | - | - | - | - | - | - | {why} | - "
-                         f"| - | {'> ' + _fmt_s(target) + ' s: missed' if target else '-'} |")
+            lines.append(f"| {r['case']} | {params} | {r['mesh']} | - | - | - | - | - | - | - | - | - "
+                         f"| {why} | - | - | {'> ' + _fmt_s(target) + ' s: missed' if target else '-'} |")
             continue
         t, f, s = r["timings"], r["facts"], r["solver"]
         decisions = (f"{f['decisions_before_tying']} -> {f['decisions_after_tying']}"
@@ -433,6 +456,7 @@ def table(results: list[dict]) -> str:
         lines.append(
             f"| {r['case']} | {params} | {r['mesh']} ({r['devices']}) | {f.get('ops', '-')} | "
             f"{decisions} | {checks} | {s['variables']} / {s['constraints']} | "
+            f"{s['name']} ({s['status']}) | {1000 * r['step_time_s']:.1f} ms | "
             f"{_fmt_s(t.get('build-sharding-problem'))} | {_fmt_s(f.get('tie_seconds'))} | "
             f"{_fmt_s(t.get('solve-sharding'))} | {_fmt_s(r['compile_s'])} ({_fmt_s(r['compile_cpu_s'])}) | "
             f"{r['maxrss_mib']:.0f} MiB | {gap} | {met} |")
@@ -451,7 +475,14 @@ def growth(results: list[dict]) -> str:
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     per_kop = ", ".join(f"{o} ops: {1000 * t / o:.2f} s/kop" for o, t in points)
-    return f"growth: compile time ~ ops^{slope:.2f} over the depth sweep ({per_kop})"
+    memory = [(r["facts"]["ops"], r["maxrss_mib"]) for r in results
+              if r["status"] == "ok" and r["case"].startswith("gpt-d1024-L") and r["tie"]
+              and r["case"].endswith("-8x4")]
+    ms = [math.log(m) for _, m in memory]
+    mm = sum(ms) / len(ms)
+    memory_slope = sum((x - mx) * (y - mm) for x, y in zip(xs, ms)) / sum((x - mx) ** 2 for x in xs)
+    return (f"growth: compile time ~ ops^{slope:.2f}, peak RSS ~ ops^{memory_slope:.2f} over the "
+            f"depth sweep ({per_kop})")
 
 
 def main(argv=None) -> int:
@@ -459,7 +490,8 @@ def main(argv=None) -> int:
     parser.add_argument("--case", help="run one case in this process and print its JSON")
     parser.add_argument("--profile", help="with --case: write cProfile stats to this file")
     parser.add_argument("--only", action="append", default=[],
-                        help="run the cases whose name contains this (repeatable)")
+                        help="run the cases whose name contains this, or equals it when it "
+                             "ends with '$' (repeatable)")
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per case")
     parser.add_argument("--memory-limit-gib", type=float, default=12.0,
@@ -476,7 +508,8 @@ def main(argv=None) -> int:
         return 0
     selected = [c for c in cases.values()
                 if (not args.quick or c.name in QUICK)
-                and (not args.only or any(o in c.name for o in args.only))]
+                and (not args.only or any(c.name == o[:-1] if o.endswith("$") else o in c.name
+                                          for o in args.only))]
     results = []
     previous = {}
     out = Path(args.output)

@@ -6,7 +6,8 @@
   variable (a tie), so the ILP grows with the number of layout decisions, not of ops.
 - Edges carry the cost of resharding a producer's output into what the consumer's strategy needs.
 - Constants and iotas are free: any layout costs nothing, so they get no node.
-- Memory is checked at the program points whose live sets are maximal.
+- Memory is checked at the program points whose live sets are maximal; each node is listed once,
+  with the run of checked points where it is live (a live range), not at every point.
 """
 
 from __future__ import annotations
@@ -16,9 +17,15 @@ from dataclasses import dataclass
 from hloplan.cost_models import CommModel
 from hloplan.graph import Graph, Op
 from hloplan.op_rules import OpRule, rule_for
-from hloplan.solver.problem import Edge, LivePoint, Node, ShardingProblem, Strategy
+from hloplan.solver.problem import Edge, LivePoint, LiveRange, Node, ShardingProblem, Strategy
 from hloplan.state import COMBINE_BYTES, CompileState, PlanSpace
-from hloplan.strategies import OpStrategy, enumerate_strategies, local_bytes, replicated
+from hloplan.strategies import (
+    OpStrategy,
+    axis_roles,
+    enumerate_strategies,
+    local_bytes,
+    replicated,
+)
 
 UNPLANNED = {"stablehlo.while", "stablehlo.case", "stablehlo.if"}
 # Cheap layout ops that stay free when all their operands are free (scalar splats, ...).
@@ -55,7 +62,17 @@ class _ProblemBuilder:
         self.space = PlanSpace()
         self.rules: dict[int, OpRule] = {}
         self.tie_root: dict[int, int] = {}  # op index -> op index of its leader
-        self.reshard_cache: dict = {}
+        # Repeated layers repeat (rule, types) signatures: strategies, follower lists and
+        # resharding matrices are computed once per signature and shared.
+        self.strategy_cache: dict = {}  # signature -> (strategies, followed?)
+        self.list_ids: dict = {}  # signature -> small int
+        self.list_of: dict[int, int] = {}  # op index -> id of its strategy list's signature
+        self.specs_ids: dict = {}  # a tuple of layouts -> small int
+        self.specs_by_source: dict = {}  # (strategy list, result or operand position) -> its id
+        self.specs_of: dict[int, tuple] = {}
+        self.edge_cache: dict = {}  # (type, layouts id, layouts id, multiplier) -> matrix
+        self.reshard_cache: dict = {}  # (type, src layout, dst layout) -> seconds
+        self.plain_of: dict[int, Strategy] = {}  # id(OpStrategy) -> Strategy (cached ones live)
 
     # -- strategies ---------------------------------------------------------------------------
 
@@ -75,9 +92,9 @@ class _ProblemBuilder:
             self.space.strategies[op.index] = self._strategies(op, rule)
         nodes = self._nodes()
         edges = self._edges()
-        live = self._live_points(budget)
-        problem = ShardingProblem(tuple(nodes), tuple(edges), tuple(live), budget,
-                                  name=self.graph.name)
+        points, ranges = self._live_points()
+        problem = ShardingProblem(tuple(nodes), tuple(edges), tuple(points), budget,
+                                  name=self.graph.name, live_ranges=tuple(ranges))
         problem.validate()
         return self.space, problem
 
@@ -94,25 +111,47 @@ class _ProblemBuilder:
             return True
         return False
 
+    def _list_id(self, key) -> int:
+        return self.list_ids.setdefault(key, len(self.list_ids))
+
     def _strategies(self, op: Op, rule: OpRule) -> list[OpStrategy]:
-        operand_types = [self.graph.type_of(v) for v in op.operands]
-        result_types = [self.graph.type_of(v) for v in op.results]
+        operand_types = tuple(self.graph.type_of(v) for v in op.operands)
+        result_types = tuple(self.graph.type_of(v) for v in op.results)
         dtype = result_types[0].dtype if result_types and result_types[0] else "f32"
-        own = enumerate_strategies(rule, operand_types, result_types, self.mesh, self.comm,
-                                   op.multiplier, dtype)
+        own_key = (rule, operand_types, result_types, op.multiplier, dtype)
+        cached = self.strategy_cache.get(own_key)
+        if cached is None:
+            cached = (enumerate_strategies(rule, list(operand_types), list(result_types),
+                                           self.mesh, self.comm, op.multiplier, dtype), False)
+            self.strategy_cache[own_key] = cached
+        own = cached[0]
         leader = self._leader_operand(op, rule) if self.follow else None
         if leader is None:
-            return own
+            self.list_of[op.index] = self._list_id(own_key)
+            return list(own)
         producer, result_index = leader
-        by_result = {s.results[0]: s for s in own}
-        followed = []
-        for strategy in self.space.strategies[producer.index]:
-            match = by_result.get(strategy.results[result_index])
-            if match is None:
-                return own
-            followed.append(match)
+        follow_key = ("follow", own_key, self.list_of[producer.index], result_index)
+        cached = self.strategy_cache.get(follow_key)
+        if cached is None:
+            by_result = {s.results[0]: s for s in own}
+            followed = []
+            for strategy in self.space.strategies[producer.index]:
+                match = by_result.get(strategy.results[result_index])
+                if match is None:
+                    break
+                followed.append(match)
+            else:
+                cached = (followed, True)
+            if cached is None:
+                cached = (own, False)
+            self.strategy_cache[follow_key] = cached
+        strategies, follows = cached
+        if not follows:
+            self.list_of[op.index] = self._list_id(own_key)
+            return list(own)
+        self.list_of[op.index] = self._list_id(follow_key)
         self.tie_root[op.index] = self.tie_root.get(producer.index, producer.index)
-        return followed
+        return list(strategies)
 
     def _leader_operand(self, op: Op, rule: OpRule) -> tuple[Op, int] | None:
         if not rule.pointwise or len(op.results) != 1:
@@ -134,68 +173,116 @@ class _ProblemBuilder:
 
     def _nodes(self) -> list[Node]:
         nodes = []
+        leaders = set(self.tie_root.values())
+        converted: dict[int, tuple[Strategy, ...]] = {}  # strategy list id -> Strategy tuple
         for op_index, strategies in self.space.strategies.items():
             op = self.graph.ops[op_index]
             self.space.node_of[op_index] = len(nodes)
             self.space.op_of.append(op_index)
             root = self.tie_root.get(op_index)
             tie = None
-            if root is not None or op_index in self.tie_root.values():
+            if root is not None or op_index in leaders:
                 tie = root if root is not None else op_index
             where = f" at {op.location}" if op.location else ""
+            key = self.list_of[op_index]
+            plain = converted.get(key)
+            if plain is None:
+                plain = tuple(self._plain(s) for s in strategies)
+                converted[key] = plain
             nodes.append(Node(
                 name=f"%{op_index} {op.name}",
-                strategies=tuple(Strategy(s.name, s.compute, s.communication, s.memory,
-                                          s.collectives) for s in strategies),
+                strategies=plain,
                 members=(f"{op.label or op.name}{where}",),
                 tie=tie))
         return nodes
 
-    def _reshard(self, value_id: int, src, dst, multiplier: float) -> float:
-        if src == dst or dst is None:
-            return 0.0
-        type_ = self.graph.type_of(value_id)
-        key = (type_.shape, type_.itemsize, src, dst)
-        cost = self.reshard_cache.get(key)
-        if cost is None:
-            cost = self.comm.reshard(type_.shape, type_.itemsize, src, dst).seconds
-            self.reshard_cache[key] = cost
-        return cost * multiplier
+    def _plain(self, strategy: OpStrategy) -> Strategy:
+        """The problem's view of a strategy (one per strategy object: lists share them)."""
+        plain = self.plain_of.get(id(strategy))
+        if plain is None:
+            plain = Strategy(strategy.name, strategy.compute, strategy.communication,
+                             strategy.memory, strategy.collectives,
+                             axis_roles(strategy, self.mesh.ndim))
+            self.plain_of[id(strategy)] = plain
+        return plain
 
-    def _edge(self, value_id: int, consumer: Op, consumer_specs, multiplier: float) -> Edge | None:
+    def _specs_id(self, key, specs) -> int:
+        """A small int per distinct list of layouts (the rows or columns of an edge matrix)."""
+        found = self.specs_by_source.get(key)
+        if found is None:
+            layouts = tuple(specs())
+            found = self.specs_ids.setdefault(layouts, len(self.specs_ids))
+            self.specs_by_source[key] = found
+            self.specs_of[found] = layouts
+        return found
+
+    def _matrix(self, type_, src_id: int, dst_id: int, multiplier: float):
+        """Resharding costs between two lists of layouts, or None when all are zero."""
+        key = (type_, src_id, dst_id, multiplier)
+        if key in self.edge_cache:
+            return self.edge_cache[key]
+        src_specs, dst_specs = self.specs_of[src_id], self.specs_of[dst_id]
+        cost: dict = {}  # per distinct (src, dst) layout pair
+        for src in dict.fromkeys(src_specs):
+            for dst in dict.fromkeys(dst_specs):
+                if src == dst or dst is None:
+                    cost[src, dst] = 0.0
+                    continue
+                seconds = self.reshard_cache.get((type_, src, dst))
+                if seconds is None:
+                    seconds = self.comm.reshard(type_.shape, type_.itemsize, src, dst).seconds
+                    self.reshard_cache[type_, src, dst] = seconds
+                cost[src, dst] = seconds * multiplier
+        if not any(cost.values()):
+            matrix = None
+        else:
+            rows: dict = {}
+            matrix = tuple(rows.setdefault(src, tuple(cost[src, dst] for dst in dst_specs))
+                           for src in src_specs)
+        self.edge_cache[key] = matrix
+        return matrix
+
+    def _edge(self, value_id: int, consumer: Op, position: int, multiplier: float) -> Edge | None:
         value = self.graph.values[value_id]
         if value_id in self.space.free_values or value.type is None:
             return None
         producer = value.producer
         if producer not in self.space.strategies:
             return None
-        src_specs = [s.results[value.result_index] for s in self.space.strategies[producer]]
-        costs = tuple(tuple(self._reshard(value_id, src, dst, multiplier) for dst in consumer_specs)
-                      for src in src_specs)
-        if not any(any(row) for row in costs):
+        consumer_strategies = self.space.strategies[consumer.index]
+        producer_strategies = self.space.strategies[producer]
+        if position < 0:  # a loop-carried value: the carry's own layout
+            dst_specs = lambda: (s.results[0] for s in consumer_strategies)  # noqa: E731
+        else:
+            dst_specs = lambda: (s.operands[position] if position < len(s.operands)  # noqa: E731
+                                 else None for s in consumer_strategies)
+        src_id = self._specs_id(("result", self.list_of[producer], value.result_index),
+                                lambda: (s.results[value.result_index] for s in producer_strategies))
+        dst_id = self._specs_id(("operand", self.list_of[consumer.index], position), dst_specs)
+        costs = self._matrix(value.type, src_id, dst_id, multiplier)
+        if costs is None:
             return None
         return Edge(self.space.node_of[producer], self.space.node_of[consumer.index], costs,
                     label=f"%{value_id} -> %{consumer.index}")
 
     def _edges(self) -> list[Edge]:
         edges = []
-        for op_index, strategies in self.space.strategies.items():
+        for op_index in self.space.strategies:
             op = self.graph.ops[op_index]
             for k, value_id in enumerate(op.operands):
-                specs = [s.operands[k] if k < len(s.operands) else None for s in strategies]
-                edge = self._edge(value_id, op, specs, op.multiplier)
+                edge = self._edge(value_id, op, k, op.multiplier)
                 if edge is not None:
                     edges.append(edge)
             if op.name == "while.carry" and "yield" in op.attrs:
-                specs = [s.results[0] for s in strategies]
-                edge = self._edge(op.attrs["yield"], op, specs, op.attrs["yield_multiplier"])
+                edge = self._edge(op.attrs["yield"], op, -1, op.attrs["yield_multiplier"])
                 if edge is not None:
                     edges.append(edge)
         return edges
 
     # -- memory -------------------------------------------------------------------------------
 
-    def _live_points(self, budget: float) -> list[LivePoint]:
+    def _lifetimes(self) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+        """Values born (first live) and dying (last live) at each program point."""
         graph = self.graph
         end = len(graph.ops)
         last_use = {}
@@ -204,9 +291,8 @@ class _ProblemBuilder:
             if op.parent is not None:
                 region_end[op.parent] = max(region_end.get(op.parent, 0), op.index)
         for value in graph.values:
-            uses = [u for u in value.users if u >= value.producer]
-            last = max(uses, default=value.producer)
-            last_use[value.id] = last
+            last_use[value.id] = max((u for u in value.users if u >= value.producer),
+                                     default=value.producer)
         # A loop-carried value lives until the end of its loop's body.
         loop_of = {c: o.index for o in graph.ops if o.name == "stablehlo.while"
                    for c in o.attrs.get("carries", [])}
@@ -217,59 +303,90 @@ class _ProblemBuilder:
                     last_use[value_id] = max(last_use[value_id], loop_end)
         for value_id in graph.arguments + graph.outputs:
             last_use[value_id] = end
-        starts: dict[int, list[int]] = {}
+        arguments = set(graph.arguments)
+        births: dict[int, list[int]] = {}
         for value in graph.values:
-            start = 0 if value.id in graph.arguments else value.producer
-            starts.setdefault(start, []).append(value.id)
-        ends: dict[int, list[int]] = {}
+            births.setdefault(0 if value.id in arguments else value.producer, []).append(value.id)
+        deaths: dict[int, list[int]] = {}
         for value_id, last in last_use.items():
-            ends.setdefault(last, []).append(value_id)
-        live: set[int] = set()
-        points = []
-        for t in range(end + 1):
-            live.update(starts.get(t, []))
-            points.append(frozenset(live))
-            live.difference_update(ends.get(t, []))
-        return self._memory_constraints(points, budget)
+            deaths.setdefault(last, []).append(value_id)
+        return births, deaths
 
-    def _value_memory_owner(self, value_id: int) -> int | None:
-        producer = self.graph.values[value_id].producer
-        if producer in self.space.strategies:
-            return self.space.node_of[producer]
-        return None
+    def _live_points(self) -> tuple[list[LivePoint], list[LiveRange]]:
+        """Memory checks at the program points whose live sets are maximal, and the run of
+        checks where each node is live.
 
-    def _memory_constraints(self, points: list[frozenset], budget: float) -> list[LivePoint]:
-        # Drop points whose live set is contained in a neighbour's: they can never bind.
-        kept = []
-        for t, live in enumerate(points):
-            if (t > 0 and live <= points[t - 1] and live != points[t - 1]) or (
-                    t + 1 < len(points) and live < points[t + 1]):
+        Point t holds the values born at or before t that die at or after t. Values are born
+        once and die once, so point t's live set is contained in point t-1's exactly when no
+        value is born at t and some value died at t-1, and in point t+1's exactly when none
+        dies at t and some value is born at t+1: those points can never bind and are skipped,
+        as is a point where no node or fixed bytes came since the previous check. The
+        nodes and fixed bytes are kept up to date from these birth and death events, and a
+        node (all of whose values are born together) is live over one run of consecutive
+        checks: work and output are linear in the program, never a live set per point.
+        """
+        graph, space, mesh = self.graph, self.space, self.mesh
+        births, deaths = self._lifetimes()
+        end = len(graph.ops)
+        # What a live value costs: its producer's node, or bytes no decision changes.
+        owner: dict[int, int] = {}
+        fixed_of: dict[int, float] = {}
+        node_of = space.node_of
+        for value in graph.values:
+            if value.type is None:
                 continue
-            if kept and kept[-1][1] == live:
-                continue
-            kept.append((t, live))
-        out = []
-        seen = set()
-        for t, live in kept:
-            nodes = set()
-            fixed = 0.0
-            for value_id in live:
-                type_ = self.graph.type_of(value_id)
-                if type_ is None:
-                    continue
-                owner = self._value_memory_owner(value_id)
-                if owner is not None:
-                    nodes.add(owner)
-                elif value_id not in self.space.free_values:
-                    fixed += local_bytes(type_, replicated(type_.rank), self.mesh)
+            if value.producer in space.strategies:
+                owner[value.id] = node_of[value.producer]
+            elif value.id not in space.free_values:
                 # Free values (constants, splats) are fused into their consumers by XLA: no bytes.
-            key = (tuple(sorted(nodes)), fixed)
-            if key in seen:
-                continue
-            seen.add(key)
-            label = self.graph.ops[t].label if t < len(self.graph.ops) else "end"
-            out.append(LivePoint(tuple(sorted(nodes)), fixed, label=f"after %{t} {label}"))
-        return out
+                fixed_of[value.id] = local_bytes(value.type, replicated(value.type.rank), mesh)
+        count: dict[int, int] = {}  # node -> its live values
+        first: dict[int, int] = {}  # live node -> its first check (absent: none yet)
+        waiting: list[int] = []  # nodes born since the last check
+        ranges: list[LiveRange] = []
+        fixed = 0.0
+        # Whether a node or fixed bytes came since the last check: if none did, this point's
+        # nodes and bytes are at most the last check's (for any choice), so it cannot bind.
+        grew = False
+        points: list[LivePoint] = []
+        for t in range(end + 1):
+            born = births.get(t, ())
+            for value_id in born:
+                node = owner.get(value_id)
+                if node is not None:
+                    if node not in count:
+                        count[node] = 0
+                        waiting.append(node)
+                        grew = True
+                    count[node] += 1
+                elif value_id in fixed_of:
+                    fixed += fixed_of[value_id]
+                    grew = True
+            dying = deaths.get(t, ())
+            contained = ((t > 0 and not born and deaths.get(t - 1))
+                         or (t < end and not dying and births.get(t + 1)))
+            if grew and not contained:
+                grew = False
+                for node in waiting:
+                    if node in count:
+                        first[node] = len(points)
+                waiting.clear()
+                label = graph.ops[t].label if t < end else "end"
+                points.append(LivePoint((), fixed, label=f"after %{t} {label}"))
+            for value_id in dying:
+                node = owner.get(value_id)
+                if node is not None:
+                    count[node] -= 1
+                    if count[node] == 0:
+                        del count[node]
+                        if node in first:
+                            ranges.append(LiveRange(node, first.pop(node), len(points) - 1))
+                elif value_id in fixed_of:
+                    fixed -= fixed_of[value_id]
+        for node, start in first.items():  # live to the end (arguments, outputs)
+            ranges.append(LiveRange(node, start, len(points) - 1))
+        ranges.sort(key=lambda r: r.node)
+        return points, ranges
 
 
 def chosen_reshards(state: CompileState):

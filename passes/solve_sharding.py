@@ -6,7 +6,8 @@ import math
 from dataclasses import dataclass
 
 from hloplan.diagnostics import Diagnostic, HloplanError
-from hloplan.solver.ilp import InfeasibleError, solve
+from hloplan.solver import axes
+from hloplan.solver.ilp import InfeasibleError
 from hloplan.state import CompileState
 from hloplan.units import format_bytes
 
@@ -17,12 +18,19 @@ class SolveSharding:
 
     def apply(self, state: CompileState) -> None:
         options = state.options
+        links = tuple(link.name for link in state.comm.links) if state.comm is not None else None
         try:
-            state.solution, state.stats = solve(state.problem, time_limit=options.time_limit,
-                                                solver=options.solver)
+            state.solution, state.stats = axes.solve(
+                state.problem, time_limit=options.time_limit, solver=options.solver,
+                decompose=getattr(options, "decompose", "auto"), links=links)
         except InfeasibleError as exc:
             raise HloplanError(_infeasible_diagnostic(state, exc)) from None
-        if state.stats.status != "optimal":
+        if state.stats.status == "decomposed":
+            steps = state.stats.extra.get("steps", [])
+            state.log.remark(
+                f"solve-sharding: {state.stats.extra.get('full_variables', 0):,}-variable ILP "
+                f"planned on two-axis views in {len(steps)} steps (not proven optimal)")
+        elif state.stats.status != "optimal":
             gap = state.stats.gap
             gap_text = f"{gap:.2%}" if math.isfinite(gap) else "unknown (no bound found in time)"
             state.log.warn(

@@ -22,7 +22,10 @@ variables, so the ILP grows with the number of distinct blocks, not with depth. 
   every choice (same decisions, at least as many of their nodes, at least as many fixed bytes)
   is dropped. Exact (the peak over the kept points is the peak over all of them); in the
   forward pass a tied layer's checks are covered by the next layer's, where more activations
-  are live. (The backward pass trades activations for gradients: those checks stay.)
+  are live. (The backward pass trades activations for gradients: those checks stay.) Class
+  counts are kept up to date point to point (live ranges join and leave), and each point is
+  compared with at most 256 kept candidates, so the time stays linear in the points; a
+  dominated point beyond them is kept, which costs nothing but a redundant check.
 
 With `compare_untied`, the pass also solves the untied and the tied problem and records the
 relative objective difference (the price of tying) in `state.facts["tied_gap"]`.
@@ -41,6 +44,9 @@ from hloplan.state import CompileState, PlanSpace
 
 # Attributes that hold op indices or value ids: they differ between copies of a layer.
 _ID_ATTRS = frozenset({"yield", "carries", "results"})
+# Memory-check pruning compares a point with at most this many kept candidates (the latest
+# kept that share its rarest class): a bound on its time; dominated points beyond it are kept.
+_CANDIDATES = 256
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,7 @@ class TieRepeatedLayers:
             kept = dominant_live_points(tied)
             state.facts["live_points_before_pruning"] = len(tied.live_points)
             state.facts["live_points_after_pruning"] = len(kept)
-            tied = dataclasses.replace(tied, live_points=tuple(tied.live_points[p] for p in kept))
+            tied = tied.with_live_points(kept)
         before, after = decision_count(problem), decision_count(tied)
         groups = _repeated_groups(problem, ties)
         state.problem = tied
@@ -306,8 +312,11 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
     class_of = np.full(len(problem.nodes), -1, dtype=np.int64)  # -1: no decision changes it
     constant_of = np.zeros(len(problem.nodes))  # bytes of the nodes of class -1
     class_max = []
+    memories: dict[int, tuple] = {}  # id(strategies) -> memory per strategy (nodes share lists)
     for index, node in enumerate(problem.nodes):
-        memory = tuple(s.memory for s in node.strategies)
+        memory = memories.get(id(node.strategies))
+        if memory is None:
+            memory = memories[id(node.strategies)] = tuple(s.memory for s in node.strategies)
         if len(memory) == 1 or min(memory) == max(memory):
             constant_of[index] = memory[0]
             continue
@@ -319,22 +328,40 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
     width = max(len(class_ids), 1)
     largest = np.array(class_max + [0.0] * (width - len(class_max)))
     summaries = []  # per point: (constant bytes, classes, counts, bytes at the largest choice)
-    for point in points:
-        nodes = np.array(point.nodes, dtype=np.int64)
-        if len(nodes) > 1 and not (nodes[1:] > nodes[:-1]).all():
-            nodes = np.unique(nodes)  # a node listed twice counts once
-        classes = class_of[nodes]
-        counts = np.bincount(classes[classes >= 0], minlength=width)
+    # Walk the points keeping the class counts up to date from the nodes that join and leave
+    # (a point's own list, or a live range starting or ending there).
+    enter: dict[int, list[int]] = {}
+    leave: dict[int, list[int]] = {}
+    for r in problem.live_ranges:
+        enter.setdefault(r.first, []).append(r.node)
+        leave.setdefault(r.last + 1, []).append(r.node)
+    counts = np.zeros(width, dtype=np.int64)
+    constant_sum = 0.0  # whole bytes: the running sum is exact
+    previous: set[int] = set()
+    class_list = class_of.tolist()
+    constant_list = constant_of.tolist()
+    for p, point in enumerate(points):
+        live = set(point.nodes) if point.nodes or previous else previous
+        for sign, moved in ((1, [*(live - previous), *enter.get(p, ())]),
+                            (-1, [*(previous - live), *leave.get(p, ())])):
+            for index in moved:
+                c = class_list[index]
+                if c < 0:
+                    constant_sum += sign * constant_list[index]
+                else:
+                    counts[c] += sign
+        previous = live
         columns = np.flatnonzero(counts)
         needed = counts[columns]
-        constant = point.fixed_bytes + float(constant_of[nodes].sum())
+        constant = point.fixed_bytes + constant_sum
         summaries.append((constant, columns, needed, constant + float(needed @ largest[columns])))
     # Likely dominators first: the points with the most bytes at their largest.
     order = sorted(range(len(points)), key=lambda p: (-summaries[p][3], p))
-    kept_counts = np.zeros((64, width), dtype=np.int64)
-    kept_constant = np.zeros(64)
+    capacity = 64
+    kept_counts = np.zeros((width, capacity), dtype=np.int64)  # class x kept point
+    kept_constant = np.zeros(capacity)
+    having = np.zeros(width, dtype=np.int64)  # class -> how many kept points have it
     kept: list[int] = []
-    having: list[list[int]] = [[] for _ in range(width)]  # class -> kept rows that have it
     for p in order:
         constant, columns, needed, _ = summaries[p]
         n = len(kept)
@@ -342,24 +369,24 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
             # A dominator has every class of this point: look among the kept points that
             # have its rarest one (all of them when it has none).
             if len(columns):
-                rarest = min(columns.tolist(), key=lambda c: len(having[c]))
-                rows = np.array(having[rarest], dtype=np.int64)
+                rarest = columns[int(np.argmin(having[columns]))]
+                rows = np.flatnonzero(kept_counts[rarest, :n])[-_CANDIDATES:]
             else:
-                rows = np.arange(n)
+                rows = np.arange(max(n - _CANDIDATES, 0), n)
             if len(rows):
                 rows = rows[kept_constant[rows] >= constant]
             if len(rows) and len(columns):
-                if (kept_counts[rows[:, None], columns] >= needed).all(axis=1).any():
+                if (kept_counts[columns[:, None], rows] >= needed[:, None]).all(axis=0).any():
                     continue
             elif len(rows):
                 continue
-        if n == len(kept_constant):
-            kept_counts = np.concatenate([kept_counts, np.zeros_like(kept_counts)])
+        if n == capacity:
+            capacity *= 2
+            kept_counts = np.concatenate([kept_counts, np.zeros_like(kept_counts)], axis=1)
             kept_constant = np.concatenate([kept_constant, np.zeros_like(kept_constant)])
-        kept_counts[n, columns] = needed
+        kept_counts[columns, n] = needed
         kept_constant[n] = constant
-        for c in columns.tolist():
-            having[c].append(n)
+        having[columns] += 1
         kept.append(p)
     return sorted(kept)
 

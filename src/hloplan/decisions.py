@@ -85,10 +85,7 @@ class DecisionIndex:
             self.edges_of[edge.src].append(e)
             if edge.dst != edge.src:
                 self.edges_of[edge.dst].append(e)
-        self.points_of: list[list[int]] = [[] for _ in range(n)]
-        for p, point in enumerate(problem.live_points):
-            for node in dict.fromkeys(point.nodes):
-                self.points_of[node].append(p)
+        self.points_of = problem.points_of_nodes()
         self.memory = np.asarray(self.evaluation.memory, dtype=float)
         budget = problem.memory_budget
         self.limit = budget + MEMORY_RTOL * abs(budget)

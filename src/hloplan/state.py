@@ -25,6 +25,9 @@ class CompileOptions:
     time_limit: float = 60.0
     solver: str = "auto"
     hosts: int | None = None
+    # Big problems on meshes of 3+ axes are planned on two-axis views and improved two axes at
+    # a time (solver/axes.py): "auto" (when the whole ILP would be too big), "always", "never".
+    decompose: str = "auto"
 
     @property
     def budget(self) -> float:

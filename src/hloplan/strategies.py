@@ -30,6 +30,20 @@ class OpStrategy:
     name: str = ""
 
 
+def axis_roles(strategy: OpStrategy, ndim: int) -> tuple[tuple[int, ...], ...]:
+    """What a strategy does with each mesh axis: per axis, the dim of each result and operand
+    it shards (-1: none; operands not planned are skipped) and whether partial sums are reduced
+    over it. Strategies with equal roles on an axis use that axis alike, whatever they do with
+    the others: the solver plans big meshes on views where axes share roles."""
+    tensors = [spec for spec in (*strategy.results, *strategy.operands) if spec is not None]
+    roles = []
+    for axis in range(ndim):
+        where = tuple(next((d for d, axes in enumerate(spec) if axis in axes), -1)
+                      for spec in tensors)
+        roles.append((*where, int(axis in strategy.reduced_axes)))
+    return tuple(roles)
+
+
 def replicated(rank: int) -> Spec:
     return tuple(() for _ in range(rank))
 

@@ -248,7 +248,8 @@ def test_pruned_memory_checks_keep_the_peak_of_every_tied_choice(stack_states):
     # The fixture's tied problem has its dominated live points dropped.
     assert len(tied.problem.live_points) < len(untied.problem.live_points)
     assert tied.facts["live_points_after_pruning"] == len(tied.problem.live_points)
-    full = dataclasses.replace(tied.problem, live_points=untied.problem.live_points)
+    full = dataclasses.replace(tied.problem, live_points=untied.problem.live_points,
+                               live_ranges=untied.problem.live_ranges)
     assert dominant_live_points(full) == [
         untied.problem.live_points.index(p) for p in tied.problem.live_points]
     rng = random.Random(0)

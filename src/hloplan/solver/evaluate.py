@@ -19,6 +19,7 @@ __all__ = ["MEMORY_RTOL", "Evaluation", "evaluate", "live_point_bytes", "memory_
 # and inside the solver) may differ in the last bits; a solution that sits exactly on the budget must
 # not flip to "infeasible" because of that.
 MEMORY_RTOL = 1e-9
+_EXACT = 2.0**52  # whole numbers of bytes below this add up exactly in float64
 
 
 @dataclass(frozen=True)
@@ -66,12 +67,40 @@ def live_point_bytes(problem: ShardingProblem, solution: Solution) -> tuple[floa
 
     A node listed twice at one point is counted once: a value is either live there or not.
     """
+    chosen = [node.strategies[pick].memory for node, pick in zip(problem.nodes, solution.choice)]
+    points, ranges = problem.live_points, problem.live_ranges
+    exact = all(float(m).is_integer() and abs(m) < _EXACT for m in chosen) and all(
+        float(p.fixed_bytes).is_integer() and abs(p.fixed_bytes) < _EXACT for p in points)
     totals = []
-    for point in problem.live_points:
-        used = point.fixed_bytes
-        for index in dict.fromkeys(point.nodes):
-            used += problem.nodes[index].strategies[solution.choice[index]].memory
-        totals.append(used)
+    if not exact:
+        for p, point in enumerate(points):
+            used = point.fixed_bytes
+            for index in dict.fromkeys(point.nodes):
+                used += chosen[index]
+            for r in ranges:
+                if r.first <= p <= r.last:
+                    used += chosen[r.node]
+            totals.append(used)
+        return tuple(totals)
+    # Whole bytes add up exactly in any order: walk the points keeping a running sum over the
+    # nodes that join and leave (consecutive points share most of their nodes), instead of
+    # summing every point from scratch.
+    change = [0.0] * (len(points) + 1)
+    for r in ranges:
+        change[r.first] += chosen[r.node]
+        change[r.last + 1] -= chosen[r.node]
+    previous: set[int] = set()
+    running = 0.0
+    for p, point in enumerate(points):
+        running += change[p]
+        if point.nodes or previous:
+            live = set(point.nodes)
+            for index in live - previous:
+                running += chosen[index]
+            for index in previous - live:
+                running -= chosen[index]
+            previous = live
+        totals.append(point.fixed_bytes + running)
     return tuple(totals)
 
 

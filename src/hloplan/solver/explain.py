@@ -89,9 +89,12 @@ def _switched_peak(
     problem: ShardingProblem, base: Evaluation, node: int, memory_delta: float
 ) -> float:
     """Peak memory of `base` with one node's footprint changed by `memory_delta`."""
+    where = next((r for r in problem.live_ranges if r.node == node), None)
     loads = [
-        used + memory_delta if node in point.nodes else used
-        for point, used in zip(problem.live_points, base.memory, strict=True)
+        used + memory_delta
+        if node in point.nodes or (where is not None and where.first <= p <= where.last)
+        else used
+        for p, (point, used) in enumerate(zip(problem.live_points, base.memory, strict=True))
     ]
     return max(loads, default=0.0)
 

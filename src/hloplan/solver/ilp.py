@@ -1,4 +1,4 @@
-"""Choose a strategy per node by integer linear programming (PuLP, with HiGHS or CBC).
+"""Choose a strategy per node by integer linear programming (HiGHS through highspy, or CBC).
 
 The problem is first compiled to *decision groups*: nodes tied together share one set of one-hot
 binaries, and nodes with a single strategy are constants. Edges then become either linear terms
@@ -11,6 +11,31 @@ which is exact for one-hot binaries (the only feasible e is the product) and giv
 relaxation than the usual `e >= s_src + s_dst - 1` form. Costs enter the solver in microseconds and
 memory in MiB so that coefficients sit near 1; everything reported back is in seconds and bytes,
 recomputed by `evaluate()` from the chosen indices.
+
+Memory. Live points follow each other in program order, and consecutive points share most of
+their live values, so the compiled model keeps the bytes of every point as *events*: the decision
+groups whose coefficients change at that point (`_Memory`); the loads of all points under a
+choice cost time linear in the events, never points x live values. The solver sees memory in one
+of two exact forms:
+
+- lazily (HiGHS, the default there): the model starts without memory rows; after each solve the
+  loads of every point are recomputed under the solver's values and the most violated points are
+  added as rows, until none is violated. Most points never bind (a train step peaks around the
+  end of the forward pass), so the LP stays small: a Llama3-8B-shaped step needs 32 of 4,029
+  rows.
+- as a chain (CBC, and on request): one continuous load variable per binding point,
+  `L_k = L_{k-1} + (the coefficients that changed since the previous binding point)`, with
+  `L_k <= budget - fixed_k` as its bound: nonzeros linear in the events instead of one dense row
+  per point.
+
+When the LP relaxation is fractional, branch and bound starts from its rounding, repaired to fit
+the budget and improved by local search; binaries whose reduced costs price them out of any
+plan better than that start are fixed first (exact; a Llama3-8B step fixes 1,560 of 5,196).
+
+HiGHS is driven directly through highspy's arrays (PuLP spent about a quarter of the solve
+building its own model); CBC goes through PuLP, so both backends remain comparable.
+`_solve_model` works on a compiled model, so that `axes.py` can solve restrictions of one
+(`_restrict`) without rebuilding the problem.
 """
 
 from __future__ import annotations
@@ -23,9 +48,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import pulp
 
-from hloplan.solver.evaluate import evaluate, memory_fits
+from hloplan.solver.evaluate import MEMORY_RTOL, evaluate, memory_fits
 from hloplan.solver.problem import ShardingProblem, Solution, SolveStats
 from hloplan.units import format_bytes
 
@@ -43,6 +69,16 @@ _MIP_REL_GAP = 1e-6  # HiGHS defaults to 1e-4, which would let two backends disa
 _SEPARABLE_TOL = 1e-12  # relative to the largest entry of a cost matrix
 _MIN_PEAK_TIME_LIMIT = 10.0  # seconds spent explaining an infeasible budget, at most
 _DOMINANT_NODES = 5
+_INTEGRALITY_TOL = 1e-6
+# Lazy memory rows: at most this many violated points are added per round (the most violated
+# first), and points within this fraction of the budget under the relaxation's values are added
+# before branch and bound starts (they are the ones an integer solution is likely to push over).
+_LAZY_ROWS_PER_ROUND = 32
+_LAZY_NEAR_BUDGET = 0.02
+_LAZY_MAX_PRESEED = 256
+# The rounded LP relaxation is repaired by at most this many single-group moves (it is usually
+# a few bytes over at a handful of points; when it is far off, the solver does better).
+_REPAIR_MOVES = 64
 
 
 class SolverError(RuntimeError):
@@ -97,35 +133,195 @@ class _Group:
         return self.nodes[0]
 
 
-@dataclass(frozen=True)
-class _Row:
-    """One live point over decision groups: constant + sum_g coeffs[g][choice[g]] bytes."""
+class _Memory:
+    """Bytes at every live point as a function of the group choices, kept as events.
 
-    point: int
-    constant: float
-    coeffs: dict[int, list[float]]
+    `events[p]` lists the groups whose coefficient vector (bytes per strategy, summed over the
+    group's nodes live at p) differs from point p-1, with the new vector; `constant[p]` holds
+    the bytes no decision changes (fixed bytes and single-strategy nodes). Points are taken in
+    the problem's order; consecutive points of a program share most of their live values, so
+    there are few events. A node listed twice at one point counts once.
+    """
 
-    @property
-    def min_load(self) -> float:
-        return sum(min(c) for c in self.coeffs.values())
+    def __init__(self, problem: ShardingProblem, group_of: list[int], sizes: list[int]) -> None:
+        count = len(problem.live_points)
+        self.count = count
+        self.sizes = sizes
+        self.constant = np.zeros(count)
+        self.events: list[list[tuple[int, np.ndarray]]] = []
+        vectors: dict[int, np.ndarray] = {}  # id(strategies) -> bytes per strategy
+        current: dict[int, np.ndarray] = {}
+        previous: set[int] = set()
+        constant = 0.0
+        nodes = problem.nodes
+        enter: dict[int, list[int]] = {}
+        leave: dict[int, list[int]] = {}
+        for r in problem.live_ranges:
+            enter.setdefault(r.first, []).append(r.node)
+            leave.setdefault(r.last + 1, []).append(r.node)
+        for p, point in enumerate(problem.live_points):
+            live = set(point.nodes)
+            changed: dict[int, np.ndarray] = {}
+            entering = sorted(live - previous) + sorted(enter.get(p, ()))
+            leaving = sorted(previous - live) + sorted(leave.get(p, ()))
+            for sign, moved in ((1.0, entering), (-1.0, leaving)):
+                for index in moved:
+                    g = group_of[index]
+                    strategies = nodes[index].strategies
+                    if g < 0:
+                        constant += sign * strategies[0].memory
+                        continue
+                    vector = vectors.get(id(strategies))
+                    if vector is None:
+                        vector = np.array([s.memory for s in strategies], dtype=float)
+                        vectors[id(strategies)] = vector
+                    delta = changed.get(g)
+                    changed[g] = sign * vector if delta is None else delta + sign * vector
+            events = []
+            for g in sorted(changed):
+                new = current.get(g, 0.0) + changed[g]
+                if new.any():
+                    current[g] = new
+                else:
+                    new = np.zeros(sizes[g])
+                    current.pop(g, None)
+                events.append((g, new))
+            self.events.append(events)
+            self.constant[p] = point.fixed_bytes + constant
+            previous = live
+        self._vectors = vectors  # keeps the ids above valid while this model lives
+        self.min_load = self._extreme(np.min)
+        self.max_load = self._extreme(np.max)
 
-    @property
-    def max_load(self) -> float:
-        return sum(max(c) for c in self.coeffs.values())
+    def restricted(self, allowed: Sequence[np.ndarray]) -> _Memory:
+        """This memory with group g limited to the strategies `allowed[g]`."""
+        out = object.__new__(_Memory)
+        out.count = self.count
+        out.sizes = [len(keep) for keep in allowed]
+        out.constant = self.constant
+        out.events = [[(g, vector[allowed[g]]) for g, vector in events] for events in self.events]
+        out._vectors = {}
+        out.min_load = out._extreme(np.min)
+        out.max_load = out._extreme(np.max)
+        return out
+
+    def _extreme(self, pick) -> np.ndarray:
+        """Per point: constant bytes plus each live group's smallest (largest) coefficient."""
+        out = np.empty(self.count)
+        total = 0.0
+        last: dict[int, float] = {}
+        for p, events in enumerate(self.events):
+            for g, vector in events:
+                value = float(pick(vector))
+                total += value - last.get(g, 0.0)
+                last[g] = value
+            out[p] = self.constant[p] + total
+        return out
+
+    def loads(self, values: Sequence[np.ndarray]) -> np.ndarray:
+        """Bytes at every point when group g takes `values[g]` (one-hot or fractional)."""
+        out = np.empty(self.count)
+        total = 0.0
+        last: dict[int, float] = {}
+        for p, events in enumerate(self.events):
+            for g, vector in events:
+                value = float(vector @ values[g])
+                total += value - last.get(g, 0.0)
+                last[g] = value
+            out[p] = self.constant[p] + total
+        return out
+
+    def choice_loads(self, choice: Sequence[int]) -> np.ndarray:
+        """Bytes at every point under one strategy index per group (exact for whole bytes)."""
+        out = np.empty(self.count)
+        total = 0.0
+        last: dict[int, float] = {}
+        for p, events in enumerate(self.events):
+            for g, vector in events:
+                value = float(vector[choice[g]])
+                total += value - last.get(g, 0.0)
+                last[g] = value
+            out[p] = self.constant[p] + total
+        return out
+
+    def rows(self, points: Sequence[int]) -> dict[int, dict[int, np.ndarray]]:
+        """The full coefficients (group -> bytes per strategy) of the given points."""
+        wanted = set(points)
+        out: dict[int, dict[int, np.ndarray]] = {}
+        current: dict[int, np.ndarray] = {}
+        for p, events in enumerate(self.events):
+            for g, vector in events:
+                if vector.any():
+                    current[g] = vector
+                else:
+                    current.pop(g, None)
+            if p in wanted:
+                out[p] = dict(current)
+                if len(out) == len(wanted):
+                    break
+        return out
+
+    def chain(self, points: Sequence[int]) -> list[tuple[int, dict[int, np.ndarray]]]:
+        """For increasing `points`: each one's coefficients minus the previous one's."""
+        wanted = set(points)
+        out = []
+        current: dict[int, np.ndarray] = {}
+        emitted: dict[int, np.ndarray] = {}
+        dirty: set[int] = set()
+        for p, events in enumerate(self.events):
+            for g, vector in events:
+                current[g] = vector
+                dirty.add(g)
+            if p in wanted:
+                delta = {}
+                for g in sorted(dirty):
+                    change = current[g] - emitted.get(g, 0.0)
+                    if change.any():
+                        delta[g] = change
+                    emitted[g] = current[g]
+                dirty.clear()
+                out.append((p, delta))
+                if len(out) == len(wanted):
+                    break
+        return out
+
+    def segments(self) -> list[list[tuple[int, int, np.ndarray]]]:
+        """Per group: (first point, end point, coefficients) of the runs where they are constant
+        and not all zero."""
+        out: list[list[tuple[int, int, np.ndarray]]] = [[] for _ in self.sizes]
+        opened: dict[int, tuple[int, np.ndarray]] = {}
+        for p, events in enumerate(self.events):
+            for g, vector in events:
+                if g in opened:
+                    start, old = opened.pop(g)
+                    out[g].append((start, p, old))
+                if vector.any():
+                    opened[g] = (p, vector)
+        for g, (start, vector) in opened.items():
+            out[g].append((start, self.count, vector))
+        return out
 
 
 @dataclass
 class _Model:
     groups: list[_Group]
     group_of: list[int]  # per node: its group, or -1 for a single-strategy (constant) node
-    linear: list[list[float]]  # per group and strategy, seconds
-    pairs: dict[tuple[int, int], list[list[float]]]  # (a, b) with a < b: matrix[i_a][j_b], seconds
+    linear: list[np.ndarray]  # per group and strategy, seconds
+    pairs: dict[tuple[int, int], np.ndarray]  # (a, b) with a < b: matrix[i_a][j_b], seconds
     constant: float  # seconds that no decision changes
-    rows: list[_Row] = field(default_factory=list)
+    memory: _Memory | None = None
 
     def to_choice(self, group_choice: Sequence[int]) -> Solution:
         """Expand one index per group to one index per node."""
-        return Solution(tuple(0 if g < 0 else group_choice[g] for g in self.group_of))
+        return Solution(tuple(0 if g < 0 else int(group_choice[g]) for g in self.group_of))
+
+    def one_hot(self, choice: Sequence[int]) -> list[np.ndarray]:
+        values = []
+        for g, group in enumerate(self.groups):
+            row = np.zeros(group.size)
+            row[choice[g]] = 1.0
+            values.append(row)
+        return values
 
 
 def _group_nodes(problem: ShardingProblem) -> tuple[list[_Group], list[int]]:
@@ -146,215 +342,333 @@ def _group_nodes(problem: ShardingProblem) -> tuple[list[_Group], list[int]]:
     return groups, group_of
 
 
-def _separable(matrix: list[list[float]]) -> bool:
+def _separable(matrix: np.ndarray) -> bool:
     """Whether matrix[i][j] == row[i] + col[j] for some vectors (then it is two linear terms)."""
-    scale = max((abs(v) for row in matrix for v in row), default=0.0)
+    scale = float(np.abs(matrix).max()) if matrix.size else 0.0
     tol = _SEPARABLE_TOL * max(scale, 1e-300)
-    base = matrix[0][0]
-    return all(
-        abs(matrix[i][j] - (matrix[i][0] + matrix[0][j] - base)) <= tol
-        for i in range(len(matrix))
-        for j in range(len(matrix[0]))
-    )
+    rebuilt = matrix[:, :1] + matrix[:1, :] - matrix[0, 0]
+    return bool((np.abs(matrix - rebuilt) <= tol).all())
 
 
 def _add_edges(problem: ShardingProblem, model: _Model) -> None:
     """Fold every edge into linear terms, the constant, or a merged pairwise matrix."""
+    arrays: dict[int, np.ndarray] = {}  # id(costs) -> array (edges share their matrices)
     for edge in problem.edges:
         gs, gd = model.group_of[edge.src], model.group_of[edge.dst]
-        costs = edge.costs
+        costs = arrays.get(id(edge.costs))
+        if costs is None:
+            costs = np.array(edge.costs, dtype=float)
+            arrays[id(edge.costs)] = costs
         if gs < 0 and gd < 0:
-            model.constant += costs[0][0]
+            model.constant += float(costs[0, 0])
         elif gs < 0:
-            for j, c in enumerate(costs[0]):
-                model.linear[gd][j] += c
+            model.linear[gd] += costs[0]
         elif gd < 0:
-            for i, row in enumerate(costs):
-                model.linear[gs][i] += row[0]
+            model.linear[gs] += costs[:, 0]
         elif gs == gd:  # same tie group: both ends pick the same index
-            for i in range(model.groups[gs].size):
-                model.linear[gs][i] += costs[i][i]
+            model.linear[gs] += np.diagonal(costs)
         else:
             a, b = min(gs, gd), max(gs, gd)
-            matrix = model.pairs.setdefault(
-                (a, b), [[0.0] * model.groups[b].size for _ in range(model.groups[a].size)]
-            )
-            for i, row in enumerate(costs):
-                for j, c in enumerate(row):
-                    if gs == a:
-                        matrix[i][j] += c
-                    else:
-                        matrix[j][i] += c
+            matrix = model.pairs.get((a, b))
+            if matrix is None:
+                matrix = model.pairs[(a, b)] = np.zeros((model.groups[a].size,
+                                                         model.groups[b].size))
+            matrix += costs if gs == a else costs.T
+    _fold_separable(model)
+
+
+def _fold_separable(model: _Model) -> None:
+    """Pairs whose matrix is separable become linear terms."""
     for (a, b), matrix in list(model.pairs.items()):
         if _separable(matrix):  # includes the all-zero matrix
-            for i, row in enumerate(matrix):
-                model.linear[a][i] += row[0] - matrix[0][0]
-            for j, c in enumerate(matrix[0]):
-                model.linear[b][j] += c
+            model.linear[a] += matrix[:, 0] - matrix[0, 0]
+            model.linear[b] += matrix[0]
             del model.pairs[(a, b)]
 
 
-def _add_rows(problem: ShardingProblem, model: _Model) -> None:
-    """Express each live point over decision groups (a node listed twice counts once)."""
-    for p, point in enumerate(problem.live_points):
-        constant = point.fixed_bytes
-        coeffs: dict[int, list[float]] = {}
-        for index in dict.fromkeys(point.nodes):
-            node, g = problem.nodes[index], model.group_of[index]
-            if g < 0:
-                constant += node.strategies[0].memory
-                continue
-            row = coeffs.setdefault(g, [0.0] * model.groups[g].size)
-            for i, strategy in enumerate(node.strategies):
-                row[i] += strategy.memory
-        model.rows.append(_Row(p, constant, coeffs))
+def _restrict(model: _Model, allowed: Sequence[np.ndarray]) -> _Model:
+    """The model with group g limited to the strategies `allowed[g]` (indices, in order);
+    index i of the result is strategy allowed[g][i] of the model."""
+    groups = [_Group(g.nodes, len(keep)) for g, keep in zip(model.groups, allowed, strict=True)]
+    restricted = _Model(groups, model.group_of,
+                        [costs[keep] for costs, keep in zip(model.linear, allowed, strict=True)],
+                        {(a, b): matrix[np.ix_(allowed[a], allowed[b])]
+                         for (a, b), matrix in model.pairs.items()},
+                        model.constant)
+    _fold_separable(restricted)
+    restricted.memory = model.memory.restricted(allowed)
+    return restricted
 
 
 def _compile(problem: ShardingProblem) -> _Model:
     groups, group_of = _group_nodes(problem)
-    model = _Model(groups, group_of, [[0.0] * g.size for g in groups], {}, 0.0)
+    model = _Model(groups, group_of, [np.zeros(g.size) for g in groups], {}, 0.0)
+    costs: dict[int, np.ndarray] = {}
     for index, node in enumerate(problem.nodes):
         g = group_of[index]
         if g < 0:
             model.constant += node.strategies[0].cost
-        else:
-            for i, strategy in enumerate(node.strategies):
-                model.linear[g][i] += strategy.cost
+            continue
+        vector = costs.get(id(node.strategies))
+        if vector is None:
+            vector = np.array([s.cost for s in node.strategies], dtype=float)
+            costs[id(node.strategies)] = vector
+        model.linear[g] += vector
     _add_edges(problem, model)
-    _add_rows(problem, model)
+    model.memory = _Memory(problem, group_of, [g.size for g in groups])
     return model
 
 
-def _binding_rows(model: _Model, budget: float) -> list[_Row]:
-    """Rows that some choice could push over the budget (the others need no constraint)."""
+def _binding_points(model: _Model, budget: float) -> list[int]:
+    """Points that some choice could push over the budget (the others need no constraint)."""
     if math.isinf(budget):
         return []
-    return [r for r in model.rows if not memory_fits(r.constant + r.max_load, budget)]
+    limit = budget + MEMORY_RTOL * abs(budget)
+    return [int(p) for p in np.flatnonzero(model.memory.max_load > limit)]
 
 
 def _objective(model: _Model, choice: Sequence[int]) -> float:
     """Seconds for one index per group, from the compiled model."""
-    total = model.constant + sum(model.linear[g][i] for g, i in enumerate(choice))
+    total = model.constant + sum(float(model.linear[g][i]) for g, i in enumerate(choice))
     for (a, b), matrix in model.pairs.items():
-        total += matrix[choice[a]][choice[b]]
+        total += float(matrix[choice[a], choice[b]])
     return total
 
 
-# --------------------------------------------------------------------------- heuristic start
-
-
-def _fits(rows: list[_Row], budget: float, choice: Sequence[int]) -> bool:
-    return all(
-        memory_fits(r.constant + sum(c[choice[g]] for g, c in r.coeffs.items()), budget)
-        for r in rows
-    )
+def _fits(model: _Model, budget: float, choice: Sequence[int]) -> bool:
+    if not model.memory.count or math.isinf(budget):
+        return True
+    limit = budget + MEMORY_RTOL * abs(budget)
+    return bool((model.memory.choice_loads(choice) <= limit).all())
 
 
 def _argmin(values: Sequence[float]) -> int:
     return min(range(len(values)), key=values.__getitem__)
 
 
-def _improve(model: _Model, rows: list[_Row], budget: float, choice: list[int]) -> None:
-    """First-improvement local search over single groups, keeping every row under budget."""
-    neighbours: list[list[tuple[int, list[list[float]], bool]]] = [[] for _ in model.groups]
-    for (a, b), matrix in model.pairs.items():
-        neighbours[a].append((b, matrix, True))
-        neighbours[b].append((a, matrix, False))
-    member_rows: list[list[int]] = [[] for _ in model.groups]
-    for r, row in enumerate(rows):
-        for g in row.coeffs:
-            member_rows[g].append(r)
-    loads = [r.constant + sum(c[choice[g]] for g, c in r.coeffs.items()) for r in rows]
+# --------------------------------------------------------------------------- heuristic start
 
-    def local_cost(g: int, i: int) -> float:
-        cost = model.linear[g][i]
-        for other, matrix, forward in neighbours[g]:
-            cost += matrix[i][choice[other]] if forward else matrix[choice[other]][i]
-        return cost
+
+def _improve(model: _Model, budget: float, choice: list[int]) -> None:
+    """Best-improvement local search over single groups, keeping every point under budget."""
+    neighbours = _neighbours(model)
+    memory = model.memory
+    check = memory.count > 0 and not math.isinf(budget)
+    limit = budget + MEMORY_RTOL * abs(budget)
+    segments = memory.segments() if check else [[] for _ in model.groups]
+    loads = memory.choice_loads(choice) if check else np.zeros(0)
 
     for _ in range(4):
         improved = False
-        for g, group in enumerate(model.groups):
+        for g in range(len(model.groups)):
             current = choice[g]
-            best, best_cost = current, local_cost(g, current)
-            for i in range(group.size):
-                cost = local_cost(g, i)
-                if cost < best_cost - 1e-15 * abs(best_cost) and all(
-                    memory_fits(
-                        loads[r] + rows[r].coeffs[g][i] - rows[r].coeffs[g][current], budget
-                    )
-                    for r in member_rows[g]
-                ):
-                    best, best_cost = i, cost
+            costs = _local_costs(model, neighbours, g, choice)
+            threshold = costs[current] - 1e-15 * abs(costs[current])
+            peaks = [(float(loads[start:stop].max()), vector)
+                     for start, stop, vector in segments[g]]
+            best = current
+            for i in np.argsort(costs, kind="stable"):
+                i = int(i)
+                if not costs[i] < threshold:
+                    break
+                if all(peak + vector[i] - vector[current] <= limit for peak, vector in peaks):
+                    best = i
+                    break
             if best != current:
-                for r in member_rows[g]:
-                    loads[r] += rows[r].coeffs[g][best] - rows[r].coeffs[g][current]
+                for start, stop, vector in segments[g]:
+                    loads[start:stop] += vector[best] - vector[current]
                 choice[g] = best
                 improved = True
         if not improved:
             return
 
 
-def _heuristic(model: _Model, budget: float) -> list[int] | None:
-    """A feasible start for the solver (and a fallback if it finds nothing), or None."""
-    rows = _binding_rows(model, budget)
-    cheapest = [_argmin(costs) for costs in model.linear]
-    if _fits(rows, budget, cheapest):
-        choice = cheapest
-    else:
-        memory = [[0.0] * g.size for g in model.groups]
-        for row in rows:
-            for g, coeffs in row.coeffs.items():
-                for i, c in enumerate(coeffs):
-                    memory[g][i] += c
-        choice = [
+def _heuristic(model: _Model, budget: float, relaxed=None) -> list[int] | None:
+    """A feasible start for the solver (and a fallback if it finds nothing), or None.
+
+    Tries, in turn, the rounded LP relaxation (`relaxed`: a value vector per group), each
+    group's cheapest strategy, and each group's smallest (then cheapest) strategy over the
+    binding points; the first that fits is improved by local search.
+    """
+    candidates = []
+    if relaxed is not None:
+        candidates.append([int(np.argmax(values)) for values in relaxed])
+    candidates.append([int(np.argmin(costs)) for costs in model.linear])
+    binding = _binding_points(model, budget)
+    if binding:
+        # Each group's bytes summed over the binding points, per strategy.
+        counts = np.zeros(model.memory.count + 1)
+        counts[1:][binding] = 1.0
+        counts = np.cumsum(counts)  # counts[p]: binding points before p
+        memory = [np.zeros(g.size) for g in model.groups]
+        for g, runs in enumerate(model.memory.segments()):
+            for start, stop, vector in runs:
+                memory[g] += (counts[stop] - counts[start]) * vector
+        candidates.append([
             min(range(g.size), key=lambda i, k=k: (memory[k][i], model.linear[k][i]))
             for k, g in enumerate(model.groups)
-        ]
-        if not _fits(rows, budget, choice):
-            return None
-    _improve(model, rows, budget, choice)
-    return choice
+        ])
+    for k, choice in enumerate(candidates):
+        if _fits(model, budget, choice) or (k == 0 and relaxed is not None
+                                             and _repair(model, budget, choice)):
+            _improve(model, budget, choice)
+            return choice
+    return None
 
 
-# --------------------------------------------------------------------------- PuLP model
+def _neighbours(model: _Model) -> list[list[tuple[int, np.ndarray, bool]]]:
+    """Per group: (other group, pair matrix, whether this group indexes its rows)."""
+    out: list[list[tuple[int, np.ndarray, bool]]] = [[] for _ in model.groups]
+    for (a, b), matrix in model.pairs.items():
+        out[a].append((b, matrix, True))
+        out[b].append((a, matrix, False))
+    return out
 
 
-_INTEGRALITY_TOL = 1e-6
+def _local_costs(model: _Model, neighbours, g: int, choice: Sequence[int]) -> np.ndarray:
+    """Seconds of each strategy of group g, the other groups' choices held fixed."""
+    cost = model.linear[g].copy()
+    for other, matrix, forward in neighbours[g]:
+        cost += matrix[:, choice[other]] if forward else matrix[choice[other], :]
+    return cost
 
 
-def _classes(matrix: list[list[float]]) -> list[list[int]]:
+def _repair(model: _Model, budget: float, choice: list[int]) -> bool:
+    """Move groups to smaller strategies until every point fits (in place); False if stuck.
+
+    Each step takes the move with the least added seconds per byte of overflow removed at the
+    points over budget. Repairs a rounded LP relaxation, which sits on the budget: rounding
+    its few fractional groups up usually leaves a point a little over.
+    """
+    memory = model.memory
+    limit = budget + MEMORY_RTOL * abs(budget)
+    segments = memory.segments()
+    bounds = [(np.array([a for a, _, _ in runs], dtype=np.int64),
+               np.array([b for _, b, _ in runs], dtype=np.int64)) for runs in segments]
+    loads = memory.choice_loads(choice)
+    neighbours = _neighbours(model)
+    for _ in range(min(2 * len(model.groups) + 1, _REPAIR_MOVES)):
+        over = loads - limit
+        violated = np.flatnonzero(over > 0)
+        if not len(violated):
+            return True
+        best = None
+        for g, group in enumerate(model.groups):
+            if not segments[g]:
+                continue
+            current = choice[g]
+            lows = np.searchsorted(violated, bounds[g][0])
+            highs = np.searchsorted(violated, bounds[g][1])
+            touching = np.flatnonzero(highs > lows)
+            if not len(touching):
+                continue
+            gain = np.zeros(group.size)
+            for k in touching.tolist():
+                excess = over[violated[lows[k]:highs[k]]]
+                vector = segments[g][k][2]
+                delta = vector - vector[current]
+                gain += excess.sum() - np.maximum(excess[:, None] + delta[None, :], 0.0).sum(0)
+            useful = np.flatnonzero(gain > 0)
+            if not len(useful):
+                continue
+            costs = _local_costs(model, neighbours, g, choice)
+            ratios = (costs[useful] - costs[current]) / gain[useful]
+            k = int(np.argmin(ratios))
+            if best is None or ratios[k] < best[0]:
+                best = (float(ratios[k]), g, int(useful[k]))
+        if best is None:
+            return False
+        _, g, i = best
+        for start, stop, vector in segments[g]:
+            loads[start:stop] += vector[i] - vector[choice[g]]
+        choice[g] = i
+    return bool((loads <= limit).all())
+
+
+# --------------------------------------------------------------------------- the ILP in arrays
+
+
+def _classes(matrix: np.ndarray) -> list[list[int]]:
     """Indices of equal rows of `matrix`, grouped, in order of first appearance."""
-    groups: dict[tuple[float, ...], list[int]] = {}
+    groups: dict[bytes, list[int]] = {}
     for index, row in enumerate(matrix):
-        groups.setdefault(tuple(row), []).append(index)
+        groups.setdefault(row.tobytes(), []).append(index)
     return list(groups.values())
 
 
-def _new_var(prob: pulp.LpProblem, name: str, low: float, up: float | None, cat: str):
-    """A PuLP variable, without the PuLP 3.3 deprecation of the LpVariable constructor."""
-    if hasattr(prob, "add_variable"):
-        return prob.add_variable(name, low, up, cat=cat)
-    return pulp.LpVariable(name, low, up, cat=cat)
+@dataclass
+class _Lp:
+    """Columns and rows of a (mixed-integer) linear program, for either backend."""
+
+    cost: list[float] = field(default_factory=list)  # per column, scaled
+    upper: list[float] = field(default_factory=list)  # math.inf: unbounded
+    lower: list[float] = field(default_factory=list)
+    binary: list[bool] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    row_index: list[list[int]] = field(default_factory=list)
+    row_value: list[list[float]] = field(default_factory=list)
+    row_lower: list[float] = field(default_factory=list)
+    row_upper: list[float] = field(default_factory=list)
+    row_names: list[str] = field(default_factory=list)
+
+    def column(self, name: str, cost: float = 0.0, lower: float = 0.0,
+               upper: float = math.inf, binary: bool = False) -> int:
+        self.cost.append(cost)
+        self.lower.append(lower)
+        self.upper.append(upper)
+        self.binary.append(binary)
+        self.names.append(name)
+        return len(self.cost) - 1
+
+    def row(self, name: str, index: list[int], value: list[float], lower: float,
+            upper: float) -> int:
+        self.row_index.append(index)
+        self.row_value.append(value)
+        self.row_lower.append(lower)
+        self.row_upper.append(upper)
+        self.row_names.append(name)
+        return len(self.row_lower) - 1
 
 
 @dataclass
 class _Built:
-    prob: pulp.LpProblem
-    s: list[list[pulp.LpVariable]]
-    e: dict[tuple[int, int], tuple[list[list[pulp.LpVariable]], list[list[int]], list[list[int]]]]
+    """The ILP, how its columns map back to choices, and the backend's model of it."""
+
+    model: _Model
+    lp: _Lp
+    backend: str
+    s: list[list[int]]  # per group: the columns of its one-hot binaries
+    e: dict[tuple[int, int], tuple[list[list[int]], list[list[int]], list[list[int]]]]
+    memory_rows: dict[int, int] = field(default_factory=dict)  # live point -> row (lazy form)
+    chain: list[tuple[int, int]] = field(default_factory=list)  # (live point, load column)
+    lazy: bool = False
+    peak: int | None = None  # the peak column of the min-peak model
+    values: np.ndarray | None = None  # the last solve's column values
+    objective: float | None = None  # ... and objective (scaled)
+    dual_bound: float | None = None  # the MIP's lower bound (scaled), when the backend has one
+    solver_model: object = None  # highspy.Highs, or (pulp.LpProblem, variables)
+    synced_rows: int = 0  # rows already in the backend's model
+    integer: bool = False  # whether the backend's model currently has integer columns
+
+    @property
+    def variables(self) -> int:
+        return len(self.lp.cost)
+
+    @property
+    def constraints(self) -> int:
+        return len(self.lp.row_lower)
 
 
-def _build(model: _Model, rows: list[_Row], budget: float) -> _Built:
-    """The ILP: one-hot binaries per group, transportation edges, memory rows."""
-    prob = pulp.LpProblem("hloplan", pulp.LpMinimize)
-    terms: list[tuple[pulp.LpVariable, float]] = []
+def _build(model: _Model, binding: list[int], budget: float, backend: str,
+           lazy: bool) -> _Built:
+    """The ILP: one-hot binaries per group, transportation edges and memory (lazy or chain)."""
+    lp = _Lp()
     s = []
     for g, group in enumerate(model.groups):
-        row = [_new_var(prob, f"s_{group.rep}_{i}", 0, 1, pulp.LpBinary) for i in range(group.size)]
-        s.append(row)
-        prob += pulp.LpAffineExpression([(v, 1.0) for v in row]) == 1, f"one_{group.rep}"
-        terms += [(v, c * _TIME_SCALE) for v, c in zip(row, model.linear[g], strict=True) if c]
+        columns = [lp.column(f"s_{group.rep}_{i}", float(c) * _TIME_SCALE, 0.0, 1.0, True)
+                   for i, c in enumerate(model.linear[g])]
+        s.append(columns)
+        lp.row(f"one_{group.rep}", columns, [1.0] * len(columns), 1.0, 1.0)
     e = {}
     for (a, b), matrix in sorted(model.pairs.items()):
         ra, rb = model.groups[a].rep, model.groups[b].rep
@@ -362,63 +676,97 @@ def _build(model: _Model, rows: list[_Row], budget: float) -> _Built:
         # edge: aggregate them, so the transportation grid is classes x classes, not the full
         # strategy product. Exact: the class sums of a one-hot choice are one-hot.
         row_classes = _classes(matrix)
-        col_classes = _classes([list(col) for col in zip(*matrix)])
-        grid = [
-            [
-                _new_var(prob, f"e_{ra}_{rb}_{i}_{j}", 0, None, pulp.LpContinuous)
-                for j in range(len(col_classes))
-            ]
-            for i in range(len(row_classes))
-        ]
+        col_classes = _classes(matrix.T)
+        grid = [[lp.column(f"e_{ra}_{rb}_{i}_{j}",
+                           float(matrix[rows_[0], cols_[0]]) * _TIME_SCALE)
+                 for j, cols_ in enumerate(col_classes)]
+                for i, rows_ in enumerate(row_classes)]
         e[(a, b)] = (grid, row_classes, col_classes)
         for i, line in enumerate(grid):
-            expr = pulp.LpAffineExpression(
-                [(v, 1.0) for v in line] + [(s[a][m], -1.0) for m in row_classes[i]])
-            prob += expr == 0, f"src_{ra}_{rb}_{i}"
+            lp.row(f"src_{ra}_{rb}_{i}", line + [s[a][m] for m in row_classes[i]],
+                   [1.0] * len(line) + [-1.0] * len(row_classes[i]), 0.0, 0.0)
         for j, members in enumerate(col_classes):
-            expr = pulp.LpAffineExpression(
-                [(line[j], 1.0) for line in grid] + [(s[b][m], -1.0) for m in members])
-            prob += expr == 0, f"dst_{ra}_{rb}_{j}"
-        terms += [
-            (grid[i][j], matrix[rows_[0]][cols_[0]] * _TIME_SCALE)
-            for i, rows_ in enumerate(row_classes)
-            for j, cols_ in enumerate(col_classes)
-            if matrix[rows_[0]][cols_[0]]
-        ]
-    for row in rows:
-        expr = pulp.LpAffineExpression(
-            [
-                (s[g][i], c * _MEMORY_SCALE)
-                for g, cs in sorted(row.coeffs.items())
-                for i, c in enumerate(cs)
-                if c
-            ]
-        )
-        prob += expr <= (budget - row.constant) * _MEMORY_SCALE, f"mem_{row.point}"
-    prob.setObjective(pulp.LpAffineExpression(terms))
-    return _Built(prob, s, e)
+            lp.row(f"dst_{ra}_{rb}_{j}", [line[j] for line in grid] + [s[b][m] for m in members],
+                   [1.0] * len(grid) + [-1.0] * len(members), 0.0, 0.0)
+    built = _Built(model, lp, backend, s, e, lazy=lazy)
+    if not lazy:
+        _add_chain(built, binding, budget)
+    return built
 
 
-def _start_values(built: _Built, choice: Sequence[int]) -> dict[str, float]:
-    """Variable values for a MIP start: the one-hot choice and the matching edge products."""
-    values = {}
-    for g, row in enumerate(built.s):
-        for i, v in enumerate(row):
-            values[v.name] = 1.0 if i == choice[g] else 0.0
+def _row_terms(built: _Built, coefficients: dict[int, np.ndarray],
+               scale: float) -> tuple[list[int], list[float]]:
+    index, value = [], []
+    for g in sorted(coefficients):
+        for i, c in enumerate(coefficients[g]):
+            if c:
+                index.append(built.s[g][i])
+                value.append(float(c) * scale)
+    return index, value
+
+
+def _add_memory_rows(built: _Built, points: Sequence[int], budget: float) -> None:
+    """Rows `sum coefficients * s <= budget - constant` for the given points (lazy form)."""
+    points = [p for p in sorted(set(points)) if p not in built.memory_rows]
+    memory = built.model.memory
+    for p, coefficients in sorted(memory.rows(points).items()):
+        index, value = _row_terms(built, coefficients, _MEMORY_SCALE)
+        built.memory_rows[p] = built.lp.row(
+            f"mem_{p}", index, value, -math.inf,
+            (budget - float(memory.constant[p])) * _MEMORY_SCALE)
+
+
+def _add_chain(built: _Built, points: Sequence[int], budget: float | None) -> None:
+    """Load columns L_k = L_{k-1} + (changed coefficients) . s for increasing points, with
+    L_k <= budget - constant_k (no bound when `budget` is None: the min-peak model)."""
+    memory = built.model.memory
+    previous = None
+    for p, delta in memory.chain(sorted(points)):
+        upper = math.inf if budget is None else (budget - float(memory.constant[p])) * _MEMORY_SCALE
+        load = built.lp.column(f"load_{p}", 0.0, -math.inf, upper)
+        index, value = _row_terms(built, delta, -_MEMORY_SCALE)
+        if previous is not None:
+            index.append(previous)
+            value.append(-1.0)
+        built.lp.row(f"chain_{p}", [load, *index], [1.0, *value], 0.0, 0.0)
+        built.chain.append((p, load))
+        previous = load
+
+
+def _start_values(built: _Built, choice: Sequence[int]) -> np.ndarray:
+    """Column values for a MIP start: the one-hot choice, the matching edge products and the
+    chain's loads."""
+    values = np.zeros(built.variables)
+    for g, columns in enumerate(built.s):
+        values[columns[choice[g]]] = 1.0
     for (a, b), (grid, row_classes, col_classes) in built.e.items():
-        for i, line in enumerate(grid):
-            for j, v in enumerate(line):
-                hit = choice[a] in row_classes[i] and choice[b] in col_classes[j]
-                values[v.name] = 1.0 if hit else 0.0
+        i = next(k for k, members in enumerate(row_classes) if choice[a] in members)
+        j = next(k for k, members in enumerate(col_classes) if choice[b] in members)
+        values[grid[i][j]] = 1.0
+    if built.chain:
+        loads = built.model.memory.choice_loads(choice) - built.model.memory.constant
+        for p, column in built.chain:
+            values[column] = loads[p] * _MEMORY_SCALE
+        if built.peak is not None:
+            values[built.peak] = float(max(built.model.memory.choice_loads(choice)[
+                [p for p, _ in built.chain]] * _MEMORY_SCALE))
     return values
+
+
+def _group_values(built: _Built) -> list[np.ndarray] | None:
+    if built.values is None:
+        return None
+    return [built.values[columns] for columns in built.s]
 
 
 def _read_choice(built: _Built) -> list[int] | None:
     """The index per group the solver set to 1, or None if the values are not a one-hot choice."""
+    groups = _group_values(built)
+    if groups is None:
+        return None
     choice = []
-    for row in built.s:
-        values = [v.value() or 0.0 for v in row]
-        best = _argmin([-x for x in values])
+    for values in groups:
+        best = int(np.argmax(values))
         if values[best] < 0.5:
             return None
         choice.append(best)
@@ -441,7 +789,11 @@ def _cbc_available() -> bool:
 
 
 def _highs_available() -> bool:
-    return bool(pulp.HiGHS(msg=False).available())
+    try:
+        import highspy  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def available_solvers() -> list[str]:
@@ -463,29 +815,10 @@ def _pick_backend(solver: str) -> str:
     return name
 
 
-class _HiGHS(pulp.HiGHS):
-    """PuLP's HiGHS binding plus a MIP start (PuLP passes none to HiGHS itself)."""
-
-    def __init__(self, *args, start: dict[str, float] | None = None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.start = start
-
-    def callSolver(self, lp: pulp.LpProblem) -> None:  # noqa: N802 - PuLP's name
-        if self.start:
-            import highspy
-
-            solution = highspy.HighsSolution()
-            # buildSolverModel numbers the columns in the order of lp.variables().
-            solution.col_value = [self.start.get(v.name, 0.0) for v in lp.variables()]
-            solution.value_valid = True
-            lp.solverModel.setSolution(solution)
-        lp.solverModel.run()
-
-
 @contextlib.contextmanager
 def _native_stdout_silenced():
-    """HiGHS prints a banner from C++ straight to file descriptor 1 (PuLP cannot turn it off);
-    stdout carries IR and JSON for our users, so point fd 1 at /dev/null while the solver runs."""
+    """HiGHS prints a banner from C++ straight to file descriptor 1; stdout carries IR and JSON
+    for our users, so point fd 1 at /dev/null while the solver runs."""
     sys.stdout.flush()
     try:
         saved = os.dup(1)
@@ -502,33 +835,139 @@ def _native_stdout_silenced():
         os.close(saved)
 
 
-def _make_solver(
-    backend: str,
-    *,
-    time_limit: float,
-    threads: int,
-    mip: bool = True,
-    start: dict[str, float] | None = None,
-) -> pulp.LpSolver:
-    if backend == "highs":
-        return _HiGHS(
-            mip=mip,
-            msg=False,
-            timeLimit=time_limit,
-            threads=threads,
-            gapRel=_MIP_REL_GAP,
-            start=start,
-        )
+def _highs_sync(built: _Built, highspy) -> object:
+    """Create the highspy model, or add the rows added since the last sync."""
+    lp = built.lp
+    h = built.solver_model
+    if h is None:
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        n = len(lp.cost)
+        inf = highspy.kHighsInf
+        h.addVars(n, np.array([-inf if math.isinf(v) else v for v in lp.lower]),
+                  np.array([inf if math.isinf(v) else v for v in lp.upper]))
+        h.changeColsCost(n, np.arange(n, dtype=np.int32), np.array(lp.cost))
+        built.solver_model = h
+    start = built.synced_rows
+    count = len(lp.row_lower) - start
+    if count:
+        inf = highspy.kHighsInf
+        lengths = [len(index) for index in lp.row_index[start:]]
+        starts = np.zeros(count, dtype=np.int32)
+        if count > 1:
+            starts[1:] = np.cumsum(lengths[:-1])
+        index = np.fromiter((i for row in lp.row_index[start:] for i in row), dtype=np.int32,
+                            count=sum(lengths))
+        value = np.fromiter((v for row in lp.row_value[start:] for v in row), dtype=float,
+                            count=sum(lengths))
+        h.addRows(count, np.array([-inf if math.isinf(v) else v for v in lp.row_lower[start:]]),
+                  np.array([inf if math.isinf(v) else v for v in lp.row_upper[start:]]),
+                  len(index), starts, index, value)
+        built.synced_rows = len(lp.row_lower)
+    return h
+
+
+def _highs_run(built: _Built, *, time_limit: float, threads: int, mip: bool,
+               start: np.ndarray | None) -> int:
+    import highspy
+
+    with _native_stdout_silenced():
+        h = _highs_sync(built, highspy)
+        if mip != built.integer:
+            columns = np.flatnonzero(built.lp.binary).astype(np.int32)
+            kind = highspy.HighsVarType.kInteger if mip else highspy.HighsVarType.kContinuous
+            h.changeColsIntegrality(len(columns), columns, np.array([kind] * len(columns)))
+            built.integer = mip
+        h.setOptionValue("time_limit", max(float(time_limit), 0.01))
+        h.setOptionValue("threads", int(threads))
+        h.setOptionValue("mip_rel_gap", _MIP_REL_GAP)
+        if start is not None and mip:
+            solution = highspy.HighsSolution()
+            solution.col_value = list(start)
+            solution.value_valid = True
+            h.setSolution(solution)
+        h.run()
+    status = h.getModelStatus()
+    info = h.getInfo()
+    ok = highspy.HighsModelStatus
+    has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
+    built.values = np.array(h.getSolution().col_value) if has_solution else None
+    built.objective = info.objective_function_value if has_solution else None
+    built.dual_bound = None
+    if mip:
+        bound = info.mip_dual_bound
+        built.dual_bound = bound if math.isfinite(bound) else None
+    if status == ok.kOptimal:
+        if not mip:
+            built.dual_bound = built.objective
+        return pulp.LpSolutionOptimal
+    if status in (ok.kInfeasible, ok.kUnboundedOrInfeasible):
+        built.values = None
+        return pulp.LpSolutionInfeasible
+    if has_solution and mip:
+        return pulp.LpSolutionIntegerFeasible
+    built.values = None
+    return pulp.LpSolutionNoSolutionFound
+
+
+def _new_var(prob: pulp.LpProblem, name: str, low: float | None, up: float | None, cat: str):
+    """A PuLP variable, without the PuLP 3.3 deprecation of the LpVariable constructor."""
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, low, up, cat=cat)
+    return pulp.LpVariable(name, low, up, cat=cat)
+
+
+def _pulp_model(built: _Built) -> tuple[pulp.LpProblem, list]:
+    """The PuLP model of `built.lp` (built once; rows added later are appended)."""
+    lp = built.lp
+    if built.solver_model is None:
+        prob = pulp.LpProblem("hloplan", pulp.LpMinimize)
+        variables = [
+            _new_var(prob, name, None if math.isinf(-low) else low,
+                     None if math.isinf(up) else up,
+                     pulp.LpBinary if binary else pulp.LpContinuous)
+            for name, low, up, binary in zip(lp.names, lp.lower, lp.upper, lp.binary)]
+        prob.setObjective(pulp.LpAffineExpression(
+            [(v, c) for v, c in zip(variables, lp.cost) if c]))
+        built.solver_model = (prob, variables)
+    prob, variables = built.solver_model
+    for r in range(built.synced_rows, len(lp.row_lower)):
+        expr = pulp.LpAffineExpression(
+            [(variables[i], v) for i, v in zip(lp.row_index[r], lp.row_value[r])])
+        low, up = lp.row_lower[r], lp.row_upper[r]
+        if low == up:
+            prob += expr == low, lp.row_names[r]
+        elif math.isinf(low):
+            prob += expr <= up, lp.row_names[r]
+        else:
+            prob += expr >= low, lp.row_names[r]
+    built.synced_rows = len(lp.row_lower)
+    return prob, variables
+
+
+def _cbc_run(built: _Built, *, time_limit: float, threads: int, mip: bool,
+             start: np.ndarray | None) -> int:
+    prob, variables = _pulp_model(built)
+    if start is not None and mip:
+        for var, value in zip(variables, start):
+            var.setInitialValue(float(value))
     path = None if pulp.COIN_CMD(msg=False).available() else _cbc_path()
-    return pulp.COIN_CMD(
-        mip=mip,
-        msg=False,
-        timeLimit=time_limit,
-        threads=threads,
-        gapRel=_MIP_REL_GAP,
-        warmStart=bool(start),
-        path=path,
-    )
+    solver = pulp.COIN_CMD(mip=mip, msg=False, timeLimit=max(float(time_limit), 0.01),
+                           threads=threads, gapRel=_MIP_REL_GAP,
+                           warmStart=bool(start is not None and mip), path=path)
+    with _native_stdout_silenced():
+        prob.solve(solver)
+    if prob.status == pulp.LpStatusInfeasible:
+        built.values = None
+        return pulp.LpSolutionInfeasible
+    status = prob.sol_status
+    if status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        built.values = np.array([v.value() or 0.0 for v in variables])
+        built.objective = pulp.value(prob.objective) or 0.0
+        built.dual_bound = built.objective if status == pulp.LpSolutionOptimal else None
+    else:
+        built.values = None
+    return status
 
 
 def _run(
@@ -538,41 +977,87 @@ def _run(
     time_limit: float,
     threads: int,
     mip: bool = True,
-    start: dict[str, float] | None = None,
+    start: np.ndarray | None = None,
 ) -> int:
-    """Solve `built.prob`; return PuLP's solution status (LpSolution*), not LpStatus.
+    """Solve `built` as it stands; return PuLP's solution status (LpSolution*), not LpStatus.
 
-    LpStatus reads "Optimal" even when a time limit stopped the search with an incumbent; the
-    solution status tells "optimal" from "integer feasible". LpStatus is consulted only for
-    infeasibility: CBC's "Integer infeasible" maps to LpStatusInfeasible but to no solution status.
+    The values, objective and (for a MIP) lower bound land in `built`. For PuLP, LpStatus reads
+    "Optimal" even when a time limit stopped the search with an incumbent; the solution status
+    tells "optimal" from "integer feasible"; CBC's "Integer infeasible" maps to LpStatusInfeasible
+    but to no solution status.
     """
-    if start and backend == "cbc":
-        for name, var in built.prob.variablesDict().items():
-            var.setInitialValue(start.get(name, 0.0))
-    solver = _make_solver(backend, time_limit=time_limit, threads=threads, mip=mip, start=start)
-    with _native_stdout_silenced():
-        built.prob.solve(solver)
-    if built.prob.status == pulp.LpStatusInfeasible:
-        return pulp.LpSolutionInfeasible
-    return built.prob.sol_status
+    run = _highs_run if backend == "highs" else _cbc_run
+    return run(built, time_limit=time_limit, threads=threads, mip=mip, start=start)
 
 
-def _solver_bound(built: _Built, backend: str, status: int) -> float | None:
-    """The solver's own lower bound on the (scaled) objective, if it reports one."""
-    if backend == "highs":
-        bound = built.prob.solverModel.getInfo().mip_dual_bound
-        return bound if math.isfinite(bound) else None
-    if status == pulp.LpSolutionOptimal:
-        return pulp.value(built.prob.objective) or 0.0
-    return None
+def _violated(built: _Built, budget: float) -> list[int]:
+    """Points over budget under the last solution's values, the most violated first."""
+    if built.values is None or not built.lazy or math.isinf(budget):
+        return []
+    loads = built.model.memory.loads(_group_values(built))
+    limit = budget + MEMORY_RTOL * abs(budget)
+    over = np.flatnonzero(loads > limit)
+    order = sorted(over.tolist(), key=lambda p: (-loads[p], p))
+    return [p for p in order if p not in built.memory_rows]
 
 
-def _relaxation_bound(built: _Built, backend: str, time_limit: float, threads: int) -> float | None:
-    """The LP relaxation's optimum (scaled), a valid if weaker lower bound."""
-    status = _run(built, backend, time_limit=time_limit, threads=threads, mip=False)
-    if status != pulp.LpSolutionOptimal:
-        return None
-    return pulp.value(built.prob.objective) or 0.0
+def _run_lazy(built: _Built, backend: str, budget: float, deadline: float, threads: int,
+              *, mip: bool, start: np.ndarray | None = None) -> int:
+    """`_run`, adding the memory rows the solution violates and solving again until it
+    violates none (lazy form); NoSolutionFound when time runs out with a violated solution."""
+    while True:
+        status = _run(built, backend, time_limit=deadline - time.perf_counter(),
+                      threads=threads, mip=mip, start=start)
+        if status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            return status
+        violated = _violated(built, budget)
+        if not violated:
+            return status
+        if time.perf_counter() >= deadline:
+            built.values = None
+            return pulp.LpSolutionNoSolutionFound
+        _add_memory_rows(built, violated[:_LAZY_ROWS_PER_ROUND], budget)
+
+
+def _fix_by_reduced_costs(built: _Built, incumbent: float) -> int:
+    """Fix the binaries that the LP relaxation's reduced costs price out of every solution
+    better than `incumbent` (scaled objective of a feasible choice): a binary at 0 whose reduced
+    cost exceeds incumbent - LP optimum cannot be 1 in such a solution (and one at 1 with the
+    opposite cannot be 0). Exact: no solution better than the incumbent is cut off, and rows
+    added later only raise the LP bound. HiGHS only (the relaxation just solved in the model).
+    Returns how many were fixed."""
+    if built.backend != "highs" or built.solver_model is None or built.objective is None:
+        return 0
+    h = built.solver_model
+    solution = h.getSolution()
+    if not solution.dual_valid or not solution.value_valid:
+        return 0
+    reduced = np.asarray(solution.col_dual)
+    values = np.asarray(solution.col_value)
+    binaries = np.flatnonzero(built.lp.binary)
+    slack = incumbent - built.objective + 1e-7 * abs(incumbent) + 1e-3
+    zero = binaries[(values[binaries] <= 1e-9) & (reduced[binaries] > slack)]
+    one = binaries[(values[binaries] >= 1.0 - 1e-9) & (-reduced[binaries] > slack)]
+    for columns, value in ((zero, 0.0), (one, 1.0)):
+        if len(columns):
+            bound = np.full(len(columns), value)
+            h.changeColsBounds(len(columns), columns.astype(np.int32), bound, bound)
+            for j in columns.tolist():
+                built.lp.lower[j] = built.lp.upper[j] = value
+    return len(zero) + len(one)
+
+
+def _preseed_rows(built: _Built, budget: float) -> None:
+    """Before branch and bound: add the rows of the points near the budget under the LP's
+    values, so that integer solutions rarely violate a missing row (each violation costs a
+    new branch and bound)."""
+    if built.values is None or not built.lazy or math.isinf(budget):
+        return
+    loads = built.model.memory.loads(_group_values(built))
+    near = np.flatnonzero(loads >= budget * (1.0 - _LAZY_NEAR_BUDGET))
+    order = sorted((p for p in near.tolist() if p not in built.memory_rows),
+                   key=lambda p: (-loads[p], p))
+    _add_memory_rows(built, order[:_LAZY_MAX_PRESEED], budget)
 
 
 # --------------------------------------------------------------------------- infeasibility
@@ -584,26 +1069,23 @@ def _min_peak_choice(
     """Minimise the largest live point (ILP); return a choice per group and whether proven."""
     if not model.groups:
         return [], True
-    prob = pulp.LpProblem("hloplan_min_peak", pulp.LpMinimize)
-    peak = _new_var(prob, "peak", 0, None, pulp.LpContinuous)
+    memory = model.memory
+    # Only points whose largest load reaches the largest smallest load can set the peak.
+    floor = float(memory.min_load.max()) if memory.count else 0.0
+    points = [int(p) for p in np.flatnonzero(memory.max_load >= floor)]
+    lp = _Lp()
     s = []
     for group in model.groups:
-        row = [_new_var(prob, f"s_{group.rep}_{i}", 0, 1, pulp.LpBinary) for i in range(group.size)]
-        s.append(row)
-        prob += pulp.LpAffineExpression([(v, 1.0) for v in row]) == 1, f"one_{group.rep}"
-    for row in model.rows:
-        terms = [
-            (s[g][i], c * _MEMORY_SCALE)
-            for g, cs in sorted(row.coeffs.items())
-            for i, c in enumerate(cs)
-            if c
-        ]
-        prob += (
-            pulp.LpAffineExpression(terms + [(peak, -1.0)]) <= -row.constant * _MEMORY_SCALE,
-            f"mem_{row.point}",
-        )
-    prob.setObjective(pulp.LpAffineExpression([(peak, 1.0)]))
-    built = _Built(prob, s, {})
+        columns = [lp.column(f"s_{group.rep}_{i}", 0.0, 0.0, 1.0, True)
+                   for i in range(group.size)]
+        s.append(columns)
+        lp.row(f"one_{group.rep}", columns, [1.0] * len(columns), 1.0, 1.0)
+    built = _Built(model, lp, backend, s, {})
+    _add_chain(built, points, None)
+    built.peak = lp.column("peak", 1.0, 0.0)
+    for p, load in built.chain:
+        lp.row(f"peak_{p}", [load, built.peak], [1.0, -1.0], -math.inf,
+               -float(memory.constant[p]) * _MEMORY_SCALE)
     status = _run(built, backend, time_limit=time_limit, threads=threads)
     if status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         return None, False
@@ -615,7 +1097,8 @@ def _infeasible(
 ) -> InfeasibleError:
     """Build the error for a budget nothing fits, with the smallest achievable peak."""
     budget = problem.memory_budget
-    lower = max((r.constant + r.min_load for r in model.rows), default=0.0)
+    memory = model.memory
+    lower = float(memory.min_load.max()) if memory.count else 0.0
     choice, proven = (None, False)
     if backend is not None:
         choice, proven = _min_peak_choice(
@@ -630,9 +1113,7 @@ def _infeasible(
             min_peak = evaluation.peak_memory
         point = evaluation.peak_point
     if point is None and problem.live_points:
-        point = max(
-            range(len(model.rows)), key=lambda p: model.rows[p].constant + model.rows[p].min_load
-        )
+        point = int(np.argmax(memory.min_load))
     label = ""
     if point is not None:
         live = problem.live_points[point]
@@ -640,7 +1121,7 @@ def _infeasible(
         if solution is not None:
             sizes = [
                 (i, problem.nodes[i].name, problem.nodes[i].strategies[solution.choice[i]].memory)
-                for i in dict.fromkeys(live.nodes)
+                for i in problem.nodes_at(point)
             ]
             sizes.sort(key=lambda t: (-t[2], t[0]))
             dominant = tuple(sizes[:_DOMINANT_NODES])
@@ -715,6 +1196,7 @@ def solve(
     time_limit: float = 60.0,
     solver: str = "auto",
     threads: int = 1,
+    memory_rows: str = "auto",
 ) -> tuple[Solution, SolveStats]:
     """Find the cheapest strategy per node that fits the memory budget.
 
@@ -723,25 +1205,32 @@ def solve(
     the limit stopped the search with a feasible but unproven solution (the best one found is
     returned, its gap to the best bound in `SolveStats.gap`). Raises InfeasibleError when no
     choice fits the budget, SolverError when the solver found nothing usable in time.
+
+    `memory_rows` is "lazy" (rows added as solutions violate them), "chain" (every binding
+    point, through load variables) or "auto" (lazy for HiGHS, chain for CBC); both are exact.
     """
     started = time.perf_counter()
     problem.validate()
     backend = _pick_backend(solver)
+    if memory_rows not in ("auto", "lazy", "chain"):
+        raise ValueError(f"unknown memory_rows {memory_rows!r}: expected auto, lazy or chain")
     model = _compile(problem)
     budget = problem.memory_budget
-    if any(not memory_fits(r.constant + r.min_load, budget) for r in model.rows):
+    memory = model.memory
+    if memory.count and not all(memory_fits(float(v), budget) for v in memory.min_load):
         raise _infeasible(problem, model, backend, time_limit, threads)
-    rows = _binding_rows(model, budget)
-    if not model.groups or (not model.pairs and not rows):
+    binding = _binding_points(model, budget)
+    if not model.groups or (not model.pairs and not binding):
         return _solve_directly(problem, model, started)
-    return _solve_ilp(problem, model, rows, backend, time_limit, threads, started)
+    lazy = memory_rows == "lazy" or (memory_rows == "auto" and backend == "highs")
+    return _solve_ilp(problem, model, backend, time_limit, threads, started, lazy)
 
 
 def _solve_directly(
     problem: ShardingProblem, model: _Model, started: float
 ) -> tuple[Solution, SolveStats]:
     """Each group's cheapest strategy: optimal when nothing couples the decisions."""
-    choice = [_argmin(costs) for costs in model.linear]
+    choice = [int(np.argmin(costs)) for costs in model.linear]
     return _stats(
         problem,
         model.to_choice(choice),
@@ -755,10 +1244,8 @@ def _solve_directly(
     )
 
 
-def _solver_choice(
-    problem: ShardingProblem, model: _Model, built: _Built, status: int
-) -> list[int] | None:
-    """The solver's choice if it has one that `evaluate()` also finds feasible.
+def _solver_choice(model: _Model, built: _Built, status: int, budget: float) -> list[int] | None:
+    """The solver's choice if it has one that fits every live point.
 
     A binary within the solver's integrality tolerance of 1 can still leave a memory row a few
     bytes over once rounded; such a choice is discarded rather than reported as feasible.
@@ -766,87 +1253,160 @@ def _solver_choice(
     if status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         return None
     choice = _read_choice(built)
-    if choice is None or not evaluate(problem, model.to_choice(choice)).feasible:
+    if choice is None or not _fits(model, budget, choice):
         return None
     return choice
 
 
-def _integral_relaxation(
-    built: _Built, backend: str, time_limit: float, threads: int
-) -> tuple[list[int], float] | None:
-    """The LP relaxation's choice and objective when every one-hot group came out integral."""
-    status = _run(built, backend, time_limit=time_limit, threads=threads, mip=False)
-    if status != pulp.LpSolutionOptimal:
+def _integral_choice(built: _Built) -> list[int] | None:
+    """The relaxation's choice when every one-hot group came out integral."""
+    groups = _group_values(built)
+    if groups is None:
         return None
     choice = []
-    for row in built.s:
-        values = [v.value() or 0.0 for v in row]
-        best = _argmin([-x for x in values])
+    for values in groups:
+        best = int(np.argmax(values))
         if values[best] < 1.0 - _INTEGRALITY_TOL:
             return None
         choice.append(best)
-    return choice, pulp.value(built.prob.objective) or 0.0
+    return choice
 
 
-def _solve_ilp(
-    problem: ShardingProblem,
+class _ModelInfeasible(Exception):
+    """The compiled model has no choice that fits the budget."""
+
+
+@dataclass
+class _Outcome:
+    """What solving a compiled model gave: a choice per group and how good it is known to be."""
+
+    choice: list[int]
+    status: str  # "optimal" or "time_limit"
+    bound: float  # seconds, a lower bound on the optimum (-inf: none)
+    variables: int
+    constraints: int
+    extra: dict
+
+
+def _solve_model(
     model: _Model,
-    rows: list[_Row],
+    budget: float,
     backend: str,
-    time_limit: float,
+    deadline: float,
     threads: int,
-    started: float,
-) -> tuple[Solution, SolveStats]:
-    built = _build(model, rows, problem.memory_budget)
-    variables, constraints = built.prob.numVariables(), built.prob.numConstraints()
+    lazy: bool,
+    start: list[int] | None = None,
+    branch: bool = True,
+) -> _Outcome:
+    """Solve a compiled model. `start`: a choice known to fit, used as the incumbent when the
+    solver's own start is worse. `branch=False` stops after the LP relaxation: its choice when
+    integral, else the better of the repaired rounding and `start` (status "time_limit").
+    Raises _ModelInfeasible, or SolverError when nothing usable was found in time."""
+    binding = _binding_points(model, budget)
+    if not model.groups or (not model.pairs and not binding):
+        choice = [int(np.argmin(costs)) for costs in model.linear]
+        return _Outcome(choice, "optimal", _objective(model, choice), 0, 0,
+                        {"backend": None, "source": "direct"})
+    built = _build(model, binding, budget, backend, lazy)
+    kind = "lazy" if lazy else "chain"
     # The LP relaxation of this formulation is usually integral (as reported for Alpa-style
     # ILPs) and several times faster than branch and bound: when its optimum is one-hot it is
     # the ILP optimum, proven by its own bound.
-    relaxed = _integral_relaxation(built, backend, time_limit, threads)
-    if relaxed is not None:
-        choice, bound = relaxed
-        return _stats(
-            problem, model.to_choice(choice), solver=backend, status="optimal",
-            bound=bound / _TIME_SCALE + model.constant, started=started, variables=variables,
-            constraints=constraints,
-            extra={"backend": backend, "raw_status": "LP relaxation integral", "source": "lp",
-                   "solver_objective": bound / _TIME_SCALE + model.constant})
-    heuristic = _heuristic(model, problem.memory_budget)
-    start = _start_values(built, heuristic) if heuristic is not None else None
-    status = _run(built, backend, time_limit=time_limit, threads=threads, start=start)
+    status = _run_lazy(built, backend, budget, deadline, threads, mip=False)
     if status == pulp.LpSolutionInfeasible:
-        raise _infeasible(problem, model, backend, time_limit, threads)
+        raise _ModelInfeasible()
+    relaxed = _group_values(built) if status == pulp.LpSolutionOptimal else None
+    lp_bound = built.objective if status == pulp.LpSolutionOptimal else None
+    choice = _integral_choice(built) if relaxed is not None else None
+    if choice is not None and _fits(model, budget, choice):
+        bound = lp_bound / _TIME_SCALE + model.constant
+        return _Outcome(choice, "optimal", bound, built.variables, built.constraints,
+                        {"backend": backend, "raw_status": "LP relaxation integral",
+                         "source": "lp", "solver_objective": bound, "memory_rows": kind,
+                         "lazy_rows": len(built.memory_rows)})
+    heuristic = _heuristic(model, budget, relaxed)
+    if start is not None and _fits(model, budget, start) and (
+            heuristic is None or _objective(model, start) < _objective(model, heuristic)):
+        heuristic = list(start)
+    if not branch:
+        if heuristic is None:
+            raise SolverError("no rounding of the LP relaxation fits")
+        return _Outcome(heuristic, "time_limit",
+                        lp_bound / _TIME_SCALE + model.constant if lp_bound is not None
+                        else -math.inf, built.variables, built.constraints,
+                        {"backend": backend, "source": "rounded LP", "memory_rows": kind,
+                         "lazy_rows": len(built.memory_rows)})
+    values = _start_values(built, heuristic) if heuristic is not None else None
+    fixed = 0
+    if heuristic is not None and relaxed is not None:
+        fixed = _fix_by_reduced_costs(built, (_objective(model, heuristic) - model.constant)
+                                      * _TIME_SCALE)
+    _preseed_rows(built, budget)
+    status = _run_lazy(built, backend, budget, deadline, threads, mip=True, start=values)
+    if status == pulp.LpSolutionInfeasible:
+        raise _ModelInfeasible()
     extra: dict = {
         "backend": backend,
         "raw_status": pulp.LpSolution.get(status, str(status)),
         "heuristic_objective": _objective(model, heuristic) if heuristic is not None else None,
         "source": "solver",
+        "memory_rows": kind,
+        "lazy_rows": len(built.memory_rows),
+        "fixed_by_reduced_cost": fixed,
     }
-    choice = _solver_choice(problem, model, built, status)
+    choice = _solver_choice(model, built, status, budget)
     bound = None
     if choice is not None:
-        scaled = pulp.value(built.prob.objective) or 0.0
-        extra["solver_objective"] = scaled / _TIME_SCALE + model.constant
-        bound = _solver_bound(built, backend, status)
+        extra["solver_objective"] = (built.objective or 0.0) / _TIME_SCALE + model.constant
+        bound = built.dual_bound
+        if (status != pulp.LpSolutionOptimal and heuristic is not None
+                and _objective(model, heuristic) < _objective(model, choice)):
+            choice, extra["source"] = heuristic, "heuristic"
     elif heuristic is not None:
         choice, extra["source"] = heuristic, "heuristic"
     else:
         raise SolverError(
-            f"{backend} found no solution within {time_limit:g} s "
-            f"({extra['raw_status']}); raise the time limit"
+            f"{backend} found no solution in time ({extra['raw_status']}); raise the time limit"
         )
     proven = status == pulp.LpSolutionOptimal and extra["source"] == "solver"
     if bound is None:
-        remaining = max(time_limit - (time.perf_counter() - started), 1.0)
-        bound = _relaxation_bound(built, backend, remaining, threads)
+        bound = lp_bound
+    if bound is None and not proven:
+        # Any LP optimum over a subset of the memory rows is a lower bound too.
+        remaining = max(deadline - time.perf_counter(), 1.0)
+        if _run(built, backend, time_limit=remaining, threads=threads,
+                mip=False) == pulp.LpSolutionOptimal:
+            bound = built.objective
+    return _Outcome(choice, "optimal" if proven else "time_limit",
+                    bound / _TIME_SCALE + model.constant if bound is not None else -math.inf,
+                    built.variables, built.constraints, extra)
+
+
+def _solve_ilp(
+    problem: ShardingProblem,
+    model: _Model,
+    backend: str,
+    time_limit: float,
+    threads: int,
+    started: float,
+    lazy: bool,
+) -> tuple[Solution, SolveStats]:
+    try:
+        outcome = _solve_model(model, problem.memory_budget, backend, started + time_limit,
+                               threads, lazy)
+    except _ModelInfeasible:
+        raise _infeasible(problem, model, backend, time_limit, threads) from None
+    except SolverError as exc:
+        raise SolverError(f"{backend} found no solution within {time_limit:g} s "
+                          f"({exc}); raise the time limit") from None
     return _stats(
         problem,
-        model.to_choice(choice),
+        model.to_choice(outcome.choice),
         solver=backend,
-        status="optimal" if proven else "time_limit",
-        bound=bound / _TIME_SCALE + model.constant if bound is not None else -math.inf,
+        status=outcome.status,
+        bound=outcome.bound,
         started=started,
-        variables=variables,
-        constraints=constraints,
-        extra=extra,
+        variables=outcome.variables,
+        constraints=outcome.constraints,
+        extra=outcome.extra,
     )

@@ -1,0 +1,308 @@
+"""What keeps big problems cheap: live ranges, lazy and chained memory rows, restricted models and
+planning on axis views. Each is checked against a plain recomputation on small problems."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from hloplan import ir
+from hloplan.compiler import make_options
+from hloplan.passes.build_sharding_problem import BuildShardingProblem
+from hloplan.passes.extract_graph import ExtractGraph
+from hloplan.passes.inline_calls import InlineCalls
+from hloplan.pipeline import run_pipeline
+from hloplan.solver import axes, ilp
+from hloplan.solver.evaluate import evaluate
+from hloplan.solver.ilp import available_solvers, solve
+from hloplan.solver.problem import (
+    Edge,
+    LivePoint,
+    LiveRange,
+    Node,
+    ShardingProblem,
+    Solution,
+    Strategy,
+)
+from hloplan.strategies import local_bytes, replicated
+
+BACKENDS = available_solvers()
+MS = 1e-3
+GIB = float(2**30)
+
+
+def _explicit(problem: ShardingProblem) -> ShardingProblem:
+    """The same problem with every live node listed at every point (no ranges)."""
+    live = [set(p.nodes) for p in problem.live_points]
+    for r in problem.live_ranges:
+        for p in range(r.first, r.last + 1):
+            live[p].add(r.node)
+    points = tuple(dataclasses.replace(p, nodes=tuple(sorted(s)))
+                   for p, s in zip(problem.live_points, live))
+    return dataclasses.replace(problem, live_points=points, live_ranges=())
+
+
+def _random_choice(problem: ShardingProblem, rng: random.Random) -> Solution:
+    by_tie: dict[int, int] = {}
+    return Solution(tuple(
+        by_tie.setdefault(n.tie, rng.randrange(len(n.strategies))) if n.tie is not None
+        else rng.randrange(len(n.strategies)) for n in problem.nodes))
+
+
+# --------------------------------------------------------------------------- live ranges
+
+
+def _train_step(params, x, y):
+    def loss(ps):
+        h = x
+        for p in ps["layers"]:
+            h = jnp.tanh(h @ p["w"] + p["b"])
+        return jnp.mean((h @ ps["head"] - y) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(params)
+    return value, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+@pytest.fixture(scope="module")
+def built_state():
+    f32 = jnp.float32
+    layer = {"w": jax.ShapeDtypeStruct((64, 64), f32), "b": jax.ShapeDtypeStruct((64,), f32)}
+    params = {"layers": [layer] * 4, "head": jax.ShapeDtypeStruct((64, 16), f32)}
+    args = (params, jax.ShapeDtypeStruct((32, 64), f32), jax.ShapeDtypeStruct((32, 16), f32))
+    exported = export.export(jax.jit(_train_step), platforms=("cpu",))(*args)
+    program = ir.load_program(bytes(exported.serialize()), "step.jaxexport")
+    return run_pipeline(program, make_options("2x4", device="toy"),
+                        [InlineCalls(), ExtractGraph(), BuildShardingProblem()])
+
+
+def _reference_live(state, t: int) -> tuple[set[int], float]:
+    """Nodes and fixed bytes live after op t, from the graph directly (loop-free programs):
+    a value lives from its definition (arguments: from the start) to its last use (arguments
+    and outputs: to the end)."""
+    graph, space, mesh = state.graph, state.space, state.options.mesh
+    end = len(graph.ops)
+    nodes, fixed = set(), 0.0
+    for value in graph.values:
+        born = 0 if value.id in graph.arguments else value.producer
+        last = max((u for u in value.users if u >= value.producer), default=value.producer)
+        if value.id in graph.arguments or value.id in graph.outputs:
+            last = end
+        if value.type is None or not born <= t <= last:
+            continue
+        if value.producer in space.strategies:
+            nodes.add(space.node_of[value.producer])
+        elif value.id not in space.free_values:
+            fixed += local_bytes(value.type, replicated(value.type.rank), mesh)
+    return nodes, fixed
+
+
+def test_live_ranges_list_exactly_the_live_nodes_of_every_check(built_state):
+    problem = built_state.problem
+    assert not any(op.name == "stablehlo.while" for op in built_state.graph.ops)
+    assert problem.live_ranges and all(not p.nodes for p in problem.live_points)
+    assert len({r.node for r in problem.live_ranges}) == len(problem.live_ranges)
+    points_of = problem.points_of_nodes()
+    for p, point in enumerate(problem.live_points):
+        t = int(point.label.split()[1][1:])
+        nodes, fixed = _reference_live(built_state, t)
+        assert set(problem.nodes_at(p)) == nodes
+        assert {n for n, ps in enumerate(points_of) if p in ps} == nodes
+        assert point.fixed_bytes == fixed
+
+
+def test_skipped_program_points_are_dominated_by_a_check(built_state):
+    problem = built_state.problem
+    checked = [set(problem.nodes_at(p)) for p in range(len(problem.live_points))]
+    fixed = [p.fixed_bytes for p in problem.live_points]
+    for t in range(len(built_state.graph.ops) + 1):
+        nodes, extra = _reference_live(built_state, t)
+        assert any(nodes <= s and extra <= f for s, f in zip(checked, fixed)), t
+
+
+def test_evaluate_counts_ranges_like_listed_nodes(built_state):
+    problem = built_state.problem
+    listed = _explicit(problem)
+    rng = random.Random(0)
+    for _ in range(10):
+        choice = _random_choice(problem, rng)
+        assert evaluate(problem, choice).memory == evaluate(listed, choice).memory
+
+
+def test_evaluate_with_fractional_bytes_matches_the_direct_sum():
+    nodes = tuple(Node(f"n{i}", (Strategy("a", memory=0.3 + i), Strategy("b", memory=1.7)))
+                  for i in range(4))
+    points = (LivePoint((0,), 0.25), LivePoint((), 0.5), LivePoint((0, 1, 1), 0.0))
+    ranges = (LiveRange(2, 0, 1), LiveRange(3, 1, 2))
+    problem = ShardingProblem(nodes, (), points, 10.0, live_ranges=ranges)
+    problem.validate()
+    memory = evaluate(problem, Solution((0, 0, 1, 0))).memory
+    assert memory == pytest.approx((0.25 + 0.3 + 1.7, 0.5 + 1.7 + 3.3, 0.3 + 1.3 + 3.3))
+
+
+def test_with_live_points_reindexes_ranges(built_state):
+    problem = built_state.problem
+    kept = list(range(0, len(problem.live_points), 3))
+    fewer = problem.with_live_points(kept)
+    fewer.validate()
+    choice = _random_choice(problem, random.Random(1))
+    full = evaluate(problem, choice).memory
+    assert evaluate(fewer, choice).memory == tuple(full[p] for p in kept)
+
+
+@pytest.mark.parametrize("ranges, message", [
+    ((LiveRange(0, 0, 2),), "not within"),
+    ((LiveRange(5, 0, 0),), "refers to node 5"),
+    ((LiveRange(0, 0, 0), LiveRange(0, 1, 1)), "two live ranges"),
+    ((LiveRange(1, 0, 1),), "covers already"),
+])
+def test_validate_rejects_bad_ranges(ranges, message):
+    nodes = (Node("a", (Strategy("x"),)), Node("b", (Strategy("x"),)))
+    problem = ShardingProblem(nodes, (), (LivePoint((1,)), LivePoint(())), live_ranges=ranges)
+    with pytest.raises(ValueError, match=message):
+        problem.validate()
+
+
+# --------------------------------------------------------------------------- memory rows
+
+
+def _ranged_problem(seed: int, n: int = 8, k: int = 3, tight: float = 0.3) -> ShardingProblem:
+    """Random costs, edges and live ranges over 6 points; a budget between the smallest and
+    largest peaks."""
+    rng = random.Random(seed)
+    nodes = tuple(
+        Node(f"n{i}", tuple(Strategy(f"s{j}", rng.uniform(0, 1) * MS, 0.0,
+                                     rng.choice([1, 2, 3, 5]) * GIB) for j in range(k)),
+             tie=0 if i in (1, 4) else None)
+        for i in range(n))
+    edges = tuple(
+        Edge(a, b, tuple(tuple(0.0 if i == j else rng.uniform(0, 2) * MS for j in range(k))
+                         for i in range(k)))
+        for a, b in (rng.sample(range(n), 2) for _ in range(2 * n)))
+    count = 6
+    ranges = []
+    for i in range(n):
+        first = rng.randrange(count)
+        ranges.append(LiveRange(i, first, rng.randrange(first, count)))
+    points = tuple(LivePoint((), 0.5 * GIB, f"p{p}") for p in range(count))
+    loose = ShardingProblem(nodes, edges, points, math.inf, live_ranges=tuple(ranges))
+
+    def peak(pick) -> float:
+        memory = [0.5 * GIB] * count
+        for r in ranges:
+            for p in range(r.first, r.last + 1):
+                memory[p] += pick(s.memory for s in nodes[r.node].strategies)
+        return max(memory)
+
+    low, high = peak(min), peak(max)
+    return dataclasses.replace(loose, memory_budget=low + tight * (high - low))
+
+
+def _brute_force(problem: ShardingProblem) -> float:
+    best = math.inf
+    for choice in itertools.product(*(range(len(n.strategies)) for n in problem.nodes)):
+        evaluation = evaluate(problem, Solution(choice))
+        if evaluation.feasible:
+            best = min(best, evaluation.total)
+    return best
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("rows", ["lazy", "chain"])
+def test_lazy_and_chained_memory_rows_find_the_optimum(seed, rows):
+    problem = _ranged_problem(seed)
+    expected = _brute_force(problem)
+    for backend in BACKENDS:
+        solution, stats = solve(problem, solver=backend, memory_rows=rows)
+        assert evaluate(problem, solution).feasible
+        assert stats.status == "optimal"
+        assert stats.objective == pytest.approx(expected, rel=1e-6)
+        assert stats.bound <= stats.objective * (1 + 1e-9)
+
+
+def test_memory_model_events_match_evaluate():
+    problem = _ranged_problem(5)
+    model = ilp._compile(problem)
+    rng = random.Random(5)
+    for _ in range(10):
+        choice = [rng.randrange(g.size) for g in model.groups]
+        expected = evaluate(problem, model.to_choice(choice)).memory
+        assert tuple(model.memory.choice_loads(choice)) == pytest.approx(expected)
+        values = model.one_hot(choice)
+        assert tuple(model.memory.loads(values)) == pytest.approx(expected)
+    assert all(lo <= hi for lo, hi in zip(model.memory.min_load, model.memory.max_load))
+
+
+def test_restricted_models_price_choices_like_the_full_model():
+    problem = _ranged_problem(7, k=4)
+    model = ilp._compile(problem)
+    rng = random.Random(7)
+    allowed = [np.array(sorted(rng.sample(range(g.size), 2)))
+               for g in model.groups]
+    sub = ilp._restrict(model, allowed)
+    for _ in range(10):
+        local = [rng.randrange(2) for _ in model.groups]
+        full = [int(keep[i]) for keep, i in zip(allowed, local)]
+        assert ilp._objective(sub, local) == pytest.approx(ilp._objective(model, full))
+        assert tuple(sub.memory.choice_loads(local)) == pytest.approx(
+            tuple(model.memory.choice_loads(full)))
+
+
+# --------------------------------------------------------------------------- axis views
+
+
+def _three_axis_problem(seed: int) -> ShardingProblem:
+    """A chain of 2-D tensors on a 3-axis mesh: each strategy sends each axis to dim 0, dim 1
+    or nowhere (roles as strategies.axis_roles writes them). Sharding over more devices
+    divides compute and memory; consecutive nodes pay a resharding cost per axis whose role
+    changes."""
+    rng = random.Random(seed)
+    sizes = (4, 2, 2)
+    assignments = list(itertools.product((-1, 0, 1), repeat=3))
+    nodes = []
+    for i in range(6):
+        work = rng.uniform(1, 4)
+        strategies = []
+        for assignment in assignments:
+            split = math.prod(s for s, a in zip(sizes, assignment) if a >= 0)
+            comm = sum(0.2 * rng.random() for a in assignment if a >= 0)
+            strategies.append(Strategy(
+                str(assignment), work / split * MS, comm * MS, 8 * GIB / split,
+                axes=tuple((a, 0) for a in assignment)))
+        nodes.append(Node(f"n{i}", tuple(strategies)))
+
+    def cost(src, dst) -> float:
+        return sum(0.5 * MS for a, b in zip(src, dst) if a != b)
+
+    matrix = tuple(tuple(cost(a, b) for b in assignments) for a in assignments)
+    edges = tuple(Edge(i, i + 1, matrix) for i in range(5))
+    points = tuple(LivePoint((i, i + 1), 0.0, f"p{i}") for i in range(5))
+    return ShardingProblem(tuple(nodes), edges, points, 3 * GIB)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_axis_views_return_a_feasible_plan_no_better_than_the_optimum(seed):
+    problem = _three_axis_problem(seed)
+    exact, exact_stats = solve(problem)
+    solution, stats = axes.solve(problem, decompose="always", links=("ib", "ib", "nvlink"))
+    assert stats.status == "decomposed"
+    assert evaluate(problem, solution).feasible
+    assert stats.objective >= exact_stats.objective * (1 - 1e-9)
+    assert stats.extra["steps"][0]["step"].startswith("view: axes 0 and 1")
+    # Small problems are solved whole unless asked otherwise.
+    whole, whole_stats = axes.solve(problem)
+    assert whole_stats.status == "optimal" and whole == exact
+    assert axes.solve(problem, decompose="never")[0] == exact
+
+
+def test_axis_pairs_on_one_link_come_first():
+    assert axes._pairs(3, ("ib", "ib", "nvlink"))[0] == (0, 1)
+    assert axes._pairs(3, ("nvlink", "ib", "ib"))[0] == (1, 2)
+    assert axes._pairs(3, None) == [(0, 1), (1, 2), (0, 2)]
