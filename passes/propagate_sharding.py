@@ -30,11 +30,12 @@ class PropagateSharding:
         per_mlir_op: dict[int, tuple[object, dict[int, tuple]]] = {}
         operand_constraints: list[tuple[object, int, tuple]] = []
         pins: list[tuple[object, int, tuple]] = []
+        argument_specs: dict[int, tuple] = {}
         for op_index in state.space.strategies:
             op = graph.ops[op_index]
             chosen = state.chosen(op_index)
             if op.name == "arg":
-                annotator.set_argument(op.attrs["index"], spec_names(chosen.results[0], mesh))
+                argument_specs[op.attrs["index"]] = spec_names(chosen.results[0], mesh)
                 continue
             mlir_op, result_indices = handles.ops[op_index]
             if op.name == "while.carry":
@@ -62,11 +63,14 @@ class PropagateSharding:
             annotator.pin_while_carry(mlir_op, result_index, spec)
         for mlir_op, operand_index, spec in operand_constraints:
             annotator.constrain_operand(mlir_op, operand_index, spec)
+        annotator.set_arguments(argument_specs)
+        result_specs = {}
         for index, value_id in enumerate(graph.outputs):
             spec = self._given(state, value_id)
             if spec is None:
                 spec = replicated(graph.type_of(value_id).rank)
-            annotator.set_result(index, spec_names(spec, mesh))
+            result_specs[index] = spec_names(spec, mesh)
+        annotator.set_results(result_specs)
         state.facts["sharding_constraints"] = 2 * len(pins) + len(operand_constraints)
         state.facts["result_constraints"] = results
 

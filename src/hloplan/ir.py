@@ -911,25 +911,28 @@ class Annotator:
             self.module.operation.attributes["mhlo.num_partitions"] = ir.IntegerAttr.get(
                 ir.IntegerType.get_signless(32), total)
 
-    def _set_func_attr(self, key: str, count: int, index: int, spec) -> None:
+    def _set_func_attrs(self, key: str, count: int, specs: dict[int, tuple]) -> None:
+        """Add `sdy.sharding` to the arg/res attribute dicts at the given indices, in one
+        rewrite of the array (one per index is quadratic: 15 s on a 96-layer GPT-3)."""
         main = self.handles.main.operation
         existing = list(ir.ArrayAttr(main.attributes[key])) if key in main.attributes else []
         existing += [ir.DictAttr.get({})] * (count - len(existing))
-        entry = ir.DictAttr(existing[index])
-        items = {entry[i].name: entry[i].attr for i in range(len(entry))}
-        items["sdy.sharding"] = ir.Attribute.parse(sharding_text(spec))
-        existing[index] = ir.DictAttr.get(items)
+        for index, spec in specs.items():
+            entry = ir.DictAttr(existing[index])
+            items = {entry[i].name: entry[i].attr for i in range(len(entry))}
+            items["sdy.sharding"] = ir.Attribute.parse(sharding_text(spec))
+            existing[index] = ir.DictAttr.get(items)
         main.attributes[key] = ir.ArrayAttr.get(existing)
 
-    def set_argument(self, index: int, spec) -> None:
+    def set_arguments(self, specs: dict[int, tuple]) -> None:
         with self.context:
             count = len(self.handles.main.regions[0].blocks[0].arguments)
-            self._set_func_attr("arg_attrs", count, index, spec)
+            self._set_func_attrs("arg_attrs", count, specs)
 
-    def set_result(self, index: int, spec) -> None:
+    def set_results(self, specs: dict[int, tuple]) -> None:
         with self.context:
             count = len(ir.FunctionType(ir.TypeAttr(self.handles.main.operation.attributes["function_type"]).value).results)
-            self._set_func_attr("res_attrs", count, index, spec)
+            self._set_func_attrs("res_attrs", count, specs)
 
     def constrain_results(self, op, specs: dict[int, tuple]) -> None:
         """Fix results (by index) to their specs with sdy.sharding_constraint right after `op`.
