@@ -153,6 +153,9 @@ class _Search:
     def _solve(self, allowed: list[np.ndarray], label: str, branch: bool = True) -> bool:
         """Solve the restriction; adopt its plan if it is better. Whether it was."""
         started = time.perf_counter()
+        if any(not len(keep) for keep in allowed):  # a group with no strategy in this view
+            self.steps.append({"step": label, "result": "empty", "seconds": 0.0})
+            return False
         sub = ilp._restrict(self.model, allowed)
         start = None
         if self.choice is not None:

@@ -136,11 +136,13 @@ class _Group:
 class _Memory:
     """Bytes at every live point as a function of the group choices, kept as events.
 
-    `events[p]` lists the groups whose coefficient vector (bytes per strategy, summed over the
-    group's nodes live at p) differs from point p-1, with the new vector; `constant[p]` holds
-    the bytes no decision changes (fixed bytes and single-strategy nodes). Points are taken in
-    the problem's order; consecutive points of a program share most of their live values, so
-    there are few events. A node listed twice at one point counts once.
+    For group g, `at[g]` lists the points where its coefficient vector (bytes per strategy,
+    summed over the group's nodes live there) changes and `vectors[g]` the new vectors, one row
+    each (a zero row: none of its nodes is live from there on); `constant[p]` holds the bytes no
+    decision changes (fixed bytes and single-strategy nodes). Points are taken in the problem's
+    order; consecutive points of a program share most of their live values, so there are few
+    events, and every question below is a few array operations per group. A node listed twice
+    at one point counts once.
     """
 
     def __init__(self, problem: ShardingProblem, group_of: list[int], sizes: list[int]) -> None:
@@ -148,7 +150,8 @@ class _Memory:
         self.count = count
         self.sizes = sizes
         self.constant = np.zeros(count)
-        self.events: list[list[tuple[int, np.ndarray]]] = []
+        events_at: list[list[int]] = [[] for _ in sizes]
+        events: list[list[np.ndarray]] = [[] for _ in sizes]
         vectors: dict[int, np.ndarray] = {}  # id(strategies) -> bytes per strategy
         current: dict[int, np.ndarray] = {}
         previous: set[int] = set()
@@ -177,21 +180,28 @@ class _Memory:
                         vectors[id(strategies)] = vector
                     delta = changed.get(g)
                     changed[g] = sign * vector if delta is None else delta + sign * vector
-            events = []
-            for g in sorted(changed):
-                new = current.get(g, 0.0) + changed[g]
+            for g, delta in changed.items():
+                new = current.get(g, 0.0) + delta
                 if new.any():
                     current[g] = new
                 else:
                     new = np.zeros(sizes[g])
                     current.pop(g, None)
-                events.append((g, new))
-            self.events.append(events)
+                events_at[g].append(p)
+                events[g].append(new)
             self.constant[p] = point.fixed_bytes + constant
             previous = live
-        self._vectors = vectors  # keeps the ids above valid while this model lives
-        self.min_load = self._extreme(np.min)
-        self.max_load = self._extreme(np.max)
+        self.at = [np.array(a, dtype=np.int64) for a in events_at]
+        self.vectors = [np.array(v) if v else np.zeros((0, size))
+                        for v, size in zip(events, sizes, strict=True)]
+        self._extremes()
+
+    def _extremes(self) -> None:
+        self.live = [v.any(axis=1) for v in self.vectors]  # per group and event: not all zero
+        self.min_load = self._accumulate([v.min(axis=1) if len(v) else v[:, 0]
+                                          for v in self.vectors])
+        self.max_load = self._accumulate([v.max(axis=1) if len(v) else v[:, 0]
+                                          for v in self.vectors])
 
     def restricted(self, allowed: Sequence[np.ndarray]) -> _Memory:
         """This memory with group g limited to the strategies `allowed[g]`."""
@@ -199,106 +209,68 @@ class _Memory:
         out.count = self.count
         out.sizes = [len(keep) for keep in allowed]
         out.constant = self.constant
-        out.events = [[(g, vector[allowed[g]]) for g, vector in events] for events in self.events]
-        out._vectors = {}
-        out.min_load = out._extreme(np.min)
-        out.max_load = out._extreme(np.max)
+        out.at = self.at
+        out.vectors = [v[:, keep] for v, keep in zip(self.vectors, allowed, strict=True)]
+        out._extremes()
         return out
 
-    def _extreme(self, pick) -> np.ndarray:
-        """Per point: constant bytes plus each live group's smallest (largest) coefficient."""
-        out = np.empty(self.count)
-        total = 0.0
-        last: dict[int, float] = {}
-        for p, events in enumerate(self.events):
-            for g, vector in events:
-                value = float(pick(vector))
-                total += value - last.get(g, 0.0)
-                last[g] = value
-            out[p] = self.constant[p] + total
-        return out
+    def _accumulate(self, values: Sequence[np.ndarray]) -> np.ndarray:
+        """Constant bytes plus, per point, each group's value from its latest event (values[g]
+        has one entry per event of g). Whole bytes add up exactly."""
+        change = np.zeros(self.count + 1)
+        for at, value in zip(self.at, values, strict=True):
+            if len(at):
+                np.add.at(change, at, np.diff(value, prepend=0.0))
+        return self.constant + np.cumsum(change[:-1])
 
     def loads(self, values: Sequence[np.ndarray]) -> np.ndarray:
         """Bytes at every point when group g takes `values[g]` (one-hot or fractional)."""
-        out = np.empty(self.count)
-        total = 0.0
-        last: dict[int, float] = {}
-        for p, events in enumerate(self.events):
-            for g, vector in events:
-                value = float(vector @ values[g])
-                total += value - last.get(g, 0.0)
-                last[g] = value
-            out[p] = self.constant[p] + total
-        return out
+        return self._accumulate([v @ x for v, x in zip(self.vectors, values, strict=True)])
 
     def choice_loads(self, choice: Sequence[int]) -> np.ndarray:
         """Bytes at every point under one strategy index per group (exact for whole bytes)."""
-        out = np.empty(self.count)
-        total = 0.0
-        last: dict[int, float] = {}
-        for p, events in enumerate(self.events):
-            for g, vector in events:
-                value = float(vector[choice[g]])
-                total += value - last.get(g, 0.0)
-                last[g] = value
-            out[p] = self.constant[p] + total
-        return out
+        return self._accumulate([v[:, i] for v, i in zip(self.vectors, choice, strict=True)])
+
+    def _latest(self, g: int, points: np.ndarray) -> np.ndarray:
+        """Per point, the index of group g's latest event at or before it (-1: none)."""
+        return np.searchsorted(self.at[g], points, side="right") - 1
 
     def rows(self, points: Sequence[int]) -> dict[int, dict[int, np.ndarray]]:
         """The full coefficients (group -> bytes per strategy) of the given points."""
-        wanted = set(points)
-        out: dict[int, dict[int, np.ndarray]] = {}
-        current: dict[int, np.ndarray] = {}
-        for p, events in enumerate(self.events):
-            for g, vector in events:
-                if vector.any():
-                    current[g] = vector
-                else:
-                    current.pop(g, None)
-            if p in wanted:
-                out[p] = dict(current)
-                if len(out) == len(wanted):
-                    break
+        wanted = np.array(sorted(set(points)), dtype=np.int64)
+        out: dict[int, dict[int, np.ndarray]] = {int(p): {} for p in wanted}
+        for g, vectors in enumerate(self.vectors):
+            live = self.live[g]
+            for p, k in zip(wanted.tolist(), self._latest(g, wanted).tolist(), strict=True):
+                if k >= 0 and live[k]:
+                    out[p][g] = vectors[k]
         return out
 
     def chain(self, points: Sequence[int]) -> list[tuple[int, dict[int, np.ndarray]]]:
         """For increasing `points`: each one's coefficients minus the previous one's."""
-        wanted = set(points)
-        out = []
-        current: dict[int, np.ndarray] = {}
-        emitted: dict[int, np.ndarray] = {}
-        dirty: set[int] = set()
-        for p, events in enumerate(self.events):
-            for g, vector in events:
-                current[g] = vector
-                dirty.add(g)
-            if p in wanted:
-                delta = {}
-                for g in sorted(dirty):
-                    change = current[g] - emitted.get(g, 0.0)
-                    if change.any():
-                        delta[g] = change
-                    emitted[g] = current[g]
-                dirty.clear()
-                out.append((p, delta))
-                if len(out) == len(wanted):
-                    break
+        wanted = np.array(points, dtype=np.int64)
+        out: list[tuple[int, dict[int, np.ndarray]]] = [(int(p), {}) for p in wanted]
+        for g, vectors in enumerate(self.vectors):
+            latest = self._latest(g, wanted)
+            before = -1
+            for position, k in enumerate(latest.tolist()):
+                if k != before:
+                    change = (vectors[k] if k >= 0 else 0.0) - (
+                        vectors[before] if before >= 0 else 0.0)
+                    if np.any(change):
+                        out[position][1][g] = change
+                    before = k
         return out
 
     def segments(self) -> list[list[tuple[int, int, np.ndarray]]]:
         """Per group: (first point, end point, coefficients) of the runs where they are constant
         and not all zero."""
-        out: list[list[tuple[int, int, np.ndarray]]] = [[] for _ in self.sizes]
-        opened: dict[int, tuple[int, np.ndarray]] = {}
-        for p, events in enumerate(self.events):
-            for g, vector in events:
-                if g in opened:
-                    start, old = opened.pop(g)
-                    out[g].append((start, p, old))
-                if vector.any():
-                    opened[g] = (p, vector)
-        for g, (start, vector) in opened.items():
-            out[g].append((start, self.count, vector))
+        out: list[list[tuple[int, int, np.ndarray]]] = []
+        for at, vectors, live in zip(self.at, self.vectors, self.live, strict=True):
+            stops = [*at[1:].tolist(), self.count] if len(at) else []
+            out.append([(start, stop, vectors[k])
+                        for k, (start, stop) in enumerate(zip(at.tolist(), stops, strict=True))
+                        if live[k]])
         return out
 
 
@@ -455,7 +427,12 @@ def _improve(model: _Model, budget: float, choice: list[int]) -> None:
     memory = model.memory
     check = memory.count > 0 and not math.isinf(budget)
     limit = budget + MEMORY_RTOL * abs(budget)
-    segments = memory.segments() if check else [[] for _ in model.groups]
+    runs = []  # per group: run starts and ends (interleaved) and coefficients, one row per run
+    for segments in (memory.segments() if check else [[] for _ in model.groups]):
+        bounds = np.array([b for start, stop, _ in segments for b in (start, stop)],
+                          dtype=np.int64)
+        vectors = np.array([v for _, _, v in segments]) if segments else None
+        runs.append((bounds, vectors))
     loads = memory.choice_loads(choice) if check else np.zeros(0)
 
     for _ in range(4):
@@ -464,21 +441,23 @@ def _improve(model: _Model, budget: float, choice: list[int]) -> None:
             current = choice[g]
             costs = _local_costs(model, neighbours, g, choice)
             threshold = costs[current] - 1e-15 * abs(costs[current])
-            peaks = [(float(loads[start:stop].max()), vector)
-                     for start, stop, vector in segments[g]]
-            best = current
-            for i in np.argsort(costs, kind="stable"):
-                i = int(i)
-                if not costs[i] < threshold:
-                    break
-                if all(peak + vector[i] - vector[current] <= limit for peak, vector in peaks):
-                    best = i
-                    break
-            if best != current:
-                for start, stop, vector in segments[g]:
-                    loads[start:stop] += vector[best] - vector[current]
-                choice[g] = best
-                improved = True
+            better = costs < threshold
+            if not better.any():
+                continue
+            bounds, vectors = runs[g]
+            if vectors is not None:
+                # The peak of each run where the group is live, and what each strategy adds.
+                peaks = np.maximum.reduceat(np.append(loads, -np.inf), bounds)[0::2]
+                better &= ((peaks[:, None] + vectors - vectors[:, [current]]) <= limit).all(0)
+            candidates = np.flatnonzero(better)
+            if not len(candidates):
+                continue
+            best = int(candidates[np.argmin(costs[candidates])])
+            if vectors is not None:
+                for k in range(len(vectors)):
+                    loads[bounds[2 * k]:bounds[2 * k + 1]] += vectors[k, best] - vectors[k, current]
+            choice[g] = best
+            improved = True
         if not improved:
             return
 
@@ -620,6 +599,18 @@ class _Lp:
         self.names.append(name)
         return len(self.cost) - 1
 
+    def columns(self, names: list[str], cost: Sequence[float], lower: float = 0.0,
+                upper: float = math.inf, binary: bool = False) -> list[int]:
+        """Many columns with the same bounds; their indices."""
+        first = len(self.cost)
+        self.cost.extend(float(c) for c in cost)
+        count = len(self.cost) - first
+        self.lower.extend([lower] * count)
+        self.upper.extend([upper] * count)
+        self.binary.extend([binary] * count)
+        self.names.extend(names)
+        return list(range(first, first + count))
+
     def row(self, name: str, index: list[int], value: list[float], lower: float,
             upper: float) -> int:
         self.row_index.append(index)
@@ -663,10 +654,12 @@ def _build(model: _Model, binding: list[int], budget: float, backend: str,
            lazy: bool) -> _Built:
     """The ILP: one-hot binaries per group, transportation edges and memory (lazy or chain)."""
     lp = _Lp()
+    named = backend != "highs"  # PuLP needs names; highspy takes columns by index
     s = []
     for g, group in enumerate(model.groups):
-        columns = [lp.column(f"s_{group.rep}_{i}", float(c) * _TIME_SCALE, 0.0, 1.0, True)
-                   for i, c in enumerate(model.linear[g])]
+        size = group.size
+        columns = lp.columns([f"s_{group.rep}_{i}" for i in range(size)] if named else [""] * size,
+                             model.linear[g] * _TIME_SCALE, 0.0, 1.0, True)
         s.append(columns)
         lp.row(f"one_{group.rep}", columns, [1.0] * len(columns), 1.0, 1.0)
     e = {}
@@ -677,10 +670,12 @@ def _build(model: _Model, binding: list[int], budget: float, backend: str,
         # strategy product. Exact: the class sums of a one-hot choice are one-hot.
         row_classes = _classes(matrix)
         col_classes = _classes(matrix.T)
-        grid = [[lp.column(f"e_{ra}_{rb}_{i}_{j}",
-                           float(matrix[rows_[0], cols_[0]]) * _TIME_SCALE)
-                 for j, cols_ in enumerate(col_classes)]
-                for i, rows_ in enumerate(row_classes)]
+        rows_, cols_ = len(row_classes), len(col_classes)
+        costs = matrix[np.ix_([m[0] for m in row_classes], [m[0] for m in col_classes])]
+        names = ([f"e_{ra}_{rb}_{i}_{j}" for i in range(rows_) for j in range(cols_)] if named
+                 else [""] * (rows_ * cols_))
+        flat = lp.columns(names, costs.ravel() * _TIME_SCALE)
+        grid = [flat[i * cols_:(i + 1) * cols_] for i in range(rows_)]
         e[(a, b)] = (grid, row_classes, col_classes)
         for i, line in enumerate(grid):
             lp.row(f"src_{ra}_{rb}_{i}", line + [s[a][m] for m in row_classes[i]],
