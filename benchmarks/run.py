@@ -55,7 +55,7 @@ MESHES = ["8", "2x4", "4x2", "4x8"]
 MODELS = ["gpt", "llama", "bert", "moe", "resnet", "mlp"]
 QUICK_CASES = [("gpt", "2x4"), ("mlp", "4x8")]
 NUMERICS_MESH = "2x4"
-LOSS_THRESHOLD = 1.02
+LOSS_THRESHOLD = 1.00  # the target: every loss is bold and explained
 # Alpa's GPT benchmark shapes: (layers, hidden, heads).
 SEARCH_SIZES = [(2, 1024, 16), (8, 2048, 32), (24, 4096, 32), (48, 8192, 64)]
 SEARCH_MESHES = ["8x4", "8x8"]
@@ -131,7 +131,7 @@ def top_collectives(stats, hlo_text: str, comm, count: int = 6) -> list[dict]:
 
 def measure(compiled, mesh_axes, comm) -> dict:
     """Collectives, memory, FLOPs and the formula's step time of one compiled program."""
-    from hloplan.hlo_stats import collective_stats, memory_stats
+    from hloplan.hlo_stats import collective_stats, kernel_stats, memory_stats
 
     hlo_text = compiled.as_text()
     stats = collective_stats(hlo_text, mesh_axes=mesh_axes)
@@ -143,6 +143,7 @@ def measure(compiled, mesh_axes, comm) -> dict:
     memory = memory_stats(compiled)
     compute_s = flops / comm.model.flops_for("f32")
     hbm_s = bytes_accessed / comm.model.hbm_bandwidth
+    kernels = kernel_stats(hlo_text, comm.model.flops_for("f32"), comm.model.hbm_bandwidth)
     per_kind: dict[str, dict] = {}
     per_axes: dict[str, dict] = {}
     comm_s = latency_s = 0.0
@@ -168,6 +169,13 @@ def measure(compiled, mesh_axes, comm) -> dict:
         "bytes_accessed": bytes_accessed,
         "hbm_s": hbm_s,
         "step_hbm_s": max(compute_s, hbm_s) + comm_s,
+        # Each compiled kernel (fusion) bound by its FLOPs or its own HBM bytes, whichever is
+        # slower, kernels one after another: what a GPU does with memory-bound work that the
+        # totals' max hides.
+        "kernels": kernels.kernels,
+        "kernel_hbm_bytes": kernels.hbm_bytes,
+        "kernels_s": max(kernels.seconds, compute_s),
+        "step_kernels_s": max(kernels.seconds, compute_s) + comm_s,
         "collective_bytes": stats.total_bytes,
         "collectives": per_kind,
         "collectives_by_axes": per_axes,
@@ -348,6 +356,9 @@ def run_case(model_name: str, mesh: str, workdir: str, keep: str | None = None) 
         best_hbm = min(feasible, key=lambda k: feasible[k]["step_hbm_s"])
         case["ratio_hbm"] = hl["step_hbm_s"] / feasible[best_hbm]["step_hbm_s"]
         case["best_hand_hbm"] = best_hbm
+        best_kernels = min(feasible, key=lambda k: feasible[k]["step_kernels_s"])
+        case["ratio_kernels"] = hl["step_kernels_s"] / feasible[best_kernels]["step_kernels_s"]
+        case["best_hand_kernels"] = best_kernels
         if "step_s" in rep:
             case["replicated_ratio"] = rep["step_s"] / feasible[best]["step_s"]
         if not hl["fits"]:
@@ -370,6 +381,7 @@ def run_case(model_name: str, mesh: str, workdir: str, keep: str | None = None) 
             "realised_by_kind": {k: v["bytes"] for k, v in hl["collectives"].items()},
             "predicted_step_s": hl["estimate"]["step_time_s"],
             "formula_step_s": hl["step_s"],
+            "kernels_step_s": hl["step_kernels_s"],
             "predicted_peak_bytes": hl["estimate"]["peak_memory_bytes"],
             "realised_peak_bytes": hl["peak_bytes"],
         }
@@ -627,7 +639,7 @@ def _gb(x) -> str:
 def headline_table(cases: list[dict]) -> list[str]:
     lines = ["| model | mesh | hloplan step (ms) | best hand plan | its step (ms) | **ratio** "
              "| replicated (ms) | replicated / best | hloplan peak GiB | XLA full remats "
-             "(hloplan / best hand) | HBM GB/device (hloplan / best) | ratio with HBM time |",
+             "(hloplan / best hand) | HBM GB/device (hloplan / best) | ratio, per-kernel roofline (vs) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         hl = c.get("hloplan", {})
@@ -652,7 +664,8 @@ def headline_table(cases: list[dict]) -> list[str]:
         lines.append(f"| {c['model']} | {c['mesh']} | {hl_cell} | {c.get('best_hand', '-')} | "
                      f"{_ms(c.get('best_hand_step_s'))} | {ratio_cell} | {rep_cell} | "
                      f"{'-' if rr is None else f'{rr:.2f}'} | {_gb(hl.get('peak_bytes'))} | "
-                     f"{remats} | {_hbm_cell(hl, best)} | {_ratio_cell(c.get('ratio_hbm'))} |")
+                     f"{remats} | {_hbm_cell(hl, best)} | {_ratio_cell(c.get('ratio_kernels'))}"
+                     f"{' (' + c['best_hand_kernels'] + ')' if c.get('best_hand_kernels') else ''} |")
     return lines
 
 
@@ -709,8 +722,9 @@ def all_plans_table(cases: list[dict]) -> list[str]:
 
 def fidelity_table(cases: list[dict]) -> list[str]:
     lines = ["| model | mesh | predicted GB/device | realised GB/device | predicted / realised "
-             "| hloplan est. step (ms) | formula step (ms) | predicted peak GiB | compiled peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| hloplan est. step (ms) | formula step (ms) | per-kernel roofline step (ms) "
+             "| predicted peak GiB | compiled peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         f = c.get("fidelity")
         if not f:
@@ -719,6 +733,7 @@ def fidelity_table(cases: list[dict]) -> list[str]:
         lines.append(f"| {c['model']} | {c['mesh']} | {f['predicted_bytes'] / 1e9:.3f} | "
                      f"{f['realised_bytes'] / 1e9:.3f} | {'-' if r is None else f'{r:.3f}'} | "
                      f"{_ms(f['predicted_step_s'])} | {_ms(f['formula_step_s'])} | "
+                     f"{_ms(f.get('kernels_step_s'))} | "
                      f"{_gb(f['predicted_peak_bytes'])} | {_gb(f['realised_peak_bytes'])} |")
     return lines
 
@@ -777,8 +792,9 @@ def why_section(cases: list[dict]) -> list[str]:
                   f"{_ms(why['latency_s']['hloplan'])} vs {_ms(why['latency_s'][vs])} ms",
                   f"- HBM traffic (not in the formula): hloplan "
                   f"{why['bytes_accessed']['hloplan'] / 1e9:.1f} GB/device, {vs} "
-                  f"{why['bytes_accessed'][vs] / 1e9:.1f} GB; ratio with HBM time "
-                  f"{_ratio_cell(c.get('ratio_hbm'))}", "",
+                  f"{why['bytes_accessed'][vs] / 1e9:.1f} GB; ratio with the per-kernel "
+                  f"roofline (each compiled kernel bound by its FLOPs or its HBM bytes) "
+                  f"{_ratio_cell(c.get('ratio_kernels'))} (vs {c.get('best_hand_kernels')})", "",
                   f"| collective(axes) | hloplan count | hloplan GB | hloplan ms | {vs} count "
                   f"| {vs} GB | {vs} ms |", "|---|---|---|---|---|---|---|"]
         for kind, d in why["collectives"].items():
@@ -815,16 +831,27 @@ def write_reports(results: dict, out_json: Path, out_md: Path) -> None:
           " Compile-only on simulated CPU devices; every plan "
           "scored by one formula on its compiled per-device HLO under the H100 model, 8 GPUs per "
           "host (see run.py's docstring). ratio = hloplan / best hand plan that fits in 80 GiB "
-          "(target <= 1.00; bold above 1.02). \"XLA full remats\" counts XLA's \"Involuntary full "
+          "(target <= 1.00; bold above it). \"XLA full remats\" counts XLA's \"Involuntary full "
           "rematerialization\" warnings while compiling the plan: reshards the SPMD partitioner "
-          "could only do by replicating the tensor (all-gather over every device) and slicing.", "",
+          "could only do by replicating the tensor (all-gather over every device) and slicing. "
+          "\"ratio, per-kernel roofline\" (secondary) scores the same compiled programs with each "
+          "kernel (fusion) taking max(its matmul FLOPs / peak, the bytes it reads and writes / HBM "
+          "bandwidth), plus the same communication: the headline formula leaves memory-bound "
+          "work (norms, softmax, the optimizer update) out; \"(vs)\" names the best hand plan "
+          "under it.", "",
           "## Plan quality", ""] + ratio_matrix(cases) + [""] + headline_table(cases)
     ratios = [c["ratio"] for c in cases if c.get("ratio") is not None]
     if ratios:
         geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
         md += ["", f"{len(ratios)}/{len(cases)} cases planned; geometric-mean ratio {geo:.3f}; "
                f"worst {max(ratios):.3f}; {sum(r <= 1.0 + 1e-9 for r in ratios)} at or under 1.00, "
-               f"{sum(r > LOSS_THRESHOLD for r in ratios)} over {LOSS_THRESHOLD}."]
+               f"{sum(r > LOSS_THRESHOLD for r in ratios)} over."]
+        kratios = [c["ratio_kernels"] for c in cases if c.get("ratio_kernels") is not None]
+        if kratios:
+            kgeo = math.exp(sum(math.log(r) for r in kratios) / len(kratios))
+            md[-1] += (f" Per-kernel roofline: geometric mean {kgeo:.3f}, worst "
+                       f"{max(kratios):.3f}, {sum(r <= 1.0 + 1e-9 for r in kratios)} at or "
+                       f"under 1.00.")
     md += ["", "## Cost-model fidelity (hloplan's plan: predicted vs compiled collective bytes)",
            ""] + fidelity_table(cases)
     md += ["", "## Search speed (hloplan compile on Alpa's GPT shapes)", ""]

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from hloplan.cost_models import CommModel
 from hloplan.graph import Graph, Op
-from hloplan.op_rules import OpRule, rule_for
+from hloplan.op_rules import OpRule, fused_values, hbm_traffic, rule_for
+from hloplan.passes.label_batch import state_like_args
 from hloplan.solver.problem import Edge, LivePoint, LiveRange, Node, ShardingProblem, Strategy
 from hloplan.state import COMBINE_BYTES, CompileState, PlanSpace
 from hloplan.strategies import (
@@ -73,6 +74,11 @@ class _ProblemBuilder:
         self.edge_cache: dict = {}  # (type, layouts id, layouts id, multiplier) -> matrix
         self.reshard_cache: dict = {}  # (type, src layout, dst layout) -> seconds
         self.plain_of: dict[int, Strategy] = {}  # id(OpStrategy) -> Strategy (cached ones live)
+        self.fused = fused_values(graph)  # values kept inside a fused kernel: no HBM traffic
+        # Inputs that arrive every step (not state updated in place): their layout decides
+        # what each device receives, so their bytes are priced.
+        state = state_like_args(graph)
+        self.streamed = frozenset(v for p, v in enumerate(graph.arguments) if p not in state)
 
     # -- strategies ---------------------------------------------------------------------------
 
@@ -118,11 +124,13 @@ class _ProblemBuilder:
         operand_types = tuple(self.graph.type_of(v) for v in op.operands)
         result_types = tuple(self.graph.type_of(v) for v in op.results)
         dtype = result_types[0].dtype if result_types and result_types[0] else "f32"
-        own_key = (rule, operand_types, result_types, op.multiplier, dtype)
+        hbm = hbm_traffic(self.graph, op, self.fused, self.streamed)
+        own_key = (rule, operand_types, result_types, op.multiplier, dtype, hbm)
         cached = self.strategy_cache.get(own_key)
         if cached is None:
             cached = (enumerate_strategies(rule, list(operand_types), list(result_types),
-                                           self.mesh, self.comm, op.multiplier, dtype), False)
+                                           self.mesh, self.comm, op.multiplier, dtype, hbm=hbm),
+                      False)
             self.strategy_cache[own_key] = cached
         own = cached[0]
         leader = self._leader_operand(op, rule) if self.follow else None

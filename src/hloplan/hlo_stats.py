@@ -1045,6 +1045,156 @@ def collective_stats(
 
 
 # ---------------------------------------------------------------------------------------------
+# Kernels: a per-kernel roofline of the compiled program
+
+# Instructions that launch no kernel of their own (bookkeeping, control flow; collectives are
+# priced by collective_stats).
+_NO_KERNEL = {
+    "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "conditional",
+    "call", "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain",
+    "copy-start", "copy-done", "send", "send-done", "recv", "recv-done", "async-start",
+    "async-update", "async-done", "all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+    "collective-permute", "collective-broadcast", "ragged-all-to-all",
+    *(f"{_op}-{_phase}" for _op in ("all-reduce", "all-gather", "collective-permute")
+      for _phase in ("start", "done")),
+}
+_READS_PART = {"slice", "dynamic-slice", "gather"}
+
+
+@dataclass(frozen=True)
+class KernelStats:
+    """Per-kernel roofline of a compiled program: each kernel (a fusion or a lone instruction
+    of the entry, a loop body or a branch) takes max(its dot/convolution FLOPs / peak, the bytes
+    it reads and writes / HBM bandwidth); kernels run one after another."""
+
+    seconds: float
+    kernels: int  # kernel launches per step (loop bodies counted per iteration)
+    hbm_bytes: float  # bytes read and written by all kernels per step
+    matmul_flops: float  # FLOPs of dots and convolutions per step
+
+
+def _dims(shape: str) -> list[int]:
+    m = _ARRAY_SHAPE_RE.match(_strip_comments(shape).strip())
+    if m is None:
+        return []
+    return [int(d.strip().lstrip("<=").strip()) for d in m.group(2).split(",") if d.strip()]
+
+
+def _matmul_flops(comp: _Computation, ins: _Instr) -> float:
+    out = _elements(ins.shape) or 0
+    if ins.opcode == "dot":
+        lhs = ins.operand_shapes[0] or comp.shapes.get(ins.operands[0], "")
+        m = re.search(r"\blhs_contracting_dims=\{([\d,\s]*)\}", ins.attrs)
+        dims = _dims(lhs)
+        contracted = math.prod(dims[int(d)] for d in m.group(1).split(",") if d.strip()) \
+            if m and dims else 1
+        return 2.0 * out * contracted
+    if ins.opcode == "convolution":
+        rhs = ins.operand_shapes[1] or comp.shapes.get(ins.operands[1], "")
+        m = re.search(r"\bdim_labels=[^_]*_([^-]*)->", ins.attrs)
+        dims = _dims(rhs)
+        if not (m and dims and "o" in m.group(1)):
+            return 0.0
+        return 2.0 * out * math.prod(dims) / max(dims[m.group(1).index("o")], 1)
+    return 0.0
+
+
+def _fused_flops(module: _Module, name: str, seen: set[str]) -> float:
+    comp = module.computations.get(name)
+    if comp is None or name in seen:
+        return 0.0
+    seen.add(name)
+    total = 0.0
+    for ins in comp.instrs:
+        total += _matmul_flops(comp, ins)
+        for callee in _callees(ins):
+            total += _fused_flops(module, callee, seen)
+    return total
+
+
+def _fusion_operand_bytes(module: _Module, comp: _Computation, ins: _Instr) -> float:
+    """Bytes a fusion reads: each operand whole, unless the fused computation reads it only
+    through slices (then the slices), or it is the buffer a dynamic-update-slice root updates
+    in place (then nothing)."""
+    callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
+    fused = module.computations.get(callee.group(1)) if callee else None
+    params: dict[int, str] = {}
+    if fused is not None:
+        for f in fused.instrs:
+            if f.opcode == "parameter":
+                m = re.match(r"\s*(\d+)", f.operands[0] if f.operands else "")
+                if m:
+                    params[int(m.group(1))] = f.name
+    users = _users(fused) if fused is not None else {}
+    root = fused.root if fused is not None else None
+    total = 0.0
+    for k, (name, inline) in enumerate(zip(ins.operands, ins.operand_shapes, strict=True)):
+        shape = inline or comp.shapes.get(name)
+        if shape is None:
+            continue
+        param = params.get(k)
+        readers = users.get(param, []) if param else []
+        if (root is not None and root.opcode == "dynamic-update-slice" and root.operands
+                and root.operands[0] == param):
+            continue
+        if readers and all(r.opcode in _READS_PART and r.operands[0] == param for r in readers):
+            total += sum(shape_bytes(r.shape) for r in readers)
+        else:
+            total += shape_bytes(shape)
+    return total
+
+
+def kernel_stats(hlo_text: str, flop_rate: float, hbm_bandwidth: float) -> KernelStats:
+    """The per-kernel roofline (see KernelStats) of a compiled per-device HLO module: a closer
+    step-time estimate for memory-bound work than total FLOPs or total bytes alone, because a
+    kernel is bound by one or the other, not both."""
+    module = _parse_module(hlo_text)
+    multipliers = _multipliers(module)
+    # Computations whose instructions are kernels: the entry and what control flow calls.
+    control = {module.entry} if module.entry else set()
+    order = list(multipliers)  # callers before callees
+    for name in order:
+        if name not in control:
+            continue
+        for ins in module.computations[name].instrs:
+            if ins.opcode == "while":
+                control.update(m.group(1) for m in re.finditer(
+                    r"\b(?:body|condition)=%?([\w.\-]+)", ins.attrs))
+            elif ins.opcode in ("conditional", "call"):
+                control.update(c for c in _callees(ins) if c in module.computations)
+    seconds = hbm = flops_total = 0.0
+    kernels = 0
+    for name in order:
+        if name not in control:
+            continue
+        mult = multipliers[name][0]
+        comp = module.computations[name]
+        for ins in comp.instrs:
+            if ins.opcode in _NO_KERNEL:
+                continue
+            out_bytes = shape_bytes(ins.shape)
+            if ins.opcode == "fusion":
+                read = _fusion_operand_bytes(module, comp, ins)
+                callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
+                flops = _fused_flops(module, callee.group(1), set()) if callee else 0.0
+            elif ins.opcode in _READS_PART:
+                read, flops = out_bytes, 0.0
+            elif ins.opcode == "dynamic-update-slice":
+                update = ins.operand_shapes[1] or comp.shapes.get(ins.operands[1], "")
+                read = out_bytes = shape_bytes(update) if update else out_bytes
+                flops = 0.0
+            else:
+                read = _operand_bytes(comp, ins) or 0
+                flops = _matmul_flops(comp, ins)
+            moved = read + out_bytes
+            seconds += mult * max(flops / flop_rate, moved / hbm_bandwidth)
+            hbm += mult * moved
+            flops_total += mult * flops
+            kernels += mult
+    return KernelStats(seconds, kernels, hbm, flops_total)
+
+
+# ---------------------------------------------------------------------------------------------
 # Memory
 
 

@@ -408,6 +408,66 @@ def _scatter(graph: Graph, op: Op) -> OpRule:
                   [tuple(operand_dims)], flops=float(updates.elements))
 
 
+# -- HBM traffic under fusion ------------------------------------------------------------------
+# XLA fuses chains of cheap ops into one kernel (loop fusion; reductions absorb their inputs:
+# input fusion): a value made by a fusible op and read only by fusible consumers never goes
+# through HBM. Pricing every op as if it read and wrote HBM (no fusion) overstates elementwise
+# work several-fold (an Adam update is ~15 ops but one kernel reading p, g, m, v and writing
+# p, m, v), which overvalues sharding it against communication.
+_LAYOUT_OPS = {"broadcast_in_dim", "reshape", "transpose", "slice", "concatenate", "pad",
+               "reverse", "dynamic_slice", "iota", "constant"}
+# Pseudo ops of the graph (arguments, loop carries, ...) move no data themselves.
+NO_TRAFFIC_OPS = {"arg", "case.result", *IDENTITY_PSEUDO}
+
+
+def _short(name: str) -> str:
+    return name.split(".", 1)[1] if "." in name else name
+
+
+def fusible_producer(name: str) -> bool:
+    """Whether XLA fuses an op of this name into the kernel of its consumer."""
+    short = _short(name)
+    if name.startswith("chlo."):
+        return short in CHLO_ELEMENTWISE
+    return name.startswith(("stablehlo.", "sdy.")) and (short in ELEMENTWISE
+                                                       or short in _LAYOUT_OPS)
+
+
+def fusible_consumer(name: str) -> bool:
+    """Whether an op of this name reads fusible producers inside its own kernel."""
+    return fusible_producer(name) or name == "stablehlo.reduce"
+
+
+def fused_values(graph: Graph) -> set[int]:
+    """Values that stay inside a fused kernel: made by a fusible op, not returned, and read
+    only by fusible ops of the same region."""
+    outputs = set(graph.outputs)
+    fused = set()
+    for value in graph.values:
+        if value.type is None or value.id in outputs or not value.users:
+            continue
+        producer = graph.ops[value.producer]
+        if not fusible_producer(producer.name):
+            continue
+        if all(fusible_consumer(graph.ops[u].name)
+               and (graph.ops[u].parent, graph.ops[u].region) == (producer.parent, producer.region)
+               for u in value.users):
+            fused.add(value.id)
+    return fused
+
+
+def hbm_traffic(graph: Graph, op: Op, fused: set[int], streamed: frozenset[int] = frozenset(),
+                ) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    """Per operand and per result of `op`: whether it is read or written through HBM.
+    `streamed`: argument values written into device memory every step (data inputs; state
+    that the step updates in place stays resident)."""
+    if op.name in NO_TRAFFIC_OPS:
+        return (tuple(False for _ in op.operands),
+                tuple(op.name == "arg" and v in streamed for v in op.results))
+    return (tuple(v not in fused for v in op.operands),
+            tuple(v not in fused for v in op.results))
+
+
 def _dynamic_slice(graph: Graph, op: Op) -> OpRule:
     operand, out = _type(graph, op.operands[0]), _type(graph, op.results[0])
     fixed = {d for d in range(out.rank) if operand.shape[d] != out.shape[d]}

@@ -44,7 +44,7 @@ from hloplan.cost_models.collectives import local_bytes
 from hloplan.diagnostics import HloplanError, UsageError
 from hloplan.inter_op import StageCost, SubmeshShape
 from hloplan.mesh import MeshSpec
-from hloplan.op_rules import rule_for
+from hloplan.op_rules import fused_values, hbm_traffic, rule_for
 from hloplan.passes.build_sharding_problem import BuildShardingProblem
 from hloplan.passes.cut_pipeline import (
     CutContext,
@@ -451,6 +451,9 @@ class StageSearch:
         self.task_keys: dict[tuple[int, int, int, int], list[tuple]] = {}
         self.lower: dict[int, list] = {}  # M -> table of lower bounds
         self._op_figures: dict[int, tuple] = {}
+        # Fusion in the whole program: a task's own module fuses no more, so this stays a
+        # lower bound.
+        self._fused = fused_values(self.graph)
         self._prefix: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
         self._crossers = self._crossing_values()
         self.cuts: dict[tuple[int, int], PipelineCut] = {}
@@ -458,8 +461,8 @@ class StageSearch:
     # -- lower bounds
 
     def _op_figure(self, op) -> tuple | None:
-        """(FLOPs, FLOP/s of its dtype, [(bytes, batch-labelled)], [(dim size, is the batch
-        dim)]) of an op, or None if it is free."""
+        """(FLOPs, FLOP/s of its dtype, [(HBM bytes, batch-labelled)], [(dim size, is the batch
+        dim)], whether it touches the batch) of an op, or None if it is free."""
         if op.index not in self._op_figures:
             figure = None
             if op.name not in UNPLANNED and op.name != "arg":
@@ -468,15 +471,18 @@ class StageSearch:
                     label = self.analysis.label
                     types = [self.graph.type_of(v) for v in op.results]
                     dtype = types[0].dtype if types and types[0] is not None else "f32"
-                    moved, dims = [], set()
-                    for v in (*op.operands, *op.results):
+                    moved, dims, scaled = [], set(), False
+                    reads, writes = hbm_traffic(self.graph, op, self._fused)
+                    for v, traffic in zip((*op.operands, *op.results), (*reads, *writes)):
                         type_ = self.graph.type_of(v)
                         if type_ is None:
                             continue
-                        moved.append((type_.nbytes * op.multiplier, v in label))
+                        scaled = scaled or v in label
+                        if traffic:
+                            moved.append((type_.nbytes * op.multiplier, v in label))
                         dims.update((size, label.get(v) == d) for d, size in enumerate(type_.shape))
                     figure = (rule.flops * op.multiplier, self.options.device.flops_for(dtype),
-                              moved, sorted(dims))
+                              moved, sorted(dims), scaled)
             self._op_figures[op.index] = figure
         return self._op_figures[op.index]
 
@@ -484,8 +490,7 @@ class StageSearch:
         """A lower bound on the op's seconds on a submesh with these axes: its roofline with
         the batch split `microbatches` ways, divided by the most any strategy can split it (a
         mesh axis can only split a dimension its size divides)."""
-        flops, rate, moved, dims = figure
-        scaled = any(lab for _, lab in moved)
+        flops, rate, moved, dims, scaled = figure
         nbytes = sum(b / microbatches if lab else b for b, lab in moved)
         sizes = {size // microbatches if batch else size for size, batch in dims}
         split = 1

@@ -93,8 +93,12 @@ def _derive(dims: Dims, factor_axes: list[list[int]], is_result: bool) -> Spec |
 
 def enumerate_strategies(rule: OpRule, operand_types: list[TensorType | None],
                          result_types: list[TensorType], mesh: MeshSpec, comm: CommModel,
-                         multiplier: float = 1.0, flops_dtype: str = "f32") -> list[OpStrategy]:
-    """All legal strategies of an op, in a deterministic order (replicated first)."""
+                         multiplier: float = 1.0, flops_dtype: str = "f32",
+                         hbm: tuple[tuple[bool, ...], tuple[bool, ...]] | None = None,
+                         ) -> list[OpStrategy]:
+    """All legal strategies of an op, in a deterministic order (replicated first). `hbm`: per
+    operand and per result, whether it goes through HBM (False: fused into a neighbour's
+    kernel, op_rules.hbm_traffic); default: all do."""
     shardable = [f for f, factor in enumerate(rule.factors) if factor.kind != "replicate"]
     choices = [None, *shardable]
     seen: set = set()
@@ -122,14 +126,14 @@ def enumerate_strategies(rule: OpRule, operand_types: list[TensorType | None],
                 continue
             seen.add(key)
             out.append(_price(rule, tuple(results), operands, reduced, factor_axes, operand_types,
-                              result_types, mesh, comm, multiplier, flops_dtype))
+                              result_types, mesh, comm, multiplier, flops_dtype, hbm=hbm))
             for scattered in _scatter_variants(results, reduced, result_types, mesh):
                 key = (scattered, operands, reduced)
                 if key not in seen:
                     seen.add(key)
                     out.append(_price(rule, scattered, operands, reduced, factor_axes,
                                       operand_types, result_types, mesh, comm, multiplier,
-                                      flops_dtype, scatter=True))
+                                      flops_dtype, scatter=True, hbm=hbm))
     return out
 
 
@@ -162,7 +166,8 @@ def _divides(rule: OpRule, factor_axes: list[list[int]], mesh: MeshSpec) -> bool
 
 def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types, result_types,
            mesh: MeshSpec, comm: CommModel, multiplier: float, flops_dtype: str,
-           scatter: bool = False) -> OpStrategy:
+           scatter: bool = False,
+           hbm: tuple[tuple[bool, ...], tuple[bool, ...]] | None = None) -> OpStrategy:
     """Costs of one strategy; `scatter`: the partial sums are reduce-scattered into `results`
     (whose dims carry the reduced axes) instead of all-reduced."""
     split = 1
@@ -175,9 +180,11 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
         reduce_split *= mesh.axis_sizes[axis]
     # The op itself computes the unscattered partial sums; the collective shrinks them.
     computed_bytes = [b * reduce_split for b in result_bytes] if scatter else result_bytes
-    moved = sum(computed_bytes)
-    for t, s in zip(operand_types, operands):
-        if t is not None and s is not None:
+    reads, writes = hbm if hbm is not None else ((True,) * len(operands),
+                                                (True,) * len(results))
+    moved = sum(b for b, written in zip(computed_bytes, writes) if written)
+    for t, s, read in zip(operand_types, operands, reads):
+        if t is not None and s is not None and read:
             moved += local_bytes(t, s, mesh)
     compute = 0.0 if rule.free else comm.compute_time(rule.flops / split, moved, flops_dtype)
     communication = 0.0

@@ -1,0 +1,106 @@
+"""Compute costs under fusion: values XLA keeps inside one kernel pay no HBM traffic, graph
+pseudo ops (arguments, loop carries) move nothing, and only streamed inputs pay for arriving."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+import hloplan
+from hloplan.cost_models import CommModel, load_device_model
+from hloplan.graph import Graph, TensorType
+from hloplan.mesh import parse_mesh
+from hloplan.op_rules import fused_values, hbm_traffic, rule_for
+from hloplan.strategies import enumerate_strategies
+
+F32 = TensorType((1024, 1024), "f32")
+
+
+def _chain() -> tuple[Graph, dict[str, int]]:
+    """w (state), x (data) -> dot -> tanh -> multiply(tanh, tanh) -> reduce -> output, and
+    tanh also returned."""
+    g = Graph()
+    w = g.add_op("arg", (), [F32]).results[0]
+    x = g.add_op("arg", (), [F32]).results[0]
+    g.arguments = [w, x]
+    dot = g.add_op("stablehlo.dot_general", (x, w), [F32],
+                   attrs={"lhs_batch": [], "rhs_batch": [], "lhs_contracting": [1],
+                          "rhs_contracting": [0]}).results[0]
+    tanh = g.add_op("stablehlo.tanh", (dot,), [F32]).results[0]
+    square = g.add_op("stablehlo.multiply", (tanh, tanh), [F32]).results[0]
+    total = g.add_op("stablehlo.reduce", (square,), [TensorType((1024,), "f32")],
+                     attrs={"dimensions": [1], "combiner": "stablehlo.add"}).results[0]
+    exp = g.add_op("stablehlo.exponential", (tanh,), [F32]).results[0]
+    g.outputs = [total, exp]
+    return g, {"w": w, "x": x, "dot": dot, "tanh": tanh, "square": square, "total": total,
+               "exp": exp}
+
+
+def test_fused_values_follow_xla_loop_and_input_fusion():
+    g, v = _chain()
+    fused = fused_values(g)
+    # tanh feeds only elementwise ops; square feeds only a reduce (input fusion).
+    assert v["tanh"] in fused and v["square"] in fused
+    # A dot's result is materialised; so are outputs and arguments.
+    assert not fused & {v["dot"], v["total"], v["exp"], v["w"], v["x"]}
+
+
+def test_a_value_read_by_a_dot_is_materialised():
+    g, v = _chain()
+    scaled = g.add_op("stablehlo.multiply", (v["x"], v["x"]), [F32]).results[0]
+    g.add_op("stablehlo.dot_general", (scaled, v["w"]), [F32],
+             attrs={"lhs_batch": [], "rhs_batch": [], "lhs_contracting": [1],
+                    "rhs_contracting": [0]})
+    assert scaled not in fused_values(g)
+
+
+def test_hbm_traffic_per_operand_and_result():
+    g, v = _chain()
+    fused = fused_values(g)
+    ops = {op.results[0]: op for op in g.ops}
+    # square reads tanh twice inside the kernel and writes into the reduce's kernel.
+    assert hbm_traffic(g, ops[v["square"]], fused) == ((False, False), (False,))
+    # tanh reads the dot's output from HBM.
+    assert hbm_traffic(g, ops[v["tanh"]], fused) == ((True,), (False,))
+    # Arguments move nothing, unless streamed in every step.
+    assert hbm_traffic(g, ops[v["w"]], fused) == ((), (False,))
+    assert hbm_traffic(g, ops[v["x"]], fused, frozenset({v["x"]})) == ((), (True,))
+
+
+def test_fused_operands_are_not_priced():
+    g, v = _chain()
+    mesh = parse_mesh("8")
+    comm = CommModel(load_device_model("h100"), mesh)
+    op = next(o for o in g.ops if o.results[0] == v["square"])
+    rule = rule_for(g, op)
+    types = [F32, F32]
+    unfused = enumerate_strategies(rule, types, [F32], mesh, comm)
+    fused = enumerate_strategies(rule, types, [F32], mesh, comm,
+                                 hbm=hbm_traffic(g, op, fused_values(g)))
+    assert [s.name for s in unfused] == [s.name for s in fused]
+    # Replicated: 3 x 4 MiB through HBM unfused, nothing fused (elementwise FLOPs are tiny).
+    assert unfused[0].compute == pytest.approx(3 * F32.nbytes / 3.35e12, rel=1e-6)
+    assert fused[0].compute < unfused[0].compute / 100
+
+
+def _sgd_step(w, x):
+    return w - 1e-3 * jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+
+
+def test_streamed_inputs_are_priced_and_state_is_not():
+    s = jax.ShapeDtypeStruct
+    data = export.export(jax.jit(_sgd_step))(s((512, 512), jnp.float32),
+                                             s((4096, 512), jnp.float32)).serialize()
+    result = hloplan.compile(data, "8", device="h100")
+    state = result.state
+    arg_nodes = {}
+    for op in state.graph.ops:
+        if op.name == "arg" and op.index in state.space.node_of:
+            arg_nodes[op.results[0]] = state.problem.nodes[state.space.node_of[op.index]]
+    w, x = state.graph.arguments
+    assert all(st.compute_cost == 0 for st in arg_nodes[w].strategies)
+    costs = sorted(st.compute_cost for st in arg_nodes[x].strategies)
+    # Each device receives its share of the batch: replicated costs 8 times a split.
+    assert costs[0] > 0 and costs[-1] == pytest.approx(8 * costs[0])
