@@ -75,6 +75,7 @@ class _ProblemBuilder:
         self.reshard_cache: dict = {}  # (type, src layout, dst layout) -> seconds
         self.plain_of: dict[int, Strategy] = {}  # id(OpStrategy) -> Strategy (cached ones live)
         self.fused = fused_values(graph)  # values kept inside a fused kernel: no HBM traffic
+        self.hbm_bandwidth = comm.model.hbm_bandwidth
         # Inputs that arrive every step (not state updated in place): their layout decides
         # what each device receives, so their bytes are priced.
         state = state_like_args(graph)
@@ -224,9 +225,11 @@ class _ProblemBuilder:
             self.specs_of[found] = layouts
         return found
 
-    def _matrix(self, type_, src_id: int, dst_id: int, multiplier: float):
-        """Resharding costs between two lists of layouts, or None when all are zero."""
-        key = (type_, src_id, dst_id, multiplier)
+    def _matrix(self, type_, src_id: int, dst_id: int, multiplier: float, fused: bool = False):
+        """Resharding costs between two lists of layouts, or None when all are zero. `fused`:
+        the value would stay inside a fused kernel; a reshard makes XLA write it to HBM and
+        read it back, so that traffic is priced with it."""
+        key = (type_, src_id, dst_id, multiplier, fused)
         if key in self.edge_cache:
             return self.edge_cache[key]
         src_specs, dst_specs = self.specs_of[src_id], self.specs_of[dst_id]
@@ -240,6 +243,9 @@ class _ProblemBuilder:
                 if seconds is None:
                     seconds = self.comm.reshard(type_.shape, type_.itemsize, src, dst).seconds
                     self.reshard_cache[type_, src, dst] = seconds
+                if fused and seconds > 0:  # a collective, not a local slice
+                    seconds += (local_bytes(type_, src, self.mesh)
+                                + local_bytes(type_, dst, self.mesh)) / self.hbm_bandwidth
                 cost[src, dst] = seconds * multiplier
         if not any(cost.values()):
             matrix = None
@@ -267,7 +273,7 @@ class _ProblemBuilder:
         src_id = self._specs_id(("result", self.list_of[producer], value.result_index),
                                 lambda: (s.results[value.result_index] for s in producer_strategies))
         dst_id = self._specs_id(("operand", self.list_of[consumer.index], position), dst_specs)
-        costs = self._matrix(value.type, src_id, dst_id, multiplier)
+        costs = self._matrix(value.type, src_id, dst_id, multiplier, value_id in self.fused)
         if costs is None:
             return None
         return Edge(self.space.node_of[producer], self.space.node_of[consumer.index], costs,

@@ -104,3 +104,24 @@ def test_streamed_inputs_are_priced_and_state_is_not():
     costs = sorted(st.compute_cost for st in arg_nodes[x].strategies)
     # Each device receives its share of the batch: replicated costs 8 times a split.
     assert costs[0] > 0 and costs[-1] == pytest.approx(8 * costs[0])
+
+
+def test_resharding_a_fused_value_pays_for_materialising_it():
+    from types import SimpleNamespace
+
+    from hloplan.passes.build_sharding_problem import _ProblemBuilder
+
+    g, v = _chain()
+    mesh = parse_mesh("8")
+    comm = CommModel(load_device_model("h100"), mesh)
+    builder = _ProblemBuilder(g, comm, False, SimpleNamespace(log=None))
+    split, whole = ((0,), ()), ((), ())
+    assert v["tanh"] in builder.fused and v["dot"] not in builder.fused
+    ids = [builder._specs_id(("t", k), lambda s=s: [s]) for k, s in enumerate((split, whole))]
+    plain = builder._matrix(F32, ids[0], ids[1], 1.0, fused=False)[0][0]
+    fused = builder._matrix(F32, ids[0], ids[1], 1.0, fused=True)[0][0]
+    # An all-gather out of a fusion: the 1/8 shard is written and the whole read back.
+    assert plain > 0
+    assert fused - plain == pytest.approx((F32.nbytes / 8 + F32.nbytes) / 3.35e12)
+    # Slicing a replicated value needs no collective and stays fused.
+    assert builder._matrix(F32, ids[1], ids[0], 1.0, fused=True) is None
