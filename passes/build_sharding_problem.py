@@ -279,12 +279,60 @@ class _ProblemBuilder:
         return Edge(self.space.node_of[producer], self.space.node_of[consumer.index], costs,
                     label=f"%{value_id} -> %{consumer.index}")
 
+    def _shared_reshards(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """(matmul, operand position) -> (the previous matmul reading the same state argument,
+        its position), for the second and later matmuls of one region reading a parameter.
+
+        XLA reshards a value once per layout (the forward and backward matmuls share one
+        all-gather of an FSDP-stored weight), so such a matmul takes the weight from the
+        previous one's layout: free when both need the same, a reshard between the two
+        layouts when not. Pricing each read from the stored layout instead charges FSDP a
+        second all-gather it does not do."""
+        shared = {}
+        for value_id in self.graph.arguments:
+            if value_id in self.streamed:
+                continue
+            previous: dict[tuple, tuple[int, int]] = {}
+            for user in dict.fromkeys(self.graph.values[value_id].users):
+                op = self.graph.ops[user]
+                if (op.name not in ("stablehlo.dot_general", "stablehlo.convolution")
+                        or user not in self.space.strategies
+                        or op.operands.count(value_id) != 1):
+                    continue
+                where = (op.parent, op.region, op.multiplier)
+                position = op.operands.index(value_id)
+                if where in previous:
+                    shared[user, position] = previous[where]
+                previous[where] = (user, position)
+        return shared
+
+    def _shared_edge(self, value_id: int, previous: tuple[int, int], consumer: Op,
+                     position: int) -> Edge | None:
+        """The edge from the previous matmul's layout of `value_id` to `consumer`'s."""
+        source, source_position = previous
+        source_strategies = self.space.strategies[source]
+        consumer_strategies = self.space.strategies[consumer.index]
+        src_id = self._specs_id(("operand", self.list_of[source], source_position),
+                                lambda: (s.operands[source_position] for s in source_strategies))
+        dst_id = self._specs_id(("operand", self.list_of[consumer.index], position),
+                                lambda: (s.operands[position] for s in consumer_strategies))
+        costs = self._matrix(self.graph.type_of(value_id), src_id, dst_id, consumer.multiplier)
+        if costs is None:
+            return None
+        return Edge(self.space.node_of[source], self.space.node_of[consumer.index], costs,
+                    label=f"%{value_id} (as %{source} reads it) -> %{consumer.index}")
+
     def _edges(self) -> list[Edge]:
         edges = []
+        shared = self._shared_reshards()
         for op_index in self.space.strategies:
             op = self.graph.ops[op_index]
             for k, value_id in enumerate(op.operands):
-                edge = self._edge(value_id, op, k, op.multiplier)
+                previous = shared.get((op_index, k))
+                if previous is not None:
+                    edge = self._shared_edge(value_id, previous, op, k)
+                else:
+                    edge = self._edge(value_id, op, k, op.multiplier)
                 if edge is not None:
                     edges.append(edge)
             if op.name == "while.carry" and "yield" in op.attrs:
