@@ -83,6 +83,10 @@ def main() -> None:
 @click.option("--time-limit", default=60.0, show_default=True, type=float, help="solver time limit in seconds")
 @click.option("--solver", type=click.Choice(["auto", "highs", "cbc"]), default="auto", show_default=True)
 @click.option("--hosts", type=int, default=None, help="number of hosts the mesh spans (slow links between them)")
+@click.option("--decompose", type=click.Choice(["auto", "always", "never"]), default="auto",
+              show_default=True,
+              help="plan meshes of 3+ axes on 2-axis views, one pair of axes at a time ('auto': "
+                   "when the whole ILP would be too big)")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("--print-after", "print_after", multiple=True, metavar="PASS",
               help="print the module after PASS to stderr (repeatable; 'all' for every pass)")
@@ -97,7 +101,7 @@ def main() -> None:
               help="an input that carries the batch (repeatable; default: found automatically)")
 @click.option("-q", "--quiet", is_flag=True, help="print errors only")
 def compile_command(input_path, mesh, output, device, memory_budget, time_limit, solver, hosts,
-                    fmt, print_after, time_passes, reproducer, stages, microbatches, schedule,
+                    decompose, fmt, print_after, time_passes, reproducer, stages, microbatches, schedule,
                     batch_args, quiet):
     """Plan INPUT (StableHLO .mlir, bytecode, portable artifact or serialized Exported; '-' for
     stdin) for a device mesh and write the plan directory."""
@@ -114,7 +118,8 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
             raise UsageError(f"--print-after: unknown pass {unknown[0]!r}",
                              notes=("passes: " + ", ".join(PASS_NAMES),))
         options = make_options(mesh, device=device, memory_budget=memory_budget,
-                               time_limit=time_limit, solver=solver, hosts=hosts)
+                               time_limit=time_limit, solver=solver, hosts=hosts,
+                               decompose=decompose)
 
         progress = _Progress(enabled=fmt == "text" and not quiet and sys.stderr.isatty())
 

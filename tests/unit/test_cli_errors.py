@@ -169,3 +169,18 @@ def test_reproducer_holds_input_command_and_problem(tmp_path):
     assert names == ["command.txt", "input.mlir", "problem.json"]
     problem = json.loads((tmp_path / "repro" / "problem.json").read_text())
     assert problem["nodes"]
+
+
+def test_decompose_flag_plans_three_axis_meshes_on_axis_views(tmp_path):
+    views = run("compile", MLP, "--mesh", "2x2x2", "--decompose", "always", "--format", "json",
+                "-q", "-o", tmp_path / "views")
+    whole = run("compile", MLP, "--mesh", "2x2x2", "--decompose", "never", "--format", "json",
+                "-q", "-o", tmp_path / "whole")
+    assert views.exit_code == 0 and whole.exit_code == 0, views.output + whole.output
+    solvers = [json.loads((tmp_path / d / "plan.json").read_text())["solver"]
+               for d in ("views", "whole")]
+    assert solvers[0]["status"] == "decomposed" and solvers[1]["status"] == "optimal"
+    # Axis views can only miss the whole ILP's optimum, never beat it.
+    assert solvers[0]["objective_s"] >= solvers[1]["objective_s"] * (1 - 1e-6)
+    bad = run("compile", MLP, "--mesh", "2x2x2", "--decompose", "sometimes")
+    assert bad.exit_code == 2 and "--decompose" in bad.output
