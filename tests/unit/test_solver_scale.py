@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import math
 import random
+import time
 
 import jax
 import jax.numpy as jnp
@@ -253,6 +254,103 @@ def test_restricted_models_price_choices_like_the_full_model():
         assert ilp._objective(sub, local) == pytest.approx(ilp._objective(model, full))
         assert tuple(sub.memory.choice_loads(local)) == pytest.approx(
             tuple(model.memory.choice_loads(full)))
+
+
+def test_memory_rows_leave_out_groups_whose_bytes_do_not_depend_on_the_choice():
+    # n0's strategies all take 2 GiB: under a one-hot choice its bytes are a constant, so
+    # they move to the constant bytes and n0 is in no memory row; the loads do not change.
+    base = _ranged_problem(4)
+    same = Node("n0", tuple(dataclasses.replace(s, memory=2 * GIB)
+                            for s in base.nodes[0].strategies))
+    problem = dataclasses.replace(base, nodes=(same, *base.nodes[1:]))
+    model = ilp._compile(problem)
+    group = model.group_of[0]
+    rows = model.memory.rows(range(model.memory.count))
+    assert all(group not in coefficients for coefficients in rows.values())
+    assert all(float(v.min()) == 0.0 for vectors in model.memory.vectors for v in vectors)
+    rng = random.Random(4)
+    for _ in range(10):
+        choice = [rng.randrange(g.size) for g in model.groups]
+        expected = evaluate(problem, model.to_choice(choice)).memory
+        assert tuple(model.memory.choice_loads(choice)) == pytest.approx(expected, rel=1e-12)
+        assert tuple(model.memory.loads(model.one_hot(choice))) == pytest.approx(expected)
+
+
+# (seed, tightness) of feasible _ranged_problems, half of which stop within a 5% gap.
+_GAP_CASES = [(0, 0.3), (2, 0.1), (3, 0.1), (7, 0.3), (9, 0.3), (10, 0.3), (12, 0.1), (13, 0.1),
+              (16, 0.3), (17, 0.1)]
+
+
+@pytest.mark.parametrize("seed, tight", _GAP_CASES)
+def test_relative_gap_is_honest(seed, tight):
+    # With gap=5% the solver may stop early, but the plan is within the reported gap of the
+    # reported bound, the bound is below the true optimum, and "optimal" means gap <= 1e-6.
+    problem = _ranged_problem(seed, tight=tight)
+    expected = _brute_force(problem)
+    solution, stats = solve(problem, gap=0.05)
+    assert evaluate(problem, solution).feasible
+    assert stats.objective == evaluate(problem, solution).total
+    assert stats.bound <= expected * (1 + 1e-9)
+    assert stats.objective <= expected * 1.05 * (1 + 1e-9)
+    assert stats.gap == pytest.approx((stats.objective - stats.bound) / stats.objective,
+                                      abs=1e-12)
+    assert stats.gap <= 0.05 + 1e-9
+    assert stats.status == ("optimal" if stats.gap <= 1e-6 else "within_gap")
+    # The strict default still proves the optimum.
+    _, strict = solve(problem)
+    assert strict.status == "optimal"
+    assert strict.objective == pytest.approx(expected, rel=1e-6)
+
+
+def test_some_problems_stop_within_the_gap():
+    # The previous test must see both outcomes, or it would not test the early stop.
+    statuses = {solve(_ranged_problem(seed, tight=tight), gap=0.05)[1].status
+                for seed, tight in _GAP_CASES}
+    assert statuses == {"optimal", "within_gap"}
+
+
+def _path_problem(seed: int, n: int = 24, k: int = 3) -> ShardingProblem:
+    """n nodes in a chain with random costs and mismatch edges between neighbours."""
+    rng = random.Random(seed)
+    nodes = tuple(Node(f"n{i}", tuple(Strategy(f"s{j}", rng.uniform(0, 1) * MS, 0.0, GIB)
+                                      for j in range(k))) for i in range(n))
+    edges = tuple(Edge(i, i + 1, tuple(tuple(0.0 if a == b else rng.uniform(0.2, 1) * MS
+                                             for b in range(k)) for a in range(k)))
+                  for i in range(n - 1))
+    return ShardingProblem(nodes, edges, (LivePoint(tuple(range(n)), 0.0),), n * GIB)
+
+
+@pytest.mark.skipif("highs" not in BACKENDS, reason="needs HiGHS")
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_neighbourhood_search_solves_the_free_groups_exactly(seed):
+    # An incumbent perturbed around node 12 and an LP fractional there: the search frees the
+    # groups that disagree with the LP's rounding and their neighbours (10..14), keeps the
+    # rest, and returns the best plan of that neighbourhood (found here by enumeration).
+    problem = _path_problem(seed)
+    model = ilp._compile(problem)
+    n = len(model.groups)
+    best, _ = solve(problem)
+    optimum = list(best.choice)
+    incumbent = list(optimum)
+    for g in (11, 12, 13):
+        incumbent[g] = (optimum[g] + 1) % 3
+    relaxed = [np.eye(3)[optimum[g]] for g in range(n)]
+    relaxed[12] = np.array([0.5, 0.5, 0.0]) if optimum[12] != 2 else np.array([0.0, 0.5, 0.5])
+    free = range(10, 15)
+    expected = math.inf
+    for values in itertools.product(range(3), repeat=len(free)):
+        choice = list(incumbent)
+        for g, i in zip(free, values):
+            choice[g] = i
+        expected = min(expected, ilp._objective(model, choice))
+    found, rounds = ilp._search_neighbourhoods(model, problem.memory_budget, "highs",
+                                               time.perf_counter() + 30, 1, True, relaxed,
+                                               incumbent)
+    assert rounds >= 1 and found is not None
+    assert ilp._fits(model, problem.memory_budget, found)
+    assert ilp._objective(model, found) <= expected * (1 + 1e-9)
+    assert ilp._objective(model, found) < ilp._objective(model, incumbent)
+    assert ilp._objective(model, found) >= ilp._objective(model, optimum) * (1 - 1e-9)
 
 
 # --------------------------------------------------------------------------- axis views

@@ -41,6 +41,16 @@ def reference_exported(state: CompileState, original_module_text: str):
     return dataclasses.replace(base, mlir_module_serialized=ir.portable_artifact(reparsed.module))
 
 
+def _reference_bytes(state: CompileState, reference, input_bytes: bytes) -> bytes:
+    """The serialized reference: the input itself when it was a serialized Exported (the
+    same program, byte for byte, without serializing it again), else `reference` serialized."""
+    program = state.program
+    if (program.input_kind == "jax-exported" and reference is program.exported
+            and input_bytes):
+        return bytes(input_bytes)
+    return bytes(reference.serialize())
+
+
 def _platform(state: CompileState) -> str:
     import jax
 
@@ -78,7 +88,7 @@ def render(state: CompileState, input_bytes: bytes, original_module_text: str,
     files = {
         MODULE_FILE: ir.module_text(state.program.module).encode(),
         EXPORTED_FILE: bytes(sharded.serialize()),
-        REFERENCE_FILE: bytes(reference.serialize()),
+        REFERENCE_FILE: _reference_bytes(state, reference, input_bytes),
         LOADER_FILE: package.joinpath("loader.py").read_bytes(),
         **launch_scripts(),
     }

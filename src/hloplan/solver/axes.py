@@ -92,17 +92,18 @@ def solve(
     decompose: str = "auto",
     links: tuple | None = None,
     exact_rounds: int = EXACT_ROUNDS,
+    gap: float = ilp._MIP_REL_GAP,
 ) -> tuple[Solution, SolveStats]:
     """`ilp.solve`, or the view-and-moves search above for big problems on 3+ axis meshes.
 
     `decompose`: "auto" (when the full ILP would exceed MAX_FULL_VARIABLES), "always" or
     "never". `links`: the interconnect of each mesh axis (equal entries: same level), to pick
-    the view.
+    the view. `gap`: the relative gap at which a whole-problem solve may stop (`ilp.solve`).
     """
     if decompose not in ("auto", "always", "never"):
         raise ValueError(f"unknown decompose {decompose!r}: expected auto, always or never")
     if decompose == "never":
-        return ilp.solve(problem, time_limit=time_limit, solver=solver, threads=threads)
+        return ilp.solve(problem, time_limit=time_limit, solver=solver, threads=threads, gap=gap)
     started = time.perf_counter()
     problem.validate()
     model = ilp._compile(problem)
@@ -110,7 +111,9 @@ def solve(
     ndim = len(roles[0][0]) if roles and roles[0] else 0
     if (roles is None or ndim < 3
             or (decompose == "auto" and full_problem_variables(model) <= MAX_FULL_VARIABLES)):
-        return ilp.solve(problem, time_limit=time_limit, solver=solver, threads=threads)
+        # The model compiled here is the one ilp.solve would compile again.
+        return ilp.solve(problem, time_limit=time_limit, solver=solver, threads=threads,
+                         gap=gap, _model=model, _started=started)
     backend = ilp._pick_backend(solver)
     budget = problem.memory_budget
     memory = model.memory
@@ -128,7 +131,7 @@ def solve(
         search = None
     if search is None:  # no view fits: the whole problem
         return ilp.solve(problem, time_limit=max(deadline - time.perf_counter(), 1.0),
-                         solver=solver, threads=threads)
+                         solver=solver, threads=threads, gap=gap, _model=model)
     search.descend(pairs, branch=False, rounds=LP_ROUNDS)
     search.descend(pairs, branch=True, rounds=exact_rounds)
     status = "decomposed" if time.perf_counter() < deadline else "time_limit"
