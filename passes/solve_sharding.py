@@ -11,11 +11,10 @@ from hloplan.solver.ilp import InfeasibleError
 from hloplan.state import CompileState
 from hloplan.units import format_bytes
 
-# The relative gap at which planning stops (CompileOptions.gap when present): a plan proven
+# The relative gap at which planning stops is CompileOptions.gap (default 1%): a plan proven
 # within 1% of the optimum is as good as the cost model's own accuracy, and proving the last
 # fraction of a percent took a Llama3-8B step 7 of its 10 s of solving. The plan's gap to the
 # best bound is reported in plan.json ("solver": "gap"; status "within_gap" when above 1e-6).
-RELATIVE_GAP = 0.01
 
 
 @dataclass(frozen=True)
@@ -28,8 +27,8 @@ class SolveSharding:
         try:
             state.solution, state.stats = axes.solve(
                 state.problem, time_limit=options.time_limit, solver=options.solver,
-                decompose=getattr(options, "decompose", "auto"), links=links,
-                gap=getattr(options, "gap", RELATIVE_GAP))
+                decompose=options.decompose, links=links,
+                gap=options.gap)
         except InfeasibleError as exc:
             raise HloplanError(_infeasible_diagnostic(state, exc)) from None
         if state.stats.status == "decomposed":
@@ -40,7 +39,7 @@ class SolveSharding:
         elif state.stats.status == "within_gap":
             state.log.remark(
                 f"solve-sharding: plan within {state.stats.gap:.2%} of the optimum (stopped "
-                f"inside the {getattr(options, 'gap', RELATIVE_GAP):.2%} relative gap)")
+                f"inside the {options.gap:.2%} relative gap)")
         elif state.stats.status != "optimal":
             gap = state.stats.gap
             gap_text = f"{gap:.2%}" if math.isfinite(gap) else "unknown (no bound found in time)"

@@ -87,6 +87,8 @@ def main() -> None:
               show_default=True,
               help="plan meshes of 3+ axes on 2-axis views, one pair of axes at a time ('auto': "
                    "when the whole ILP would be too big)")
+@click.option("--gap", type=float, default=0.01, show_default=True,
+              help="stop once the plan is proven within this fraction of the optimum (0: prove it)")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("--print-after", "print_after", multiple=True, metavar="PASS",
               help="print the module after PASS to stderr (repeatable; 'all' for every pass)")
@@ -101,7 +103,7 @@ def main() -> None:
               help="an input that carries the batch (repeatable; default: found automatically)")
 @click.option("-q", "--quiet", is_flag=True, help="print errors only")
 def compile_command(input_path, mesh, output, device, memory_budget, time_limit, solver, hosts,
-                    decompose, fmt, print_after, time_passes, reproducer, stages, microbatches, schedule,
+                    decompose, gap, fmt, print_after, time_passes, reproducer, stages, microbatches, schedule,
                     batch_args, quiet):
     """Plan INPUT (StableHLO .mlir, bytecode, portable artifact or serialized Exported; '-' for
     stdin) for a device mesh and write the plan directory."""
@@ -119,7 +121,7 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
                              notes=("passes: " + ", ".join(PASS_NAMES),))
         options = make_options(mesh, device=device, memory_budget=memory_budget,
                                time_limit=time_limit, solver=solver, hosts=hosts,
-                               decompose=decompose)
+                               decompose=decompose, gap=gap)
 
         progress = _Progress(enabled=fmt == "text" and not quiet and sys.stderr.isatty())
 

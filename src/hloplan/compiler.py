@@ -40,7 +40,7 @@ class CompileResult:
 
 def make_options(mesh: str | MeshSpec, device: str = "h100", memory_budget: str | int | None = None,
                  time_limit: float = 60.0, solver: str = "auto", hosts: int | None = None,
-                 decompose: str = "auto") -> CompileOptions:
+                 decompose: str = "auto", gap: float = 0.01) -> CompileOptions:
     try:
         mesh_spec = parse_mesh(mesh) if isinstance(mesh, str) else mesh
     except MeshError as exc:
@@ -60,12 +60,15 @@ def make_options(mesh: str | MeshSpec, device: str = "h100", memory_budget: str 
             raise UsageError(f"--memory-budget: {exc}") from None
     if solver not in ("auto", "cbc", "highs"):
         raise UsageError(f"unknown solver {solver!r} (auto, cbc, highs)")
+    if not 0 <= gap < 1:
+        raise UsageError(f"--gap {gap}: expected a fraction in [0, 1), e.g. 0.01 for 1%")
     if decompose not in ("auto", "always", "never"):
         raise UsageError(f"unknown decompose {decompose!r} (auto, always, never)")
     if hosts is not None and (hosts < 1 or mesh_spec.size % hosts):
         raise UsageError(f"--hosts {hosts} does not divide the {mesh_spec.size} devices of the mesh")
     return CompileOptions(mesh=mesh_spec, device=model, memory_budget=budget,
-                          time_limit=time_limit, solver=solver, hosts=hosts, decompose=decompose)
+                          time_limit=time_limit, solver=solver, hosts=hosts, decompose=decompose,
+                          gap=gap)
 
 
 def compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pass=None,

@@ -357,8 +357,8 @@ def top_decisions(state: CompileState, count: int = 10) -> list[dict]:
     describe = _Describer(state, index)
     graph, space, problem = state.graph, state.space, state.problem
     budget = problem.memory_budget
-    # The solver stops within a relative gap of 1e-6 (ilp._MIP_REL_GAP): differences below that
-    # are ties, not reasons.
+    # Differences below 1e-6 of the step are float noise, not reasons. The plan itself is only
+    # proven within CompileOptions.gap (1%), so a cheaper alternative can show up: it is said.
     noise = max(_EPS, 1e-6 * abs(index.evaluation.total))
     out = []
     for rank, (kind, node) in enumerate(_candidates(state, index, count), start=1):

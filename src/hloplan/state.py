@@ -28,6 +28,9 @@ class CompileOptions:
     # Big problems on meshes of 3+ axes are planned on two-axis views and improved two axes at
     # a time (solver/axes.py): "auto" (when the whole ILP would be too big), "always", "never".
     decompose: str = "auto"
+    # Planning stops once the plan is proven within this fraction of the optimum (the cost
+    # model is no more accurate than ~1%); plan.json reports the gap actually reached.
+    gap: float = 0.01
 
     @property
     def budget(self) -> float:

@@ -184,3 +184,14 @@ def test_decompose_flag_plans_three_axis_meshes_on_axis_views(tmp_path):
     assert solvers[0]["objective_s"] >= solvers[1]["objective_s"] * (1 - 1e-6)
     bad = run("compile", MLP, "--mesh", "2x2x2", "--decompose", "sometimes")
     assert bad.exit_code == 2 and "--decompose" in bad.output
+
+
+def test_gap_flag_is_checked_and_reported(tmp_path):
+    strict = run("compile", MLP, "--mesh", "2x4", "--gap", "0", "--format", "json", "-q",
+                 "-o", tmp_path / "strict")
+    assert strict.exit_code == 0, strict.output
+    solver = json.loads((tmp_path / "strict" / "plan.json").read_text())["solver"]
+    assert solver["status"] == "optimal" and solver["gap"] <= 1e-6
+    bad = run("compile", MLP, "--mesh", "2x4", "--gap", "2", "-o", tmp_path / "bad")
+    assert bad.exit_code == 2 and "--gap" in bad.output
+    assert not (tmp_path / "bad").exists()
