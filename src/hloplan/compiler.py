@@ -78,7 +78,9 @@ def compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pas
     started = time.perf_counter()
     program = ir.load_program(data, filename)
     parse_time = time.perf_counter() - started
-    original_text = ir.module_text(program.module)
+    # The reference program is rebuilt from the input's text only when the input was not a
+    # serialized Exported (that one is its own reference).
+    original_text = ir.module_text(program.module) if program.exported is None else None
     state = run_pipeline(program, options, after_pass=after_pass)
     timings = {"parse": parse_time, **state.timings}
     pipelined = None

