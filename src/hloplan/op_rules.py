@@ -101,7 +101,7 @@ def _type(graph: Graph, value_id: int) -> TensorType:
 def rule_for(graph: Graph, op: Op) -> OpRule:
     """The sharding rule of one op. Unknown ops get the replicated fallback, with a reason."""
     name = op.name
-    short = name.split(".", 1)[1] if "." in name else name
+    short = _short(name)
     if any(graph.type_of(v) is None for v in op.results) and name not in ("stablehlo.while",):
         return _replicated(graph, op, None)
     if name in FREE_OPS:
