@@ -75,7 +75,6 @@ class _ProblemBuilder:
         self.reshard_cache: dict = {}  # (type, src layout, dst layout) -> seconds
         self.plain_of: dict[int, Strategy] = {}  # id(OpStrategy) -> Strategy (cached ones live)
         self.fused = fused_values(graph)  # values kept inside a fused kernel: no HBM traffic
-        self.hbm_bandwidth = comm.model.hbm_bandwidth
         # Inputs that arrive every step (not state updated in place): their layout decides
         # what each device receives, so their bytes are priced.
         state = state_like_args(graph)
@@ -225,6 +224,13 @@ class _ProblemBuilder:
             self.specs_of[found] = layouts
         return found
 
+    def _operand_specs_id(self, op_index: int, position: int) -> int:
+        """The id of the layouts op `op_index`'s strategies need for operand `position`."""
+        strategies = self.space.strategies[op_index]
+        return self._specs_id(("operand", self.list_of[op_index], position),
+                              lambda: (s.operands[position] if position < len(s.operands)
+                                       else None for s in strategies))
+
     def _matrix(self, type_, src_id: int, dst_id: int, multiplier: float, fused: bool = False):
         """Resharding costs between two lists of layouts, or None when all are zero. `fused`:
         the value would stay inside a fused kernel; a reshard makes XLA write it to HBM and
@@ -245,7 +251,7 @@ class _ProblemBuilder:
                     self.reshard_cache[type_, src, dst] = seconds
                 if fused and seconds > 0:  # a collective, not a local slice
                     seconds += (local_bytes(type_, src, self.mesh)
-                                + local_bytes(type_, dst, self.mesh)) / self.hbm_bandwidth
+                                + local_bytes(type_, dst, self.mesh)) / self.comm.model.hbm_bandwidth
                 cost[src, dst] = seconds * multiplier
         if not any(cost.values()):
             matrix = None
@@ -265,14 +271,13 @@ class _ProblemBuilder:
             return None
         consumer_strategies = self.space.strategies[consumer.index]
         producer_strategies = self.space.strategies[producer]
-        if position < 0:  # a loop-carried value: the carry's own layout
-            dst_specs = lambda: (s.results[0] for s in consumer_strategies)  # noqa: E731
-        else:
-            dst_specs = lambda: (s.operands[position] if position < len(s.operands)  # noqa: E731
-                                 else None for s in consumer_strategies)
         src_id = self._specs_id(("result", self.list_of[producer], value.result_index),
                                 lambda: (s.results[value.result_index] for s in producer_strategies))
-        dst_id = self._specs_id(("operand", self.list_of[consumer.index], position), dst_specs)
+        if position < 0:  # a loop-carried value: the carry's own layout
+            dst_id = self._specs_id(("operand", self.list_of[consumer.index], position),
+                                    lambda: (s.results[0] for s in consumer_strategies))
+        else:
+            dst_id = self._operand_specs_id(consumer.index, position)
         costs = self._matrix(value.type, src_id, dst_id, multiplier, value_id in self.fused)
         if costs is None:
             return None
@@ -310,12 +315,8 @@ class _ProblemBuilder:
                      position: int) -> Edge | None:
         """The edge from the previous matmul's layout of `value_id` to `consumer`'s."""
         source, source_position = previous
-        source_strategies = self.space.strategies[source]
-        consumer_strategies = self.space.strategies[consumer.index]
-        src_id = self._specs_id(("operand", self.list_of[source], source_position),
-                                lambda: (s.operands[source_position] for s in source_strategies))
-        dst_id = self._specs_id(("operand", self.list_of[consumer.index], position),
-                                lambda: (s.operands[position] for s in consumer_strategies))
+        src_id = self._operand_specs_id(source, source_position)
+        dst_id = self._operand_specs_id(consumer.index, position)
         costs = self._matrix(self.graph.type_of(value_id), src_id, dst_id, consumer.multiplier)
         if costs is None:
             return None

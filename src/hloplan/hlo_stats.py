@@ -1112,12 +1112,10 @@ def _fused_flops(module: _Module, name: str, seen: set[str]) -> float:
     return total
 
 
-def _fusion_operand_bytes(module: _Module, comp: _Computation, ins: _Instr) -> float:
-    """Bytes a fusion reads: each operand whole, unless the fused computation reads it only
-    through slices (then the slices), or it is the buffer a dynamic-update-slice root updates
-    in place (then nothing)."""
-    callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
-    fused = module.computations.get(callee.group(1)) if callee else None
+def _fusion_operand_bytes(comp: _Computation, ins: _Instr, fused: _Computation | None) -> float:
+    """Bytes a fusion reads: each operand whole, unless its fused computation `fused` reads it
+    only through slices (then the slices), or it is the buffer a dynamic-update-slice root
+    updates in place (then nothing)."""
     params: dict[int, str] = {}
     if fused is not None:
         for f in fused.instrs:
@@ -1174,9 +1172,10 @@ def kernel_stats(hlo_text: str, flop_rate: float, hbm_bandwidth: float) -> Kerne
                 continue
             out_bytes = shape_bytes(ins.shape)
             if ins.opcode == "fusion":
-                read = _fusion_operand_bytes(module, comp, ins)
                 callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
-                flops = _fused_flops(module, callee.group(1), set()) if callee else 0.0
+                name_ = callee.group(1) if callee else ""
+                read = _fusion_operand_bytes(comp, ins, module.computations.get(name_))
+                flops = _fused_flops(module, name_, set())
             elif ins.opcode in _READS_PART:
                 read, flops = out_bytes, 0.0
             elif ins.opcode == "dynamic-update-slice":
