@@ -46,12 +46,15 @@ ALL_GATHER = "all-gather"
 REDUCE_SCATTER = "reduce-scatter"
 ALL_TO_ALL = "all-to-all"
 COLLECTIVE_KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
+_KIND_SET = frozenset(COLLECTIVE_KINDS)
 
 Sharding = tuple[tuple[int, ...], ...]
 Axes = tuple[int, ...]
 
 
 def _kind(kind: str) -> str:
+    if kind in _KIND_SET:  # the hot path: already canonical
+        return kind
     name = kind.strip().lower().replace("_", "-")
     if name not in COLLECTIVE_KINDS:
         raise ValueError(f"unknown collective {kind!r} (known: {', '.join(COLLECTIVE_KINDS)})")
@@ -119,6 +122,10 @@ class CommModel:
         self.combine_bytes = combine_bytes
         self.combined_kinds = frozenset(_kind(k) for k in combined_kinds)
         self.links: tuple[Interconnect, ...] = axis_links(model, mesh, hosts)
+        # Memos: the planner prices ~10^4 reshards between the same few axis groups and
+        # layouts, and validating them each time dominated the cost.
+        self._groups: dict = {}
+        self._checked: dict = {}
 
     def __repr__(self) -> str:
         links = ", ".join(
@@ -150,6 +157,18 @@ class CommModel:
 
     def group(self, axes: int | str | Iterable[int | str]) -> AxisGroup:
         """Group size, bottleneck bandwidth and latency of a collective over `axes`."""
+        try:
+            return self._groups[axes]
+        except (KeyError, TypeError):  # TypeError: an unhashable list of axes
+            pass
+        found = self._group(axes)
+        try:
+            self._groups[axes] = found
+        except TypeError:
+            pass
+        return found
+
+    def _group(self, axes: int | str | Iterable[int | str]) -> AxisGroup:
         index = self._axes(axes)
         if not index:
             return AxisGroup((), 1, math.inf, 0.0)
@@ -214,6 +233,19 @@ class CommModel:
     # --- resharding -------------------------------------------------------------------------
 
     def _check_sharding(self, sharding: Sequence[Sequence[int]], rank: int, what: str) -> Sharding:
+        try:
+            return self._checked[sharding, rank]
+        except (KeyError, TypeError):
+            pass
+        result = self._validate_sharding(sharding, rank, what)
+        try:
+            self._checked[sharding, rank] = result
+        except TypeError:
+            pass
+        return result
+
+    def _validate_sharding(self, sharding: Sequence[Sequence[int]], rank: int,
+                           what: str) -> Sharding:
         if len(sharding) != rank:
             raise ValueError(
                 f"{what} sharding {sharding!r} has {len(sharding)} entries for a rank-{rank} tensor"

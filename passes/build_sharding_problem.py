@@ -65,8 +65,10 @@ class _ProblemBuilder:
         self.tie_root: dict[int, int] = {}  # op index -> op index of its leader
         # Repeated layers repeat (rule, types) signatures: strategies, follower lists and
         # resharding matrices are computed once per signature and shared.
-        self.strategy_cache: dict = {}  # signature -> (strategies, followed?)
-        self.list_ids: dict = {}  # signature -> small int
+        self.own_ids: dict = {}  # signature -> small int
+        self.own_lists: list[list[OpStrategy]] = []  # by signature id: its strategies
+        self.follow_cache: dict = {}  # (own id, producer list id, result) -> list | None
+        self.list_ids: dict = {}  # own id or follower key -> small int
         self.list_of: dict[int, int] = {}  # op index -> id of its strategy list's signature
         self.specs_ids: dict = {}  # a tuple of layouts -> small int
         self.specs_by_source: dict = {}  # (strategy list, result or operand position) -> its id
@@ -117,49 +119,49 @@ class _ProblemBuilder:
             return True
         return False
 
-    def _list_id(self, key) -> int:
-        return self.list_ids.setdefault(key, len(self.list_ids))
-
     def _strategies(self, op: Op, rule: OpRule) -> list[OpStrategy]:
         operand_types = tuple(self.graph.type_of(v) for v in op.operands)
         result_types = tuple(self.graph.type_of(v) for v in op.results)
         dtype = result_types[0].dtype if result_types and result_types[0] else "f32"
         hbm = hbm_traffic(self.graph, op, self.fused, self.streamed)
+        # The signature (rule, types, ...) is hashed once, here; the follower cache and the
+        # list ids key on its small id (hashing an OpRule walks all its factors).
         own_key = (rule, operand_types, result_types, op.multiplier, dtype, hbm)
-        cached = self.strategy_cache.get(own_key)
-        if cached is None:
-            cached = (enumerate_strategies(rule, list(operand_types), list(result_types),
-                                           self.mesh, self.comm, op.multiplier, dtype, hbm=hbm),
-                      False)
-            self.strategy_cache[own_key] = cached
-        own = cached[0]
+        own_id = self.own_ids.get(own_key)
+        if own_id is None:
+            own_id = self.own_ids[own_key] = len(self.own_ids)
+            self.own_lists.append(enumerate_strategies(
+                rule, list(operand_types), list(result_types), self.mesh, self.comm,
+                op.multiplier, dtype, hbm=hbm))
+        own = self.own_lists[own_id]
         leader = self._leader_operand(op, rule) if self.follow else None
         if leader is None:
-            self.list_of[op.index] = self._list_id(own_key)
+            self.list_of[op.index] = self._list_id(own_id)
             return list(own)
         producer, result_index = leader
-        follow_key = ("follow", own_key, self.list_of[producer.index], result_index)
-        cached = self.strategy_cache.get(follow_key)
-        if cached is None:
+        follow_key = (own_id, self.list_of[producer.index], result_index)
+        followed = self.follow_cache.get(follow_key, False)
+        if followed is False:
             by_result = {s.results[0]: s for s in own}
             followed = []
             for strategy in self.space.strategies[producer.index]:
                 match = by_result.get(strategy.results[result_index])
                 if match is None:
+                    followed = None  # some producer layout has no matching strategy
                     break
                 followed.append(match)
-            else:
-                cached = (followed, True)
-            if cached is None:
-                cached = (own, False)
-            self.strategy_cache[follow_key] = cached
-        strategies, follows = cached
-        if not follows:
-            self.list_of[op.index] = self._list_id(own_key)
+            self.follow_cache[follow_key] = followed
+        if followed is None:
+            self.list_of[op.index] = self._list_id(own_id)
             return list(own)
         self.list_of[op.index] = self._list_id(follow_key)
         self.tie_root[op.index] = self.tie_root.get(producer.index, producer.index)
-        return list(strategies)
+        return list(followed)
+
+    def _list_id(self, key) -> int:
+        """A small int per distinct strategy list: an own signature's id, or a follower's
+        (own id, producer's list id, result index)."""
+        return self.list_ids.setdefault(key, len(self.list_ids))
 
     def _leader_operand(self, op: Op, rule: OpRule) -> tuple[Op, int] | None:
         if not rule.pointwise or len(op.results) != 1:

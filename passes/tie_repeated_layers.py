@@ -114,20 +114,22 @@ class TieRepeatedLayers:
 
 
 def _initial_labels(graph: Graph, space: PlanSpace) -> list[tuple]:
+    values, free_values, fallbacks = graph.values, space.free_values, space.fallbacks
     labels = []
     for op in graph.ops:
-        results = tuple(str(graph.type_of(v)) for v in op.results)
-        free = tuple(v in space.free_values for v in op.results)
+        # Types compare as themselves (shape, dtype): no need to format them.
+        results = tuple([values[v].type for v in op.results])
         if op.name == "arg":
             # Arguments differ by name only: their consumers tell their role.
             labels.append(("arg", results))
             continue
-        attrs = tuple(sorted((k, repr(v)) for k, v in op.attrs.items() if k not in _ID_ATTRS))
-        operands = tuple(str(graph.type_of(v)) for v in op.operands)
+        free = tuple([v in free_values for v in op.results])
+        attrs = tuple(sorted([(k, repr(v)) for k, v in op.attrs.items() if k not in _ID_ATTRS]))
+        operands = tuple([values[v].type for v in op.operands])
         parent = graph.ops[op.parent].name if op.parent is not None else None
         labels.append((op.name, attrs, operands, results, free, str(op.location), op.label,
                        op.multiplier, parent, op.region, op.planned,
-                       op.index in space.fallbacks))
+                       op.index in fallbacks))
     return labels
 
 
@@ -159,11 +161,12 @@ def structural_colors(graph: Graph, space: PlanSpace, hops: int) -> list[int]:
         consumers.append(tuple(users))
     colors = _compact(_initial_labels(graph, space))
     for _ in range(hops):
+        c = colors
         refined = _compact([
-            (colors[i],
-             tuple((colors[p], r) for p, r in producers[i]),
-             tuple(sorted((r, colors[u], k) for r, u, k in consumers[i])))
-            for i in range(len(graph.ops))])
+            (c[i],
+             tuple([(c[p], r) for p, r in producers[i]]),
+             tuple(sorted([(r, c[u], k) for r, u, k in consumers[i]])))
+            for i in range(len(c))])
         if len(set(refined)) == len(set(colors)):
             break  # stable partition: more rounds change nothing
         colors = refined
@@ -327,21 +330,23 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
         class_of[index] = class_ids[key]
     width = max(len(class_ids), 1)
     largest = np.array(class_max + [0.0] * (width - len(class_max)))
-    summaries = []  # per point: (constant bytes, classes, counts, bytes at the largest choice)
     # Walk the points keeping the class counts up to date from the nodes that join and leave
-    # (a point's own list, or a live range starting or ending there).
+    # (a point's own list, or a live range starting or ending there). First pass: each
+    # point's net change of class counts and its constant bytes, without numpy (cheap).
     enter: dict[int, list[int]] = {}
     leave: dict[int, list[int]] = {}
     for r in problem.live_ranges:
         enter.setdefault(r.first, []).append(r.node)
         leave.setdefault(r.last + 1, []).append(r.node)
-    counts = np.zeros(width, dtype=np.int64)
-    constant_sum = 0.0  # whole bytes: the running sum is exact
-    previous: set[int] = set()
     class_list = class_of.tolist()
     constant_list = constant_of.tolist()
+    changes: list[dict[int, int]] = []  # per point: class -> net change from the previous one
+    constants: list[float] = []
+    constant_sum = 0.0  # whole bytes: the running sum is exact
+    previous: set[int] = set()
     for p, point in enumerate(points):
         live = set(point.nodes) if point.nodes or previous else previous
+        change: dict[int, int] = {}
         for sign, moved in ((1, [*(live - previous), *enter.get(p, ())]),
                             (-1, [*(previous - live), *leave.get(p, ())])):
             for index in moved:
@@ -349,14 +354,37 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
                 if c < 0:
                     constant_sum += sign * constant_list[index]
                 else:
-                    counts[c] += sign
+                    change[c] = change.get(c, 0) + sign
         previous = live
+        changes.append({c: n for c, n in change.items() if n})
+        constants.append(point.fixed_bytes + constant_sum)
+    # A point its neighbour dominates goes at once: the next point when it only gains nodes
+    # and constant bytes, the previous one when it only lost some (strictly, so that of two
+    # equal neighbours one stays). Dominance is transitive, so a dropped point is always
+    # dominated by a kept one; most points of a layer's forward pass go here.
+    count = len(points)
+    dropped = [False] * count
+    for p in range(1, count):
+        change = changes[p].values()
+        if constants[p] >= constants[p - 1] and all(n > 0 for n in change):
+            dropped[p - 1] = True
+        elif constants[p] <= constants[p - 1] and all(n < 0 for n in change) and (
+                changes[p] or constants[p] < constants[p - 1]):
+            dropped[p] = True
+    # Second pass: the class counts of the points that stay.
+    summaries = {}  # point: (constant bytes, classes, counts, bytes at the largest choice)
+    counts = np.zeros(width, dtype=np.int64)
+    for p in range(count):
+        for c, n in changes[p].items():
+            counts[c] += n
+        if dropped[p]:
+            continue
         columns = np.flatnonzero(counts)
         needed = counts[columns]
-        constant = point.fixed_bytes + constant_sum
-        summaries.append((constant, columns, needed, constant + float(needed @ largest[columns])))
+        constant = constants[p]
+        summaries[p] = (constant, columns, needed, constant + float(needed @ largest[columns]))
     # Likely dominators first: the points with the most bytes at their largest.
-    order = sorted(range(len(points)), key=lambda p: (-summaries[p][3], p))
+    order = sorted(summaries, key=lambda p: (-summaries[p][3], p))
     capacity = 64
     kept_counts = np.zeros((width, capacity), dtype=np.int64)  # class x kept point
     kept_constant = np.zeros(capacity)

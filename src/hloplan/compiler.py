@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,10 +73,32 @@ def make_options(mesh: str | MeshSpec, device: str = "h100", memory_budget: str 
                           gap=gap)
 
 
+@contextlib.contextmanager
+def _cyclic_gc_paused():
+    """Python's cyclic garbage collector off for the duration (reference counting still frees
+    what is not in a cycle). Planning allocates millions of small tuples and keeps most of
+    them, so the collector's full passes over the growing heap found little to free and took
+    a fifth of the compile time (Llama3-8B on 8x4: 5.0 s -> 4.1 s without them, same peak
+    memory)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pass=None,
                   pipeline: PipelineOptions | None = None) -> CompileResult:
     """Plan `data`; with `pipeline` options, also consider (or force) pipeline stages and
     microbatches, keeping whichever plan the cost model prefers."""
+    with _cyclic_gc_paused():
+        return _compile_bytes(data, filename, options, after_pass, pipeline)
+
+
+def _compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pass,
+                   pipeline: PipelineOptions | None) -> CompileResult:
     started = time.perf_counter()
     program = ir.load_program(data, filename)
     parse_time = time.perf_counter() - started
