@@ -41,6 +41,11 @@ DEVICE_FLAG = "--xla_force_host_platform_device_count"
 KILL_ENV = "HLOPLAN_TEST_KILL_PROCESS"  # testing: this process id exits(3) right after initialize
 HEARTBEAT_TIMEOUT_S = 10  # loopback: a peer silent this long is dead (jax's default is 100 s)
 STDERR_TAIL_LINES = 12
+# A worker that registered faulthandler for this signal prints every thread's Python stack to its
+# stderr; the parent sends it to workers still running at the time limit, so a hang says where.
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+STACK_DUMP_WAIT_S = 1.0
+STACK_LINES = 16
 # stderr lines of a process that aborted because *another* process died (not the first cause)
 _SECONDARY = re.compile(r"another task died|tasks are unhealthy|detected fatal errors|"
                         r"Gloo.*(Connection closed|Read error|Connection reset)", re.I)
@@ -84,6 +89,25 @@ class ProcessOutcome:
             return []
         kept = [line for line in text.splitlines() if line.strip() and not _NOISE.match(line)]
         return kept[-lines:]
+
+    def main_stack(self, lines: int = STACK_LINES) -> list[str]:
+        """The main thread's Python stack (most recent call first) from the last faulthandler
+        dump in its stderr: the dumped thread that runs a script's or module's <module>."""
+        try:
+            text = self.stderr.read_text(errors="replace")
+        except OSError:
+            return []
+        blocks, current = [], None
+        for line in text.splitlines():
+            if line.endswith("(most recent call first):"):
+                current = []
+                blocks.append(current)
+            elif current is not None and line.startswith("  File "):
+                current.append(line.strip())
+            else:
+                current = None
+        main = [b for b in blocks if any(line.endswith("in <module>") for line in b)]
+        return main[-1][:lines] if main else []
 
     @property
     def secondary(self) -> bool:
@@ -135,6 +159,26 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 0.5) -> None:
             pass
 
 
+def _dump_stacks(procs: list[subprocess.Popen]) -> None:
+    """Ask the workers still running to print their stacks (see STACK_DUMP_SIGNAL) and give
+    them a moment to write them."""
+    alive = [p for p in procs if p.poll() is None]
+    for proc in alive:
+        try:
+            os.kill(proc.pid, STACK_DUMP_SIGNAL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if alive:
+        time.sleep(STACK_DUMP_WAIT_S)
+
+
+def register_stack_dump() -> None:
+    """In a worker: print every thread's stack to stderr on STACK_DUMP_SIGNAL."""
+    import faulthandler
+
+    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
+
+
 def launch(commands: list[list[str]], envs: list[dict], *, timeout: float, log_dir: Path,
            cwd: str | None = None, poll_s: float = 0.05) -> tuple[list[ProcessOutcome], float]:
     """Start one process per command, wait until all exit 0; raise JobFailure as soon as one
@@ -162,6 +206,7 @@ def launch(commands: list[list[str]], envs: list[dict], *, timeout: float, log_d
             if all(code == 0 for code in codes):
                 return outcomes, time.monotonic() - started
             if time.monotonic() - started > timeout:
+                _dump_stacks(procs)
                 _stop(procs)
                 running = next((o for o in outcomes if o.returncode is None), None)
                 raise JobFailure("timeout", running, outcomes, time.monotonic() - started, log_dir)
@@ -181,7 +226,14 @@ def failure_message(exc: JobFailure, processes: int, timeout: float) -> str:
         head = (f"process {exc.failed.index} of {processes} {_describe_status(exc.failed.returncode)} "
                 f"after {exc.seconds:.1f} s; stopped the other processes")
     lines = [head]
-    if exc.failed is not None:
+    if exc.reason == "timeout":
+        for outcome in exc.outcomes:
+            stack = outcome.main_stack() if outcome.returncode is None else []
+            if stack:
+                lines.append(f"process {outcome.index} was waiting in (most recent call first):")
+                lines.extend("  | " + line for line in stack)
+    # A timed-out process whose stack is shown above: the rest of its dump is other threads.
+    if exc.failed is not None and not (exc.reason == "timeout" and exc.failed.main_stack()):
         tail = exc.failed.stderr_tail()
         lines.append(f"last lines of process {exc.failed.index}'s stderr:" if tail
                      else f"process {exc.failed.index} wrote nothing to stderr")
@@ -335,6 +387,7 @@ def worker_main(argv: list[str]) -> int:
     parser.add_argument("--deadline", type=float, default=330.0)
     args = parser.parse_args(argv)
     _watchdog(args.deadline)
+    register_stack_dump()
 
     import jax
 

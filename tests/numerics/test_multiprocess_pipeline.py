@@ -62,11 +62,15 @@ def test_two_stage_pipeline_on_two_processes_matches(plan_dir):
 
 
 WORKER = textwrap.dedent("""
-    import importlib.util, json, sys
+    import faulthandler, importlib.util, json, signal, sys
     import jax
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # launch() asks for stacks on timeout
     plan, inputs, port, pid, out = sys.argv[1:6]
+    # as hloplan's own worker: no cluster auto-detection, bounded waits
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                               process_id=int(pid), heartbeat_timeout_seconds=10)
+                               process_id=int(pid), coordinator_bind_address=f"127.0.0.1:{port}",
+                               cluster_detection_method="deactivate", initialization_timeout=60,
+                               heartbeat_timeout_seconds=10)
     import numpy as np
     from jax import export
     # the plan directory's own copy: it must need nothing but jax and numpy

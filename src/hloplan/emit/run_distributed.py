@@ -26,7 +26,9 @@ Exit status: 0 ok, 1 the results differ from the reference, 2 setup error.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -130,6 +132,8 @@ def compare(outputs, expected, rtol: float, atol: float) -> tuple[bool, float]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # `kill -USR1 PID` prints every thread's stack: where a stuck process waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if not args.local:
         initialize(args)
 
