@@ -101,15 +101,18 @@ def main() -> None:
 @click.option("--schedule", type=click.Choice(["gpipe", "1f1b"]), default="1f1b", show_default=True)
 @click.option("--batch-arg", "batch_args", multiple=True, metavar="NAME",
               help="an input that carries the batch (repeatable; default: found automatically)")
+@click.option("--pass-option", "pass_options", multiple=True, metavar="PASS.FIELD=VALUE",
+              help="set a pass option (repeatable), e.g. tie-repeated-layers.compare_untied=true "
+                   "to also solve the untied ILP and report the price of tying")
 @click.option("-q", "--quiet", is_flag=True, help="print errors only")
 def compile_command(input_path, mesh, output, device, memory_budget, time_limit, solver, hosts,
                     decompose, gap, fmt, print_after, time_passes, reproducer, stages, microbatches, schedule,
-                    batch_args, quiet):
+                    batch_args, pass_options, quiet):
     """Plan INPUT (StableHLO .mlir, bytecode, portable artifact or serialized Exported; '-' for
     stdin) for a device mesh and write the plan directory."""
     from hloplan import ir
     from hloplan.compiler import compile_bytes, make_options
-    from hloplan.pipeline import PASS_NAMES
+    from hloplan.pipeline import PASS_NAMES, compile_pipeline
 
     filename = input_path
     data = b""
@@ -131,10 +134,14 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
                 click.echo(f"// -----// IR Dump After {name} //----- //", err=True)
                 click.echo(ir.module_text(state.program.module), err=True)
 
+        passes = None
+        if pass_options:
+            by_name = _with_pass_options({p.name: p for p in compile_pipeline()}, pass_options)
+            passes = list(by_name.values())
         pipeline = _pipeline_options(stages, microbatches, schedule, batch_args)
         with progress:
             result = compile_bytes(data, filename, options, after_pass=after_pass,
-                                   pipeline=pipeline)
+                                   pipeline=pipeline, passes=passes)
         if reproducer:
             _write_problem_reproducer(reproducer, data, filename, result.state)
         if output:

@@ -90,22 +90,24 @@ def _cyclic_gc_paused():
 
 
 def compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pass=None,
-                  pipeline: PipelineOptions | None = None) -> CompileResult:
+                  pipeline: PipelineOptions | None = None, passes: list | None = None
+                  ) -> CompileResult:
     """Plan `data`; with `pipeline` options, also consider (or force) pipeline stages and
-    microbatches, keeping whichever plan the cost model prefers."""
+    microbatches, keeping whichever plan the cost model prefers. `passes`: the compile
+    pipeline with some passes' options changed (default: pipeline.compile_pipeline())."""
     with _cyclic_gc_paused():
-        return _compile_bytes(data, filename, options, after_pass, pipeline)
+        return _compile_bytes(data, filename, options, after_pass, pipeline, passes)
 
 
 def _compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pass,
-                   pipeline: PipelineOptions | None) -> CompileResult:
+                   pipeline: PipelineOptions | None, passes: list | None) -> CompileResult:
     started = time.perf_counter()
     program = ir.load_program(data, filename)
     parse_time = time.perf_counter() - started
     # The reference program is rebuilt from the input's text only when the input was not a
     # serialized Exported (that one is its own reference).
     original_text = ir.module_text(program.module) if program.exported is None else None
-    state = run_pipeline(program, options, after_pass=after_pass)
+    state = run_pipeline(program, options, passes, after_pass=after_pass)
     timings = {"parse": parse_time, **state.timings}
     pipelined = None
     if pipeline is not None:

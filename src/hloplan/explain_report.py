@@ -429,6 +429,15 @@ def render_text(plan: dict, console, top: int = 10) -> None:
                            f"{solver.get('gap', 0):.2%}, {solver.get('nodes')} decisions, "
                            f"{solver.get('edges')} resharding edges, "
                            f"{solver.get('memory_points')} memory points", style="dim"))
+        tying = solver.get("tying") or {}
+        if tying.get("groups"):
+            line = (f"repeated layers: {tying.get('tied_ops')} ops in {tying['groups']} groups share "
+                    f"decisions ({tying.get('decisions_before')} -> "
+                    f"{tying.get('decisions_after')})")
+            if "gap_to_untied" in tying:
+                against = "optimum" if tying.get("gap_to_untied_exact") else "incumbent"
+                line += f"; {tying['gap_to_untied']:+.3%} from the untied {against}"
+            console.print(Text(line, style="dim"))
 
 
 def pipeline_timeline(pipe: dict, width: int = 60) -> list[str]:

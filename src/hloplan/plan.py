@@ -132,12 +132,35 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
             "nodes": len(state.problem.nodes), "edges": len(state.problem.edges),
             "memory_points": len(state.problem.live_points),
             "time_limit_s": options.time_limit,
+            "tying": _tying(state.facts),
         },
         "ops": ops,
         "decisions": decisions.top_decisions(state, count=10),
         "diagnostics": [d.to_json() for d in state.log.entries],
         "files": files,
     }
+
+
+_TYING_FACTS = {
+    "tied_groups": "groups", "tied_nodes": "tied_ops", "decisions_before_tying": "decisions_before",
+    "decisions_after_tying": "decisions_after", "live_points_before_pruning": "memory_points_before",
+    "live_points_after_pruning": "memory_points_after",
+    # with tie-repeated-layers.compare_untied: the price of tying
+    "untied_status": "untied_status", "untied_objective": "untied_objective_s",
+    "untied_bound": "untied_bound_s",
+    "tied_gap": "gap_to_untied", "tied_gap_bound": "gap_to_untied_bound",
+    "tied_gap_exact": "gap_to_untied_exact",
+}
+
+
+def _tying(facts: dict) -> dict:
+    """What tie-repeated-layers did (groups 0: the problem was small enough to solve untied)."""
+    out = {name: facts[key] for key, name in _TYING_FACTS.items() if key in facts}
+    for name in ("untied_objective_s", "untied_bound_s", "gap_to_untied",
+                 "gap_to_untied_bound"):
+        if name in out:
+            out[name] = _round(out[name])
+    return out
 
 
 def dumps(plan: dict) -> str:

@@ -44,13 +44,15 @@ def _mlp_stack_step(params, x, y):
     return value, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
 
 
-def _stack_program() -> ir.Program:
+def _stack_program_args():
     f32 = jnp.float32
     layer = {"w": jax.ShapeDtypeStruct((WIDTH, WIDTH), f32), "b": jax.ShapeDtypeStruct((WIDTH,), f32)}
     params = {"layers": [layer] * LAYERS, "head": jax.ShapeDtypeStruct((WIDTH, 16), f32)}
-    x = jax.ShapeDtypeStruct((32, WIDTH), f32)
-    y = jax.ShapeDtypeStruct((32, 16), f32)
-    exported = export.export(jax.jit(_mlp_stack_step), platforms=("cpu",))(params, x, y)
+    return params, jax.ShapeDtypeStruct((32, WIDTH), f32), jax.ShapeDtypeStruct((32, 16), f32)
+
+
+def _stack_program() -> ir.Program:
+    exported = export.export(jax.jit(_mlp_stack_step), platforms=("cpu",))(*_stack_program_args())
     return ir.load_program(bytes(exported.serialize()), "stack.jaxexport")
 
 
@@ -312,3 +314,67 @@ def test_period_two_lets_identical_layers_alternate():
     assert abs(facts[2]["tied_gap"]) < 1e-9
     assert (facts[1]["decisions_after_tying"] < facts[2]["decisions_after_tying"]
             < facts[2]["decisions_before_tying"])
+
+
+def test_compile_reports_tying_and_its_price_in_plan_json(tmp_path):
+    """`hloplan compile --pass-option tie-repeated-layers.compare_untied=true`: plan.json says
+    what was tied and how far the tied plan is from the untied optimum; a remark says it too."""
+    import json
+
+    from click.testing import CliRunner
+
+    from hloplan.cli import main
+
+    exported = export.export(jax.jit(_mlp_stack_step), platforms=("cpu",))(
+        *_stack_program_args())
+    source = tmp_path / "stack.jaxexport"
+    source.write_bytes(bytes(exported.serialize()))
+    out = tmp_path / "plan"
+    result = CliRunner().invoke(main, [
+        "compile", str(source), "--mesh", "4", "--device", "toy", "-o", str(out), "--format",
+        "json", "--pass-option", "tie-repeated-layers.min_decisions=0",
+        "--pass-option", "tie-repeated-layers.compare_untied=true"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads((out / "plan.json").read_text())
+    tying = plan["solver"]["tying"]
+    assert tying["groups"] > 0 and tying["decisions_after"] < tying["decisions_before"]
+    assert tying["untied_status"] == "optimal" and tying["gap_to_untied_exact"] is True
+    assert -1e-9 <= tying["gap_to_untied"] <= 0.01
+    remarks = [d["message"] for d in plan["diagnostics"] if d["severity"] == "remark"]
+    assert any("from the untied optimum" in m for m in remarks), remarks
+    explained = CliRunner().invoke(main, ["explain", str(out)])
+    assert explained.exit_code == 0, explained.output
+    assert "from the untied optimum" in explained.output and "repeated layers:" in explained.output
+    # Without the option the same program is small enough to solve untied: nothing tied.
+    plain = CliRunner().invoke(main, ["compile", str(source), "--mesh", "4", "--device", "toy",
+                                      "-o", str(tmp_path / "plain"), "-q"])
+    assert plain.exit_code == 0, plain.output
+    plain_plan = json.loads((tmp_path / "plain" / "plan.json").read_text())
+    assert plain_plan["solver"]["tying"] == {"groups": 0}
+
+
+def test_unknown_pass_option_is_a_usage_error(tmp_path):
+    from click.testing import CliRunner
+
+    from hloplan.cli import main
+
+    out = tmp_path / "plan"
+    result = CliRunner().invoke(main, ["compile", "-", "--mesh", "4", "-o", str(out),
+                                       "--pass-option", "tie-repeated-layers.no_such_field=1"],
+                                input="module {}")
+    assert result.exit_code == 2, result.output
+    assert "expected PASS.FIELD=VALUE" in result.output
+    assert not out.exists()
+
+
+def test_describe_comparison_separates_exact_and_bounded_gaps():
+    from hloplan.passes.tie_repeated_layers import describe_comparison
+
+    exact = {"untied_status": "optimal", "tied_status": "optimal", "untied_variables": 10,
+             "tied_gap": 0.0004, "tied_gap_exact": True}
+    assert "+0.040% from the untied optimum" in describe_comparison(exact)
+    bounded = {**exact, "untied_status": "time_limit", "tied_gap": -0.05, "tied_gap_exact": False,
+               "tied_gap_bound": 0.002}
+    line = describe_comparison(bounded)
+    assert "-5.000% from the untied incumbent" in line and "at most +0.200% above its bound" in line
+    assert "not compared" in describe_comparison({"untied_status": "failed: SolverError"})
