@@ -273,8 +273,11 @@ class CommModel:
         On each dim d, the longest common prefix of src[d] and dst[d] stays put. Every src axis
         after that prefix leaves dim d, minor-most first:
           1. all-gathers: axes that leave d and are not on another dim in dst (including axes
-             that only change position within d), one all-gather per dim over those axes; its
-             size is the per-device tensor after the gather;
+             that only change position within d), one all-gather per dim over those axes, the
+             last dim first, as XLA's partitioner orders them whatever the links (so [x, y] ->
+             [-, -] gathers y on the small shard, then x on the y-gathered block: the cheaper
+             way when x is the slow axis is [y, x]); its size is the per-device tensor after
+             the gather;
           2. all-to-alls: axes that move to another dim d', one all-to-all per (d, d') pair over
              those axes, sized by the per-device tensor at that moment;
           3. slices: dst axes not yet in place are free (each device keeps its part).
@@ -310,8 +313,8 @@ class CommModel:
                 seconds += self.collective(kind, nbytes, axes)
                 steps.append((kind, axes, sent))
 
-        # 1. all-gathers
-        for d in range(rank):
+        # 1. all-gathers, the last dim first (tests/unit/test_hlo_stats.py checks XLA's order)
+        for d in reversed(range(rank)):
             gathered = tuple(a for a in leaving[d] if dst_dim.get(a, d) == d)
             if gathered:
                 current[d] = [a for a in current[d] if a not in gathered]

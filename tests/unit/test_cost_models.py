@@ -433,13 +433,13 @@ def test_reshard_all_gather(comm: CommModel) -> None:
 
 
 def test_reshard_gathers_two_dims_in_turn(comm: CommModel) -> None:
-    # ((data), (model)) -> replicated. Dim 0 first: gather data (n = 2); the tensor is then
-    # split over model only, 2 MiB / 4 = 524288 bytes: sends 1/2 * 524288 = 262144.
-    # Then dim 1: gather model (n = 4) to the full 2 MiB: sends 3/4 * 2097152 = 1572864.
+    # ((data), (model)) -> replicated. The last dim first, as XLA does: gather model (n = 4);
+    # the tensor is then split over data only, 2 MiB / 2 = 1048576 bytes: sends 3/4 * 1048576
+    # = 786432. Then dim 0: gather data (n = 2) to the full 2 MiB: sends 1/2 * 2097152.
     cost = comm.reshard(SHAPE, 4, ((0,), (1,)), ((), ()))
     assert cost.collectives == (
-        ("all-gather", (0,), 262144.0),
-        ("all-gather", (1,), 1572864.0),
+        ("all-gather", (1,), 786432.0),
+        ("all-gather", (0,), 1048576.0),
     )
     assert cost.seconds == pytest.approx(262144 / 1e11 + 1e-6 + 1572864 / 1e11 + 3e-6)
 

@@ -743,3 +743,40 @@ def test_kernel_roofline_of_a_real_program() -> None:
     cost = cost[0] if isinstance(cost, list | tuple) else cost
     assert 0 < stats.hbm_bytes <= cost["bytes accessed"] * 1.01
     assert stats.seconds >= stats.matmul_flops / 1e12
+
+
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [
+        (("data", "model"), ()),  # two dims gather: XLA's order is the last dim first
+        (("model", "data"), ()),
+        ((None, None, "data", "model"), ()),
+        ((None, "model", None, "data"), ()),
+        (("data", "model"), (None, "model")),
+        ((("data", "model"), None), ()),  # one dim over both axes: one all-gather
+    ],
+)
+def test_reshard_model_matches_compiled_collectives(mesh, src, dst) -> None:
+    """CommModel.reshard predicts the collectives XLA compiles for a reshard: kind, mesh axes,
+    bytes sent and their order (the planner's costs are only as good as this)."""
+    from hloplan.cost_models import CommModel, load_device_model
+    from hloplan.mesh import parse_mesh
+
+    names = {"data": 0, "model": 1}
+
+    def axes_of(spec, rank):
+        spec = tuple(spec) + (None,) * (rank - len(spec))
+        return tuple(() if s is None else tuple(names[a] for a in ((s,) if isinstance(s, str) else s))
+                     for s in spec)
+
+    shape = (8, 16, 32, 64)[-len(src):]
+    x = _put(mesh, shape, *src)
+    compiled = (
+        jax.jit(lambda a: a * 2, out_shardings=NamedSharding(mesh, P(*dst))).lower(x).compile()
+    )
+    realised = [(op.kind, op.axes, op.bytes_sent) for op in _stats(compiled).ops]
+    comm = CommModel(load_device_model("h100"), parse_mesh("data=2,model=4"), hosts=2)
+    cost = comm.reshard(shape, 4, axes_of(src, len(shape)), axes_of(dst, len(shape)))
+    predicted = [(kind, tuple(("data", "model")[a] for a in axes), sent)
+                 for kind, axes, sent in cost.collectives]
+    assert predicted == realised

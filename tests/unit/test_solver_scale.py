@@ -353,6 +353,31 @@ def test_neighbourhood_search_solves_the_free_groups_exactly(seed):
     assert ilp._objective(model, found) >= ilp._objective(model, optimum) * (1 - 1e-9)
 
 
+@pytest.mark.skipif("highs" not in BACKENDS, reason="needs HiGHS")
+def test_neighbourhood_search_goes_window_by_window_when_the_lp_is_fractional_everywhere():
+    # Fractional on every third group of a 48-node chain: freeing all of them with their
+    # neighbours is the whole problem, so the search frees them a window (about a quarter of
+    # the groups) at a time and still repairs both perturbed places, far apart.
+    problem = _path_problem(3, n=48)
+    model = ilp._compile(problem)
+    n = len(model.groups)
+    best, _ = solve(problem)
+    optimum = list(best.choice)
+    incumbent = list(optimum)
+    for g in (5, 40):
+        incumbent[g] = (optimum[g] + 1) % 3
+    relaxed = [np.eye(3)[optimum[g]] for g in range(n)]
+    for g in range(0, n, 3):
+        relaxed[g] = 0.5 * np.eye(3)[optimum[g]] + 0.5 * np.eye(3)[(optimum[g] + 1) % 3]
+    windows = ilp._windows([g for g in range(0, n, 3)], ilp._neighbours(model), n // 4)
+    assert len(windows) > 1 and all(len(w) <= n // 4 for w in windows)
+    found, rounds = ilp._search_neighbourhoods(model, problem.memory_budget, "highs",
+                                               time.perf_counter() + 30, 1, True, relaxed,
+                                               incumbent)
+    assert rounds >= 2 and found is not None
+    assert ilp._objective(model, found) == pytest.approx(ilp._objective(model, optimum), rel=1e-9)
+
+
 # --------------------------------------------------------------------------- axis views
 
 

@@ -88,6 +88,9 @@ _REPAIR_MOVES = 64
 # the sub-ILP of at most this fraction of the groups (a bigger one is as hard as the whole).
 _NEIGHBOURHOOD_ROUNDS = 3
 _NEIGHBOURHOOD_MAX_FRACTION = 0.25
+# A fractional LP with more free groups than that is searched a window at a time, at most this
+# many windows per round.
+_NEIGHBOURHOOD_WINDOWS = 8
 
 
 class SolverError(RuntimeError):
@@ -1488,35 +1491,51 @@ def _search_neighbourhoods(
     best, best_objective = None, _objective(model, incumbent)
     current = list(incumbent)
     rounds = 0
+    cap = max(1, int(_NEIGHBOURHOOD_MAX_FRACTION * len(model.groups)))
     for _ in range(_NEIGHBOURHOOD_ROUNDS):
-        if time.perf_counter() >= deadline:
-            break
         seeds = [g for g, values in enumerate(relaxed)
                  if values[current[g]] < 1.0 - _INTEGRALITY_TOL or current[g] != rounded[g]]
-        free = set(seeds)
-        for g in seeds:
-            free.update(other for other, _, _ in neighbours[g])
-        if not seeds or len(free) > _NEIGHBOURHOOD_MAX_FRACTION * len(model.groups):
+        improved = False
+        for free in _windows(seeds, neighbours, cap)[:_NEIGHBOURHOOD_WINDOWS]:
+            if time.perf_counter() >= deadline:
+                break
+            allowed = [np.arange(group.size) if g in free else np.array([current[g]])
+                       for g, group in enumerate(model.groups)]
+            sub = _restrict(model, allowed)
+            rounds += 1
+            try:
+                outcome = _solve_model(sub, budget, backend, deadline, threads, lazy,
+                                       [current[g] if g in free else 0
+                                        for g in range(len(model.groups))], search=False)
+            except (_ModelInfeasible, SolverError):
+                continue
+            choice = [int(keep[i]) for keep, i in zip(allowed, outcome.choice, strict=True)]
+            if not _fits(model, budget, choice):
+                continue
+            _improve(model, budget, choice)
+            objective = _objective(model, choice)
+            if objective < best_objective - 1e-12 * abs(best_objective):
+                best, best_objective, current, improved = choice, objective, choice, True
+        if not improved:
             break
-        allowed = [np.arange(group.size) if g in free else np.array([current[g]])
-                   for g, group in enumerate(model.groups)]
-        sub = _restrict(model, allowed)
-        rounds += 1
-        try:
-            outcome = _solve_model(sub, budget, backend, deadline, threads, lazy,
-                                   [current[g] if g in free else 0
-                                    for g in range(len(model.groups))], search=False)
-        except (_ModelInfeasible, SolverError):
-            break
-        choice = [int(keep[i]) for keep, i in zip(allowed, outcome.choice, strict=True)]
-        if not _fits(model, budget, choice):
-            break
-        _improve(model, budget, choice)
-        objective = _objective(model, choice)
-        if not objective < best_objective - 1e-12 * abs(best_objective):
-            break
-        best, best_objective, current = choice, objective, choice
     return best, rounds
+
+
+def _windows(seeds: list[int], neighbours, cap: int) -> list[set[int]]:
+    """The groups to free around `seeds`: one set when the seeds and their neighbours number
+    at most `cap`, else consecutive windows of seeds (program order keeps a window's groups
+    near each other in the graph), each with its seeds' neighbours, of at most about `cap`."""
+    windows: list[set[int]] = []
+    window: set[int] = set()
+    for g in seeds:
+        block = {g, *(other for other, _, _ in neighbours[g])}
+        if window and len(window | block) > cap:
+            windows.append(window)
+            window = set()
+        window |= block
+    if window:
+        windows.append(window)
+    return windows
 
 
 def _solve_ilp(
