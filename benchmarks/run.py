@@ -49,6 +49,8 @@ from pathlib import Path  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from calibration import machine_seconds  # noqa: E402
+
 DEVICE = "h100"
 GPUS_PER_HOST = 8
 MESHES = ["8", "2x4", "4x2", "4x8"]
@@ -644,6 +646,11 @@ def _ms(x) -> str:
     return "-" if x is None else f"{x * 1e3:.2f}"
 
 
+def _calibration(results: dict) -> str:
+    seconds = results.get("machine_seconds")
+    return "" if seconds is None else f", calibration {seconds:.2f} s (benchmarks/calibration.py)"
+
+
 def _pct(x) -> str:
     return "-" if x is None else f"{x:.1%}"
 
@@ -840,7 +847,8 @@ def write_reports(results: dict, out_json: Path, out_md: Path) -> None:
     md = ["# hloplan benchmarks", "",
           f"Command: `.venv/bin/python benchmarks/run.py{' --quick' if results['quick'] else ''}` "
           f"({results['wall_s'] / 60:.1f} min on {os.cpu_count()} CPU cores, load average "
-          f"{results['load_average_start'][0]:.1f} at start; jax "
+          f"{results['load_average_start'][0]:.1f} at start"
+          f"{_calibration(results)}; jax "
           f"{results['versions'].get('jax')}; hloplan at "
           f"{results.get('git', {}).get('commit', '?')[:10]}"
           f"{' + local edits' if results.get('git', {}).get('planner_sources_modified') else ''})."
@@ -952,6 +960,7 @@ def main(argv=None) -> int:
         "cases": [list(c) for c in cases],
         "git": git_state(),
         "load_average_start": os.getloadavg(),
+        "machine_seconds": machine_seconds(),  # benchmarks/calibration.py: this machine's speed
     }
     out_json = Path(args.out)
     out_md = out_json.with_suffix(".md")
