@@ -49,7 +49,7 @@ from pathlib import Path  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from calibration import machine_seconds  # noqa: E402
+from calibration import machine_speed  # noqa: E402
 
 DEVICE = "h100"
 GPUS_PER_HOST = 8
@@ -647,8 +647,11 @@ def _ms(x) -> str:
 
 
 def _calibration(results: dict) -> str:
-    seconds = results.get("machine_seconds")
-    return "" if seconds is None else f", calibration {seconds:.2f} s (benchmarks/calibration.py)"
+    speed = results.get("machine_speed")
+    if not speed:
+        return ""
+    return (f", calibration python {speed['python_s']:.2f} s / memory {speed['memory_s']:.2f} s "
+            "(benchmarks/calibration.py)")
 
 
 def _pct(x) -> str:
@@ -960,7 +963,7 @@ def main(argv=None) -> int:
         "cases": [list(c) for c in cases],
         "git": git_state(),
         "load_average_start": os.getloadavg(),
-        "machine_seconds": machine_seconds(),  # benchmarks/calibration.py: this machine's speed
+        "machine_speed": machine_speed(),  # benchmarks/calibration.py
     }
     out_json = Path(args.out)
     out_md = out_json.with_suffix(".md")

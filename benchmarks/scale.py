@@ -529,11 +529,11 @@ def main(argv=None) -> int:
         results.append(result)
         previous[case.name] = result
     merged = [previous[name] for name in cases if name in previous]
-    from calibration import machine_seconds
+    from calibration import machine_speed
 
     out.write_text(json.dumps({"results": merged, "cpu_count": os.cpu_count(),
                                "loadavg_at_end": os.getloadavg(),
-                               "machine_seconds_at_end": machine_seconds()}, indent=1) + "\n")
+                               "machine_speed_at_end": machine_speed()}, indent=1) + "\n")
     print(table(merged))
     print()
     print(growth(merged))

@@ -1483,9 +1483,12 @@ def _search_neighbourhoods(
     the LP relaxation is fractional or disagrees with the incumbent, and their neighbours
     through pairwise costs, are free; all others keep the incumbent's strategy). On a
     Llama3-8B step the LP is fractional in one tied group, and the neighbourhood of 12 groups
-    solves in 0.1 s to the plan that branch and bound takes seconds to find.
+    solves in 0.1 s to the plan that branch and bound takes seconds to find. When the free
+    groups are more than a quarter of the problem (a GPT whose LP splits most groups 0.5/0.5),
+    they are freed a window at a time (`_windows`), each window's sub-ILP solved in turn.
 
-    Returns the best choice found (None when nothing better) and the number of rounds."""
+    Returns the best choice found (None when nothing better) and the number of sub-ILPs
+    solved."""
     neighbours = _neighbours(model)
     rounded = [int(np.argmax(values)) for values in relaxed]
     best, best_objective = None, _objective(model, incumbent)
