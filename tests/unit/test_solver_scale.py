@@ -378,6 +378,38 @@ def test_neighbourhood_search_goes_window_by_window_when_the_lp_is_fractional_ev
     assert ilp._objective(model, found) == pytest.approx(ilp._objective(model, optimum), rel=1e-9)
 
 
+@pytest.mark.skipif("highs" not in BACKENDS, reason="needs HiGHS")
+def test_dive_fixes_part_of_the_fractional_groups_and_solves_the_lp_again():
+    # An LP split 0.5/0.5 on every group of a chain: the dive fixes the first quarter (in
+    # program order) to their larger value and re-solves the LP of the rest, which this
+    # chain's LP solves exactly: the result is the best plan with that quarter fixed.
+    problem = _path_problem(4, n=24)
+    model = ilp._compile(problem)
+    n = len(model.groups)
+    best, _ = solve(problem)
+    optimum = list(best.choice)
+    relaxed = [0.5 * np.eye(3)[optimum[g]] + 0.5 * np.eye(3)[(optimum[g] + 1) % 3]
+               for g in range(n)]
+    found, solved = ilp._dive(model, problem.memory_budget, "highs", time.perf_counter() + 30,
+                              1, True, relaxed)
+    assert solved >= 1 and found is not None
+    assert ilp._fits(model, problem.memory_budget, found)
+    fixed = int(ilp._DIVE_FRACTION * n)
+    assert [found[g] for g in range(fixed)] == [int(np.argmax(relaxed[g])) for g in range(fixed)]
+
+    def pinned(g, node):  # the fixed quarter held to the dive's choice by a prohibitive cost
+        if g >= fixed:
+            return node
+        return dataclasses.replace(node, strategies=tuple(
+            st if i == found[g] else dataclasses.replace(st, compute_cost=1.0)
+            for i, st in enumerate(node.strategies)))
+
+    sub_best, _ = solve(dataclasses.replace(
+        problem, nodes=tuple(pinned(g, node) for g, node in enumerate(problem.nodes))))
+    assert ilp._objective(model, found) == pytest.approx(
+        ilp._objective(model, list(sub_best.choice)), rel=1e-9)
+
+
 # --------------------------------------------------------------------------- axis views
 
 

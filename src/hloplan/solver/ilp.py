@@ -91,6 +91,11 @@ _NEIGHBOURHOOD_MAX_FRACTION = 0.25
 # A fractional LP with more free groups than that is searched a window at a time, at most this
 # many windows per round.
 _NEIGHBOURHOOD_WINDOWS = 8
+# LP dives when most groups are fractional: fix this fraction of the fractional groups, solve
+# the LP again; at most this many LPs. Fixing fewer spoils less (GPT 2 layers on 8x8, one LP
+# after fixing 1/2, 1/4, 1/64: 0.7%, 0.5%, 0.01% above the bound) but each LP takes longer.
+_DIVE_FRACTION = 0.25
+_DIVE_ROUNDS = 4
 
 
 class SolverError(RuntimeError):
@@ -1400,22 +1405,36 @@ def _solve_model(
         "relative_gap_limit": built.gap,
     }
     source = "heuristic"
-    if search and heuristic is not None and relaxed is not None:
+
+    def within_gap(choice) -> bool:
+        # The LP optimum bounds every plan: stop when the incumbent is close enough to it.
+        return (choice is not None and lp_bound is not None
+                and _objective(model, choice) - (lp_bound / _TIME_SCALE + model.constant)
+                <= built.gap * abs(_objective(model, choice)))
+
+    if (search and heuristic is not None and relaxed is not None and not within_gap(heuristic)
+            and _fractional_count(relaxed) > _NEIGHBOURHOOD_MAX_FRACTION * len(model.groups)):
+        # Fractional nearly everywhere: a neighbourhood would be the whole problem. Dive.
+        dived, dives = _dive(model, budget, backend, deadline, threads, lazy, relaxed)
+        extra["dive_rounds"] = dives
+        if dived is not None and _objective(model, dived) < _objective(model, heuristic):
+            extra["dive_objective"] = _objective(model, dived)
+            heuristic, source = dived, "LP dive"
+    if (search and heuristic is not None and relaxed is not None
+            and not within_gap(heuristic)):
         found, rounds = _search_neighbourhoods(model, budget, backend, deadline, threads, lazy,
                                                relaxed, heuristic)
         extra["neighbourhood_rounds"] = rounds
         if found is not None:
             extra["neighbourhood_objective"] = _objective(model, found)
             heuristic, source = found, "neighbourhood search"
-    if heuristic is not None and lp_bound is not None:
-        # The LP optimum bounds every plan: stop here when the incumbent is close enough.
+    if within_gap(heuristic):
         objective = _objective(model, heuristic)
         bound = lp_bound / _TIME_SCALE + model.constant
-        if objective - bound <= built.gap * abs(objective):
-            extra.update(raw_status="within gap of the LP relaxation", source=source,
-                         lazy_rows=len(built.memory_rows))
-            return _Outcome(heuristic, _proven_status(objective, bound), bound,
-                            built.variables, built.constraints, extra)
+        extra.update(raw_status="within gap of the LP relaxation", source=source,
+                     lazy_rows=len(built.memory_rows))
+        return _Outcome(heuristic, _proven_status(objective, bound), bound,
+                        built.variables, built.constraints, extra)
     values = _start_values(built, heuristic) if heuristic is not None else None
     fixed = 0
     if heuristic is not None and relaxed is not None:
@@ -1522,6 +1541,62 @@ def _search_neighbourhoods(
         if not improved:
             break
     return best, rounds
+
+
+def _fractional_count(relaxed: list[np.ndarray]) -> int:
+    return sum(1 for values in relaxed if values.max() < 1.0 - _INTEGRALITY_TOL)
+
+
+def _dive(
+    model: _Model,
+    budget: float,
+    backend: str,
+    deadline: float,
+    threads: int,
+    lazy: bool,
+    relaxed: list[np.ndarray],
+) -> tuple[list[int] | None, int]:
+    """Round a fractional LP by diving: fix a quarter of the fractional groups (in program
+    order) to their largest value, solve the LP of the rest again, and repeat until it comes
+    out integral. Fixing part of an LP that splits most groups 0.5/0.5 between two layouts
+    lets the re-solve pick the matching layouts for the others, which rounding each group on
+    its own cannot (GPT 2 layers on 8x8: 485 of 568 groups fractional; rounded 1.8% above the
+    LP bound, after one dive 0.5%). Rounding guided by the neighbours' choices, or by the
+    LP's pair variables, did worse than plain rounding there.
+
+    Returns the best fitting choice found (improved by local search) and the LPs solved."""
+    fixed: dict[int, int] = {}
+    values = relaxed
+    best, best_objective, solved = None, math.inf, 0
+    for _ in range(_DIVE_ROUNDS):
+        fractional = [g for g, v in enumerate(values)
+                      if v.max() < 1.0 - _INTEGRALITY_TOL and g not in fixed]
+        if not fractional or time.perf_counter() >= deadline:
+            break
+        for g in fractional[:max(1, int(_DIVE_FRACTION * len(fractional)))]:
+            fixed[g] = int(np.argmax(values[g]))
+        allowed = [np.array([fixed[g]]) if g in fixed else np.arange(group.size)
+                   for g, group in enumerate(model.groups)]
+        sub = _restrict(model, allowed)
+        binding = _binding_points(sub, budget)
+        built = _build(sub, binding, budget, backend, lazy)
+        _seed_rows(built, budget, binding)
+        solved += 1
+        if _run_lazy(built, backend, budget, deadline, threads, mip=False) != pulp.LpSolutionOptimal:
+            break
+        sub_values = _group_values(built)
+        values = []
+        for keep, group, v in zip(allowed, model.groups, sub_values, strict=True):
+            full = np.zeros(group.size)
+            full[keep] = v
+            values.append(full)
+        choice = [int(np.argmax(v)) for v in values]
+        if _fits(model, budget, choice) or _repair(model, budget, choice):
+            _improve(model, budget, choice)
+            objective = _objective(model, choice)
+            if objective < best_objective:
+                best, best_objective = choice, objective
+    return best, solved
 
 
 def _windows(seeds: list[int], neighbours, cap: int) -> list[set[int]]:
