@@ -155,12 +155,8 @@ _TYING_FACTS = {
 
 def _tying(facts: dict) -> dict:
     """What tie-repeated-layers did (groups 0: the problem was small enough to solve untied)."""
-    out = {name: facts[key] for key, name in _TYING_FACTS.items() if key in facts}
-    for name in ("untied_objective_s", "untied_bound_s", "gap_to_untied",
-                 "gap_to_untied_bound"):
-        if name in out:
-            out[name] = _round(out[name])
-    return out
+    return {name: _round(facts[key]) if isinstance(facts[key], float) else facts[key]
+            for key, name in _TYING_FACTS.items() if key in facts}
 
 
 def dumps(plan: dict) -> str:

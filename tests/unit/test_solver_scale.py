@@ -320,17 +320,26 @@ def _path_problem(seed: int, n: int = 24, k: int = 3) -> ShardingProblem:
     return ShardingProblem(nodes, edges, (LivePoint(tuple(range(n)), 0.0),), n * GIB)
 
 
+def _solved_path(seed: int, n: int = 24):
+    """A chain problem (`_path_problem`), its compiled model and its optimal choice."""
+    problem = _path_problem(seed, n)
+    best, _ = solve(problem)
+    return problem, ilp._compile(problem), list(best.choice)
+
+
+def _split(choice: int) -> np.ndarray:
+    """LP values split 0.5/0.5 between `choice` and the next of 3 strategies."""
+    return 0.5 * np.eye(3)[choice] + 0.5 * np.eye(3)[(choice + 1) % 3]
+
+
 @pytest.mark.skipif("highs" not in BACKENDS, reason="needs HiGHS")
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_neighbourhood_search_solves_the_free_groups_exactly(seed):
     # An incumbent perturbed around node 12 and an LP fractional there: the search frees the
     # groups that disagree with the LP's rounding and their neighbours (10..14), keeps the
     # rest, and returns the best plan of that neighbourhood (found here by enumeration).
-    problem = _path_problem(seed)
-    model = ilp._compile(problem)
+    problem, model, optimum = _solved_path(seed)
     n = len(model.groups)
-    best, _ = solve(problem)
-    optimum = list(best.choice)
     incumbent = list(optimum)
     for g in (11, 12, 13):
         incumbent[g] = (optimum[g] + 1) % 3
@@ -358,17 +367,14 @@ def test_neighbourhood_search_goes_window_by_window_when_the_lp_is_fractional_ev
     # Fractional on every third group of a 48-node chain: freeing all of them with their
     # neighbours is the whole problem, so the search frees them a window (about a quarter of
     # the groups) at a time and still repairs both perturbed places, far apart.
-    problem = _path_problem(3, n=48)
-    model = ilp._compile(problem)
+    problem, model, optimum = _solved_path(3, n=48)
     n = len(model.groups)
-    best, _ = solve(problem)
-    optimum = list(best.choice)
     incumbent = list(optimum)
     for g in (5, 40):
         incumbent[g] = (optimum[g] + 1) % 3
     relaxed = [np.eye(3)[optimum[g]] for g in range(n)]
     for g in range(0, n, 3):
-        relaxed[g] = 0.5 * np.eye(3)[optimum[g]] + 0.5 * np.eye(3)[(optimum[g] + 1) % 3]
+        relaxed[g] = _split(optimum[g])
     windows = ilp._windows([g for g in range(0, n, 3)], ilp._neighbours(model), n // 4)
     assert len(windows) > 1 and all(len(w) <= n // 4 for w in windows)
     found, rounds = ilp._search_neighbourhoods(model, problem.memory_budget, "highs",
@@ -383,13 +389,9 @@ def test_dive_fixes_part_of_the_fractional_groups_and_solves_the_lp_again():
     # An LP split 0.5/0.5 on every group of a chain: the dive fixes the first quarter (in
     # program order) to their larger value and re-solves the LP of the rest, which this
     # chain's LP solves exactly: the result is the best plan with that quarter fixed.
-    problem = _path_problem(4, n=24)
-    model = ilp._compile(problem)
+    problem, model, optimum = _solved_path(4)
     n = len(model.groups)
-    best, _ = solve(problem)
-    optimum = list(best.choice)
-    relaxed = [0.5 * np.eye(3)[optimum[g]] + 0.5 * np.eye(3)[(optimum[g] + 1) % 3]
-               for g in range(n)]
+    relaxed = [_split(optimum[g]) for g in range(n)]
     found, solved = ilp._dive(model, problem.memory_budget, "highs", time.perf_counter() + 30,
                               1, True, relaxed)
     assert solved >= 1 and found is not None

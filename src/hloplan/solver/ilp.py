@@ -1405,15 +1405,18 @@ def _solve_model(
         "relative_gap_limit": built.gap,
     }
     source = "heuristic"
+    # The LP optimum bounds every plan: stop as soon as the incumbent is close enough to it.
+    lp_seconds = lp_bound / _TIME_SCALE + model.constant if lp_bound is not None else None
 
     def within_gap(choice) -> bool:
-        # The LP optimum bounds every plan: stop when the incumbent is close enough to it.
-        return (choice is not None and lp_bound is not None
-                and _objective(model, choice) - (lp_bound / _TIME_SCALE + model.constant)
-                <= built.gap * abs(_objective(model, choice)))
+        if choice is None or lp_seconds is None:
+            return False
+        objective = _objective(model, choice)
+        return objective - lp_seconds <= built.gap * abs(objective)
 
     if (search and heuristic is not None and relaxed is not None and not within_gap(heuristic)
-            and _fractional_count(relaxed) > _NEIGHBOURHOOD_MAX_FRACTION * len(model.groups)):
+            and len(_fractional_groups(relaxed))
+            > _NEIGHBOURHOOD_MAX_FRACTION * len(model.groups)):
         # Fractional nearly everywhere: a neighbourhood would be the whole problem. Dive.
         dived, dives = _dive(model, budget, backend, deadline, threads, lazy, relaxed)
         extra["dive_rounds"] = dives
@@ -1429,12 +1432,10 @@ def _solve_model(
             extra["neighbourhood_objective"] = _objective(model, found)
             heuristic, source = found, "neighbourhood search"
     if within_gap(heuristic):
-        objective = _objective(model, heuristic)
-        bound = lp_bound / _TIME_SCALE + model.constant
         extra.update(raw_status="within gap of the LP relaxation", source=source,
                      lazy_rows=len(built.memory_rows))
-        return _Outcome(heuristic, _proven_status(objective, bound), bound,
-                        built.variables, built.constraints, extra)
+        return _Outcome(heuristic, _proven_status(_objective(model, heuristic), lp_seconds),
+                        lp_seconds, built.variables, built.constraints, extra)
     values = _start_values(built, heuristic) if heuristic is not None else None
     fixed = 0
     if heuristic is not None and relaxed is not None:
@@ -1543,8 +1544,9 @@ def _search_neighbourhoods(
     return best, rounds
 
 
-def _fractional_count(relaxed: list[np.ndarray]) -> int:
-    return sum(1 for values in relaxed if values.max() < 1.0 - _INTEGRALITY_TOL)
+def _fractional_groups(relaxed: list[np.ndarray]) -> list[int]:
+    """The groups (in order) whose LP values are not one-hot."""
+    return [g for g, values in enumerate(relaxed) if values.max() < 1.0 - _INTEGRALITY_TOL]
 
 
 def _dive(
@@ -1569,8 +1571,7 @@ def _dive(
     values = relaxed
     best, best_objective, solved = None, math.inf, 0
     for _ in range(_DIVE_ROUNDS):
-        fractional = [g for g, v in enumerate(values)
-                      if v.max() < 1.0 - _INTEGRALITY_TOL and g not in fixed]
+        fractional = [g for g in _fractional_groups(values) if g not in fixed]
         if not fractional or time.perf_counter() >= deadline:
             break
         for g in fractional[:max(1, int(_DIVE_FRACTION * len(fractional)))]:
