@@ -1131,14 +1131,43 @@ def _fusion_operand_bytes(comp: _Computation, ins: _Instr, fused: _Computation |
         if shape is None:
             continue
         param = params.get(k)
-        readers = users.get(param, []) if param else []
         if (root is not None and root.opcode == "dynamic-update-slice" and root.operands
                 and root.operands[0] == param):
             continue
-        if readers and all(r.opcode in _READS_PART and r.operands[0] == param for r in readers):
-            total += sum(shape_bytes(r.shape) for r in readers)
+        whole = shape_bytes(shape)
+        elements = _elements(shape)
+        sliced = _sliced_elements(users, param, root) if param and elements else None
+        if sliced is None:
+            total += whole
         else:
-            total += shape_bytes(shape)
+            total += min(whole, whole * sliced / elements)
+    return total
+
+
+# One output element per input element: a loop fusion that only slices what they produce
+# reads only the sliced elements of their operand.
+_PASS_THROUGH = {"bitcast", "copy", "transpose", "reshape", "convert"}
+
+
+def _sliced_elements(users: dict[str, list[_Instr]], name: str, root: _Instr | None,
+                     depth: int = 0) -> int | None:
+    """How many elements of fused value `name` its readers touch, when each reads it through
+    a slice (directly or after layout changes and converts); None if some reader reads it whole
+    (or it is the fusion's result)."""
+    readers = users.get(name, [])
+    if not readers or depth > 8 or (root is not None and root.name == name):
+        return None
+    total = 0
+    for reader in readers:
+        if reader.opcode in _READS_PART and reader.operands[0] == name:
+            size = _elements(reader.shape)
+        elif reader.opcode in _PASS_THROUGH:
+            size = _sliced_elements(users, reader.name, root, depth + 1)
+        else:
+            size = None
+        if size is None:
+            return None
+        total += size
     return total
 
 

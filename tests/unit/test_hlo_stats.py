@@ -718,6 +718,40 @@ def test_kernel_roofline_counts_each_kernel_once() -> None:
     assert stats.seconds == pytest.approx(expected)
 
 
+_SLICED_AFTER_COPY = """
+HloModule sliced
+
+%fused_part (p: f32[8,1024,2560]) -> f32[8,1024,1,1,320] {
+  %p = f32[8,1024,2560]{2,1,0} parameter(0)
+  %b = f32[8,1024,8,1,320]{4,2,1,0,3} bitcast(%p)
+  %c = f32[8,1024,8,1,320]{4,3,2,1,0} copy(%b)
+  ROOT %s = f32[8,1024,1,1,320]{4,3,2,1,0} slice(%c), slice={[0:8], [0:1024], [0:1], [0:1], [0:320]}
+}
+
+%fused_whole (q: f32[8,1024,2560]) -> f32[8,1024,2560] {
+  %q = f32[8,1024,2560]{2,1,0} parameter(0)
+  %n = f32[8,1024,2560]{2,1,0} negate(%q)
+  ROOT %c2 = f32[8,1024,2560]{2,1,0} copy(%n)
+}
+
+ENTRY %main (x: f32[8,1024,2560]) -> (f32[8,1024,1,1,320], f32[8,1024,2560]) {
+  %x = f32[8,1024,2560]{2,1,0} parameter(0)
+  %part = f32[8,1024,1,1,320]{4,3,2,1,0} fusion(%x), kind=kLoop, calls=%fused_part
+  %whole = f32[8,1024,2560]{2,1,0} fusion(%x), kind=kLoop, calls=%fused_whole
+  ROOT %t = (f32[8,1024,1,1,320]{4,3,2,1,0}, f32[8,1024,2560]{2,1,0}) tuple(%part, %whole)
+}
+"""
+
+
+def test_kernel_roofline_reads_only_what_a_fusion_slices_after_layout_changes() -> None:
+    # XLA's CPU all-to-all cuts its operand into one fused bitcast-copy-slice per peer; each
+    # such loop fusion computes only its slice, so reads 1/8 of the operand, not all of it.
+    stats = kernel_stats(_SLICED_AFTER_COPY, flop_rate=1e12, hbm_bandwidth=1e11)
+    whole = 8 * 1024 * 2560 * 4
+    assert stats.kernels == 2
+    assert stats.hbm_bytes == (whole // 8) * 2 + whole * 2
+
+
 def test_kernel_roofline_multiplies_loop_bodies() -> None:
     once = kernel_stats(_loop_module(_COND_LT, ', backend_config={"known_trip_count":{"n":"1"}}'),
                         flop_rate=1e12, hbm_bandwidth=1e11)
