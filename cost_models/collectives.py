@@ -22,7 +22,7 @@ devices. `CommModel.reshard` prices changing one sharding into another; see its 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from hloplan.cost_models.hardware import DeviceModel, Interconnect, axis_links
@@ -104,23 +104,20 @@ class CommModel:
     `hosts`, if given, is how many hosts the mesh's devices are spread over (see
     `hardware.axis_links`). `links[i]` is the interconnect level mesh axis i runs over.
 
-    `combine_bytes`, if given, models XLA's collective combiners: independent small collectives
-    (the gradient all-reduces of many small parameters) are merged into buffers of about that
-    size, so a collective of S bytes pays only min(1, S / combine_bytes) of the per-call
-    latency. Without it every collective pays its full latency. Only `combined_kinds` are
-    amortised: gradient all-reduces and reduce-scatters are independent of each other and are
-    bucketed; all-gathers feed the next op and usually run alone (XLA's CPU pipeline has no
-    all-gather combiner at all), so each pays its latency.
+    `combine`, if given, models XLA's collective combiners: collective kind -> bytes per merged
+    collective (a device model's `combiner`). Independent collectives of a kind (the gradient
+    all-reduces of many parameters) are merged into buffers of about that size, so one of S
+    bytes pays only min(1, S / threshold) of the per-call latency (none when the platform merges
+    them all: threshold inf); a threshold of 0, or no `combine`, makes every collective pay its
+    full latency. The one launch every merged buffer still pays is not modelled.
     """
 
     def __init__(self, model: DeviceModel, mesh: MeshSpec, hosts: int | None = None,
-                 combine_bytes: float | None = None,
-                 combined_kinds: Iterable[str] = ("all-reduce", "reduce-scatter")) -> None:
+                 combine: Mapping[str, float] | None = None) -> None:
         self.model = model
         self.mesh = mesh
         self.hosts = hosts
-        self.combine_bytes = combine_bytes
-        self.combined_kinds = frozenset(_kind(k) for k in combined_kinds)
+        self.combine = {_kind(k): float(v) for k, v in (combine or {}).items() if v > 0}
         self.links: tuple[Interconnect, ...] = axis_links(model, mesh, hosts)
         # Memos: the planner prices ~10^4 reshards between the same few axis groups and
         # layouts, and validating them each time dominated the cost.
@@ -204,8 +201,9 @@ class CommModel:
             return 0.0
         steps = 2 * (n - 1) if kind == ALL_REDUCE else n - 1
         latency = steps * group.latency
-        if self.combine_bytes and kind in self.combined_kinds:
-            latency *= min(1.0, nbytes / self.combine_bytes)
+        threshold = self.combine.get(kind)
+        if threshold:
+            latency *= min(1.0, nbytes / threshold)  # 0 when all are merged (threshold inf)
         return self.bytes_sent(kind, nbytes, group.axes) / group.bandwidth + latency
 
     def all_reduce(self, nbytes: float, axes: int | str | Iterable[int | str]) -> float:

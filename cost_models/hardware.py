@@ -31,6 +31,15 @@ Schema (all fields required unless marked optional)::
     bandwidth = 50e9
     latency = 10e-6
 
+    [combiner]                   # optional: how XLA on this platform merges independent collectives
+    all-reduce = "30MiB"         # bytes per merged collective; "unbounded": all merged into one;
+    reduce-scatter = "30MiB"     # 0: never merged (each pays its full latency)
+    all-gather = 0
+
+Without a [combiner] table: all-reduces and reduce-scatters merge into 30 MiB buffers (XLA's
+default GPU threshold) and all-gathers are not merged (`DEFAULT_COMBINER`). The planner amortises
+each merged collective's latency over the buffer (`collectives.CommModel`).
+
 Levels must have strictly increasing `devices`, with 0 (unbounded) allowed only on the last one.
 Unknown fields are errors, to catch typos.
 
@@ -53,6 +62,7 @@ from hloplan.units import parse_bytes
 
 __all__ = [
     "PLATFORMS",
+    "DEFAULT_COMBINER",
     "DeviceModel",
     "DeviceModelError",
     "Interconnect",
@@ -73,6 +83,13 @@ _TOP_FIELDS = {
     "hbm_bandwidth",
     "flops",
     "interconnect",
+    "combiner",
+}
+_COMBINER_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
+# XLA's GPU pipeline merges all-reduces and reduce-scatters up to 30 MiB
+# (kDefaultAllReduceCombineThreshold); all-gathers feed the next op and are planned as unmerged.
+DEFAULT_COMBINER: dict[str, float] = {
+    "all-reduce": 30.0 * 1024 * 1024, "reduce-scatter": 30.0 * 1024 * 1024, "all-gather": 0.0,
 }
 _LEVEL_FIELDS = {"name", "devices", "bandwidth", "latency"}
 
@@ -152,6 +169,9 @@ class DeviceModel:
     flops: dict[str, float] = field(hash=False)
     interconnect: tuple[Interconnect, ...]
     source: str = "<memory>"  # where it was loaded from: a path, or package:<file>
+    # Collective kind -> bytes per merged collective (inf: all merged; 0: none); see [combiner].
+    combiner: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_COMBINER),
+                                       hash=False)
 
     def flops_for(self, dtype_name: object) -> float:
         """Peak FLOP/s for arithmetic in `dtype_name`.
@@ -301,7 +321,28 @@ def _parse_model(data: dict[str, Any], source: str) -> DeviceModel:
         flops=flops,
         interconnect=tuple(levels),
         source=source,
+        combiner=_parse_combiner(data.get("combiner", {}), source),
     )
+
+
+def _parse_combiner(table: Any, source: str) -> dict[str, float]:
+    if not isinstance(table, dict):
+        raise _fail(source, "field 'combiner' must be a table ([combiner])")
+    combiner = dict(DEFAULT_COMBINER)
+    for key, value in table.items():
+        kind = key.strip().lower().replace("_", "-")
+        if kind not in _COMBINER_KINDS:
+            raise _fail(source, f"unknown field 'combiner.{key}' (known: "
+                                f"{', '.join(_COMBINER_KINDS)})")
+        if isinstance(value, str) and value.strip().lower() == "unbounded":
+            combiner[kind] = math.inf
+            continue
+        try:
+            size = parse_bytes(value) if isinstance(value, str) else value
+        except ValueError as exc:
+            raise _fail(source, f"field 'combiner.{key}': {exc}") from None
+        combiner[kind] = _number(size, source, f"combiner.{key}", positive=False)
+    return combiner
 
 
 def _load_text(text: str, source: str) -> DeviceModel:

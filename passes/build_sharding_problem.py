@@ -19,7 +19,7 @@ from hloplan.graph import Graph, Op
 from hloplan.op_rules import OpRule, fused_values, hbm_traffic, rule_for
 from hloplan.passes.label_batch import state_like_args
 from hloplan.solver.problem import Edge, LivePoint, LiveRange, Node, ShardingProblem, Strategy
-from hloplan.state import COMBINE_BYTES, CompileState, PlanSpace
+from hloplan.state import CompileState, PlanSpace
 from hloplan.strategies import (
     OpStrategy,
     axis_roles,
@@ -44,7 +44,7 @@ class BuildShardingProblem:
         graph = state.graph
         options = state.options
         comm = CommModel(options.device, options.mesh, hosts=options.hosts,
-                     combine_bytes=COMBINE_BYTES)
+                         combine=options.device.combiner)
         state.comm = comm
         builder = _ProblemBuilder(graph, comm, self.follow_pointwise, state)
         state.space, state.problem = builder.build(options.budget)

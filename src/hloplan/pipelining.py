@@ -62,7 +62,7 @@ from hloplan.passes.tie_repeated_layers import TieRepeatedLayers
 from hloplan.pipeline import run_pipeline
 from hloplan.plan import value_spec
 from hloplan.solver.evaluate import evaluate
-from hloplan.state import COMBINE_BYTES, CompileOptions, CompileState
+from hloplan.state import CompileOptions, CompileState
 
 SCHEDULES = ("gpipe", "1f1b")
 MAX_AUTO_STAGES = 8
@@ -217,7 +217,7 @@ def _boundary(graph, analysis: BatchAnalysis, task, earlier: list, next_of: dict
 
 def _sub_comm(options: CompileOptions, sub: MeshSpec) -> CommModel:
     return CommModel(options.device, sub, hosts=_sub_hosts(options, sub),
-                     combine_bytes=COMBINE_BYTES)
+                     combine=options.device.combiner)
 
 
 class TaskPlanner:
@@ -725,7 +725,7 @@ def plan_pipeline(state: CompileState, options: CompileOptions, popts: PipelineO
             pairs[m] = [popts.stages]
     if not pairs:
         return None
-    comm = CommModel(options.device, mesh, hosts=options.hosts, combine_bytes=COMBINE_BYTES)
+    comm = CommModel(options.device, mesh, hosts=options.hosts, combine=options.device.combiner)
     dtype = graph.type_of(graph.outputs[0]).dtype if graph.outputs else "f32"
     layers = max(popts.layers or DEFAULT_LAYERS, max_stages)
     starts = layer_starts(ctx, min(layers, max(forward, 1)),

@@ -12,10 +12,6 @@ from hloplan.mesh import MeshSpec
 from hloplan.solver.problem import ShardingProblem, Solution, SolveStats
 from hloplan.strategies import OpStrategy
 
-# XLA merges independent small collectives into buffers of about this size (its GPU all-reduce
-# combiner threshold is 30 MiB); the planner's cost model amortises per-call latency the same way.
-COMBINE_BYTES = 30 * 1024 * 1024
-
 
 @dataclass(frozen=True)
 class CompileOptions:

@@ -6,6 +6,7 @@ hloplan.cost_models.collectives.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -181,6 +182,12 @@ def test_missing_file() -> None:
         ("devices = 0", "devices = 1.5", "field 'interconnect[0].devices' must be a non-negative"),
         ("devices = 0", "devices = 0\nspeed = 3", "unknown field(s) interconnect[0].speed"),
         ('name = "toy"', 'name = "toy"\nhbm_bandwith = 3', "unknown field(s) 'hbm_bandwith'"),
+        ("latency = 1e-6\n", "latency = 1e-6\n[combiner]\nall-to-all = 0\n",
+         "unknown field 'combiner.all-to-all'"),
+        ("latency = 1e-6\n", "latency = 1e-6\n[combiner]\nall-reduce = 'lots'\n",
+         "field 'combiner.all-reduce': invalid byte size"),
+        ("latency = 1e-6\n", "latency = 1e-6\n[combiner]\nall-reduce = -1\n",
+         "field 'combiner.all-reduce' must not be negative"),
         (
             "[[interconnect]]",
             "[[interconnect]]\nname = 'x'\ndevices = 0\nbandwidth = 1.0\n"
@@ -316,6 +323,33 @@ def test_collective_formulas_one_axis() -> None:
     # names, single ints and kind spellings work too
     assert comm.all_reduce(MiB, "x") == comm.all_reduce(MiB, 0) == comm.all_reduce(MiB, (0,))
     assert comm.collective("all_to_all", MiB, (0,)) == comm.all_to_all(MiB, (0,))
+
+
+def test_combiner_table() -> None:
+    toy = toy_model()
+    assert toy.combiner == {"all-reduce": 30 * MiB, "reduce-scatter": 30 * MiB, "all-gather": 0}
+    merged = toy_model(combiner={"all_reduce": "unbounded", "reduce-scatter": "8MiB",
+                                 "all-gather": 1024})
+    assert merged.combiner == {"all-reduce": math.inf, "reduce-scatter": 8 * MiB,
+                               "all-gather": 1024}
+    # The shipped models: XLA's GPU thresholds; the CPU merges every all-reduce of a step.
+    assert load_device_model("h100").combiner["all-reduce"] == 30 * MiB
+    assert load_device_model("cpu").combiner == {
+        "all-reduce": math.inf, "reduce-scatter": math.inf, "all-gather": 0}
+
+
+def test_combiner_amortises_latency() -> None:
+    mesh = parse_mesh("4")  # 1 us per step: an all-reduce pays 6 us, a reduce-scatter 3 us
+    plain = CommModel(toy_model(), mesh)
+    bytes_term = 2 * 3 / 4 * MiB / 1e11
+    assert plain.all_reduce(MiB, 0) == pytest.approx(bytes_term + 6e-6)
+    buckets = CommModel(toy_model(), mesh, combine={"all-reduce": 4 * MiB, "all-gather": 0})
+    assert buckets.all_reduce(MiB, 0) == pytest.approx(bytes_term + 6e-6 / 4)
+    assert buckets.all_reduce(8 * MiB, 0) == pytest.approx(8 * bytes_term + 6e-6)
+    assert buckets.all_gather(MiB, 0) == plain.all_gather(MiB, 0)  # 0: never merged
+    assert buckets.reduce_scatter(MiB, 0) == plain.reduce_scatter(MiB, 0)  # not listed
+    merged = CommModel(toy_model(), mesh, combine={"all-reduce": math.inf})
+    assert merged.all_reduce(MiB, 0) == pytest.approx(bytes_term)
 
 
 def test_collectives_free_cases() -> None:
