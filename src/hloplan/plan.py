@@ -113,7 +113,10 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
                  "hosts": options.hosts,
                  "links": [link.name for link in state.comm.links]},
         "device_model": {"name": options.device.name, "platform": options.device.platform,
-                         "memory_bytes": options.device.memory_bytes},
+                         "memory_bytes": options.device.memory_bytes,
+                         # bytes per merged collective the plan was priced with (see [combiner])
+                         "combiner": {kind: "unbounded" if size == float("inf") else int(size)
+                                      for kind, size in sorted(options.device.combiner.items())}},
         "memory_budget_bytes": int(options.budget) if options.budget != float("inf") else None,
         "arguments": arguments,
         "results": results,

@@ -52,6 +52,13 @@ def test_text_names_every_argument_and_the_mesh(compiled):
     assert "█" in text  # the bars
 
 
+def test_plan_records_the_collective_merging_it_was_priced_with(compiled):
+    result, _ = compiled
+    # toy.toml has no [combiner]: XLA's GPU thresholds, all-gathers never merged
+    assert result.plan["device_model"]["combiner"] == {
+        "all-gather": 0, "all-reduce": 30 * 2**20, "reduce-scatter": 30 * 2**20}
+
+
 def test_json_has_decisions_with_reasons(compiled):
     _, plan_dir = compiled
     out = _run(plan_dir, "--format", "json")
