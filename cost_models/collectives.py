@@ -10,6 +10,10 @@ below, bw the bandwidth and lat the latency:
     reduce-scatter   (n-1)/n * S / bw +  (n-1) * lat   S = the input on each device (before)
     all-to-all       (n-1)/n * S / bw +  (n-1) * lat   S = the buffer each device holds
 
+plus the device model's `collective_overhead` per call (launch and synchronisation), which makes
+one collective cheaper than two moving the same bytes (an all-reduce against a reduce-scatter
+and an all-gather).
+
 Every collective costs 0 when n == 1 or S == 0. `bytes_sent` gives the bandwidth term's bytes
 (what each device sends), to compare with the collectives XLA actually compiled.
 
@@ -200,7 +204,7 @@ class CommModel:
         if n == 1 or nbytes <= 0:
             return 0.0
         steps = 2 * (n - 1) if kind == ALL_REDUCE else n - 1
-        latency = steps * group.latency
+        latency = steps * group.latency + self.model.collective_overhead
         threshold = self.combine.get(kind)
         if threshold:
             latency *= min(1.0, nbytes / threshold)  # 0 when all are merged (threshold inf)

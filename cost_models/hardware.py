@@ -13,6 +13,7 @@ Schema (all fields required unless marked optional)::
     platform = "cuda"            # jax platform name: cpu, cuda, rocm, tpu
     memory = "80GiB"             # per device: a byte count or a string such as "80GiB", "16GB"
     hbm_bandwidth = 3.35e12      # bytes/s, per device
+    collective_overhead = 2e-6   # optional: seconds per collective call on top of its steps
 
     [flops]                      # peak dense FLOP/s per device, by dtype
     f32 = 494.7e12               # keys are HLO-style dtype names: f64, f32, bf16, f16, f8, ...
@@ -81,6 +82,7 @@ _TOP_FIELDS = {
     "platform",
     "memory",
     "hbm_bandwidth",
+    "collective_overhead",
     "flops",
     "interconnect",
     "combiner",
@@ -169,6 +171,8 @@ class DeviceModel:
     flops: dict[str, float] = field(hash=False)
     interconnect: tuple[Interconnect, ...]
     source: str = "<memory>"  # where it was loaded from: a path, or package:<file>
+    # Seconds each collective call costs besides its ring steps (launch, synchronisation).
+    collective_overhead: float = 0.0
     # Collective kind -> bytes per merged collective (inf: all merged; 0: none); see [combiner].
     combiner: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_COMBINER),
                                        hash=False)
@@ -261,6 +265,8 @@ def _parse_model(data: dict[str, Any], source: str) -> DeviceModel:
     if memory_bytes <= 0:
         raise _fail(source, "field 'memory' must be positive")
     hbm = _number(_require(data, "hbm_bandwidth", source), source, "hbm_bandwidth")
+    overhead = _number(data.get("collective_overhead", 0.0), source, "collective_overhead",
+                       positive=False)
 
     flops_table = _require(data, "flops", source)
     if not isinstance(flops_table, dict):
@@ -321,6 +327,7 @@ def _parse_model(data: dict[str, Any], source: str) -> DeviceModel:
         flops=flops,
         interconnect=tuple(levels),
         source=source,
+        collective_overhead=overhead,
         combiner=_parse_combiner(data.get("combiner", {}), source),
     )
 

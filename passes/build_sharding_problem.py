@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from hloplan.cost_models import CommModel
 from hloplan.graph import Graph, Op
-from hloplan.op_rules import OpRule, fused_values, hbm_traffic, rule_for
+from hloplan.op_rules import OpRule, feeding_matmuls, fused_values, hbm_traffic, rule_for
 from hloplan.passes.label_batch import state_like_args
 from hloplan.solver.problem import Edge, LivePoint, LiveRange, Node, ShardingProblem, Strategy
 from hloplan.state import CompileState, PlanSpace
@@ -77,6 +77,10 @@ class _ProblemBuilder:
         self.reshard_cache: dict = {}  # (type, src layout, dst layout) -> seconds
         self.plain_of: dict[int, Strategy] = {}  # id(OpStrategy) -> Strategy (cached ones live)
         self.fused = fused_values(graph)  # values kept inside a fused kernel: no HBM traffic
+        # Collectives of ops that feed a matmul are never merged with others: each pays its
+        # whole latency (XLA's combiners only merge independent collectives).
+        self.chained = feeding_matmuls(graph)
+        self.unmerged = CommModel(comm.model, comm.mesh, hosts=comm.hosts)
         # Inputs that arrive every step (not state updated in place): their layout decides
         # what each device receives, so their bytes are priced.
         state = state_like_args(graph)
@@ -126,13 +130,14 @@ class _ProblemBuilder:
         hbm = hbm_traffic(self.graph, op, self.fused, self.streamed)
         # The signature (rule, types, ...) is hashed once, here; the follower cache and the
         # list ids key on its small id (hashing an OpRule walks all its factors).
-        own_key = (rule, operand_types, result_types, op.multiplier, dtype, hbm)
+        chained = op.index in self.chained
+        own_key = (rule, operand_types, result_types, op.multiplier, dtype, hbm, chained)
         own_id = self.own_ids.get(own_key)
         if own_id is None:
             own_id = self.own_ids[own_key] = len(self.own_ids)
             self.own_lists.append(enumerate_strategies(
-                rule, list(operand_types), list(result_types), self.mesh, self.comm,
-                op.multiplier, dtype, hbm=hbm))
+                rule, list(operand_types), list(result_types), self.mesh,
+                self.unmerged if chained else self.comm, op.multiplier, dtype, hbm=hbm))
         own = self.own_lists[own_id]
         leader = self._leader_operand(op, rule) if self.follow else None
         if leader is None:

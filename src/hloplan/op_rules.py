@@ -456,6 +456,29 @@ def fused_values(graph: Graph) -> set[int]:
     return fused
 
 
+_MATMULS = {"stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"}
+
+
+def feeding_matmuls(graph: Graph) -> set[int]:
+    """Ops whose results a matmul or convolution reads, directly or through other ops (loop
+    carries included). Their collectives sit on the step's dependency chain: a partial sum
+    all-reduced before the next layer's matmul, batch-norm statistics. XLA cannot merge such
+    collectives with others, unlike gradient all-reduces, which feed only the optimizer update."""
+    found: set[int] = set()
+    stack = [op.index for op in graph.ops if op.name in _MATMULS]
+    while stack:
+        op = graph.ops[stack.pop()]
+        inputs = list(op.operands)
+        if op.name == "while.carry" and "yield" in op.attrs:
+            inputs.append(op.attrs["yield"])  # the loop's back edge
+        for value_id in inputs:
+            producer = graph.values[value_id].producer
+            if producer not in found:
+                found.add(producer)
+                stack.append(producer)
+    return found
+
+
 def hbm_traffic(graph: Graph, op: Op, fused: set[int], streamed: frozenset[int] = frozenset(),
                 ) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
     """Per operand and per result of `op`: whether it is read or written through HBM.

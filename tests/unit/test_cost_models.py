@@ -325,6 +325,19 @@ def test_collective_formulas_one_axis() -> None:
     assert comm.collective("all_to_all", MiB, (0,)) == comm.all_to_all(MiB, (0,))
 
 
+def test_collective_overhead_is_paid_per_call() -> None:
+    assert toy_model().collective_overhead == 0
+    mesh = parse_mesh("4")
+    plain = CommModel(toy_model(), mesh)
+    taxed = CommModel(toy_model(collective_overhead=5e-6), mesh)
+    assert taxed.all_gather(MiB, 0) == pytest.approx(plain.all_gather(MiB, 0) + 5e-6)
+    # An all-reduce costs one call; the reduce-scatter and all-gather it equals cost two.
+    split = taxed.reduce_scatter(MiB, 0) + taxed.all_gather(MiB, 0)
+    assert taxed.all_reduce(MiB, 0) == pytest.approx(split - 5e-6)
+    with pytest.raises(DeviceModelError, match="collective_overhead"):
+        toy_model(collective_overhead=-1.0)
+
+
 def test_combiner_table() -> None:
     toy = toy_model()
     assert toy.combiner == {"all-reduce": 30 * MiB, "reduce-scatter": 30 * MiB, "all-gather": 0}
@@ -376,12 +389,13 @@ def test_multi_axis_group_uses_slowest_link() -> None:
     group = comm.group((0, 1))
     # n = 32; bandwidth min(450e9 nvlink, 50e9 IB); latency max(3us, 10us)
     assert (group.size, group.bandwidth, group.latency) == (32, 50e9, 10e-6)
-    # all-reduce of 1 GiB over both axes: 2*31/32 * 2^30 / 5e10 + 62 * 1e-5
-    assert comm.all_reduce(GiB, (0, 1)) == pytest.approx(0.04160749568 + 6.2e-4)
+    # all-reduce of 1 GiB over both axes: 2*31/32 * 2^30 / 5e10 + 62 * 1e-5, plus the H100's
+    # 2 us per collective call
+    assert comm.all_reduce(GiB, (0, 1)) == pytest.approx(0.04160749568 + 6.2e-4 + 2e-6)
     # over the model axis only (nvlink, n = 4): 3/4 * 2^30 / 4.5e11 + 3 * 3e-6
-    assert comm.all_gather(GiB, "model") == pytest.approx(805306368 / 4.5e11 + 9e-6)
+    assert comm.all_gather(GiB, "model") == pytest.approx(805306368 / 4.5e11 + 9e-6 + 2e-6)
     # over the data axis only (infiniband, n = 8): 7/8 * 2^30 / 5e10 + 7 * 1e-5
-    assert comm.all_gather(GiB, "data") == pytest.approx(939524096 / 5e10 + 7e-5)
+    assert comm.all_gather(GiB, "data") == pytest.approx(939524096 / 5e10 + 7e-5 + 2e-6)
     assert comm.axes_label((0, 1)) == "data,model"
     assert "data:infiniband" in repr(comm) and "model:nvlink" in repr(comm)
 
@@ -390,9 +404,9 @@ def test_slow_ib_doubles_cross_node_bandwidth_term() -> None:
     mesh = parse_mesh("8x4")
     fast = CommModel(load_device_model("h100"), mesh)
     slow = CommModel(load_device_model("h100-slow-ib"), mesh)
-    # bandwidth term 7/8 * 2^30 / 5e10 vs / 2.5e10; latency term 7 * 1e-5 in both
-    assert fast.all_gather(GiB, 0) == pytest.approx(0.01879048192 + 7e-5)
-    assert slow.all_gather(GiB, 0) == pytest.approx(0.03758096384 + 7e-5)
+    # bandwidth term 7/8 * 2^30 / 5e10 vs / 2.5e10; latency 7 * 1e-5 + 2e-6 per call in both
+    assert fast.all_gather(GiB, 0) == pytest.approx(0.01879048192 + 7.2e-5)
+    assert slow.all_gather(GiB, 0) == pytest.approx(0.03758096384 + 7.2e-5)
     assert fast.all_gather(GiB, 1) == slow.all_gather(GiB, 1)
 
 
@@ -514,9 +528,9 @@ def test_reshard_gather_then_all_to_all(comm: CommModel) -> None:
 def test_reshard_over_the_slow_link() -> None:
     comm = CommModel(load_device_model("h100"), parse_mesh("data=8,model=4"))
     # f32[4096, 4096] = 64 MiB, split over data on dim 0 -> replicated: all-gather over IB,
-    # 7/8 * 64 MiB / 5e10 + 7 * 1e-5.
+    # 7/8 * 64 MiB / 5e10 + 7 * 1e-5 + 2e-6 for the call.
     cost = comm.reshard((4096, 4096), 4, ((0,), ()), ((), ()))
-    assert cost.seconds == pytest.approx(7 / 8 * 64 * MiB / 5e10 + 7e-5)
+    assert cost.seconds == pytest.approx(7 / 8 * 64 * MiB / 5e10 + 7.2e-5)
 
 
 def test_reshard_bad_shardings(comm: CommModel) -> None:

@@ -1,0 +1,83 @@
+"""Which collectives XLA can merge: the planner amortises the latency of gradient all-reduces
+over the combiner's buffer, but a collective whose result a later matmul reads (a partial sum
+before the next layer, batch statistics) is on the step's dependency chain and pays in full."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from hloplan.cost_models import CommModel, load_device_model
+from hloplan.graph import Graph, TensorType
+from hloplan.mesh import parse_mesh
+from hloplan.op_rules import feeding_matmuls, rule_for
+from hloplan.passes.build_sharding_problem import _ProblemBuilder
+
+ACT = TensorType((4096, 512), "f32")  # batch x features
+W = TensorType((512, 512), "f32")
+STAT = TensorType((512,), "f32")
+MATMUL = {"lhs_batch": [], "rhs_batch": [], "lhs_contracting": [1], "rhs_contracting": [0]}
+GRAD = {"lhs_batch": [], "rhs_batch": [], "lhs_contracting": [0], "rhs_contracting": [0]}
+
+
+def _step() -> tuple[Graph, dict[str, int]]:
+    """h = x @ w1; mean over the batch (batch statistics) scales h; y = h' @ w2; the weight
+    gradient x^T @ y is returned."""
+    g = Graph()
+    x, w1, w2 = (g.add_op("arg", (), [t]).results[0] for t in (ACT, W, W))
+    g.arguments = [x, w1, w2]
+    h = g.add_op("stablehlo.dot_general", (x, w1), [ACT], attrs=MATMUL)
+    mean = g.add_op("stablehlo.reduce", (h.results[0],), [STAT],
+                    attrs={"dimensions": [0], "combiner": "stablehlo.add"})
+    wide = g.add_op("stablehlo.broadcast_in_dim", (mean.results[0],), [ACT],
+                    attrs={"broadcast_dimensions": [1]})
+    scaled = g.add_op("stablehlo.multiply", (h.results[0], wide.results[0]), [ACT])
+    y = g.add_op("stablehlo.dot_general", (scaled.results[0], w2), [ACT], attrs=MATMUL)
+    grad = g.add_op("stablehlo.dot_general", (x, y.results[0]), [W], attrs=GRAD)
+    g.outputs = [grad.results[0]]
+    return g, {"mean": mean.index, "grad": grad.index, "scaled": scaled.index, "y": y.index}
+
+
+def test_ops_feeding_a_matmul_are_found_and_gradients_are_not() -> None:
+    g, ops = _step()
+    feeding = feeding_matmuls(g)
+    assert ops["mean"] in feeding and ops["scaled"] in feeding and ops["y"] in feeding
+    assert ops["grad"] not in feeding
+
+
+def test_a_loop_carry_feeds_the_next_iteration_through_its_back_edge() -> None:
+    g = Graph()
+    w = g.add_op("arg", (), [W]).results[0]
+    carry = g.add_op("while.carry", (w,), [W], attrs={"result": 0}, parent=None)
+    g.add_op("stablehlo.dot_general", (carry.results[0], carry.results[0]), [W], attrs=MATMUL)
+    later = g.add_op("stablehlo.add", (carry.results[0], carry.results[0]), [W])
+    carry.attrs["yield"] = later.results[0]
+    g.values[later.results[0]].users.append(carry.index)
+    assert later.index in feeding_matmuls(g)
+
+
+def _all_reduce_costs(builder: _ProblemBuilder, g: Graph, index: int) -> list[float]:
+    op = g.ops[index]
+    strategies = builder._strategies(op, rule_for(g, op))
+    return [s.communication for s in strategies if s.reduced_axes and "all-reduce" in s.name]
+
+
+def test_chained_collectives_pay_their_whole_latency() -> None:
+    g, ops = _step()
+    mesh = parse_mesh("4x8")
+    h100 = load_device_model("h100")
+    merged = CommModel(h100, mesh, hosts=4, combine=h100.combiner)
+    unmerged = CommModel(h100, mesh, hosts=4)
+    builder = _ProblemBuilder(g, merged, False, SimpleNamespace(log=None))
+    # The batch statistics' all-reduce over the batch axes: full latency (62 steps over
+    # InfiniBand for both axes), as XLA cannot merge it with the next layer's.
+    stats = _all_reduce_costs(builder, g, ops["mean"])
+    assert stats
+    full = unmerged.all_reduce(STAT.nbytes, (0, 1))
+    assert max(stats) == pytest.approx(full)
+    assert full > 62 * 10e-6
+    # The weight gradient's all-reduce: its latency is amortised over a 30 MiB buffer.
+    grads = _all_reduce_costs(builder, g, ops["grad"])
+    assert grads
+    assert min(grads) < unmerged.all_reduce(W.nbytes, (0, 1)) / 2
