@@ -13,7 +13,7 @@ Schema (all fields required unless marked optional)::
     platform = "cuda"            # jax platform name: cpu, cuda, rocm, tpu
     memory = "80GiB"             # per device: a byte count or a string such as "80GiB", "16GB"
     hbm_bandwidth = 3.35e12      # bytes/s, per device
-    collective_overhead = 2e-6   # optional: seconds per collective call on top of its steps
+    collective_overhead = 1e-6   # optional: seconds per collective call on top of its steps
 
     [flops]                      # peak dense FLOP/s per device, by dtype
     f32 = 494.7e12               # keys are HLO-style dtype names: f64, f32, bf16, f16, f8, ...

@@ -390,12 +390,12 @@ def test_multi_axis_group_uses_slowest_link() -> None:
     # n = 32; bandwidth min(450e9 nvlink, 50e9 IB); latency max(3us, 10us)
     assert (group.size, group.bandwidth, group.latency) == (32, 50e9, 10e-6)
     # all-reduce of 1 GiB over both axes: 2*31/32 * 2^30 / 5e10 + 62 * 1e-5, plus the H100's
-    # 2 us per collective call
-    assert comm.all_reduce(GiB, (0, 1)) == pytest.approx(0.04160749568 + 6.2e-4 + 2e-6)
+    # 1 us per collective call
+    assert comm.all_reduce(GiB, (0, 1)) == pytest.approx(0.04160749568 + 6.2e-4 + 1e-6)
     # over the model axis only (nvlink, n = 4): 3/4 * 2^30 / 4.5e11 + 3 * 3e-6
-    assert comm.all_gather(GiB, "model") == pytest.approx(805306368 / 4.5e11 + 9e-6 + 2e-6)
+    assert comm.all_gather(GiB, "model") == pytest.approx(805306368 / 4.5e11 + 9e-6 + 1e-6)
     # over the data axis only (infiniband, n = 8): 7/8 * 2^30 / 5e10 + 7 * 1e-5
-    assert comm.all_gather(GiB, "data") == pytest.approx(939524096 / 5e10 + 7e-5 + 2e-6)
+    assert comm.all_gather(GiB, "data") == pytest.approx(939524096 / 5e10 + 7e-5 + 1e-6)
     assert comm.axes_label((0, 1)) == "data,model"
     assert "data:infiniband" in repr(comm) and "model:nvlink" in repr(comm)
 
@@ -404,9 +404,9 @@ def test_slow_ib_doubles_cross_node_bandwidth_term() -> None:
     mesh = parse_mesh("8x4")
     fast = CommModel(load_device_model("h100"), mesh)
     slow = CommModel(load_device_model("h100-slow-ib"), mesh)
-    # bandwidth term 7/8 * 2^30 / 5e10 vs / 2.5e10; latency 7 * 1e-5 + 2e-6 per call in both
-    assert fast.all_gather(GiB, 0) == pytest.approx(0.01879048192 + 7.2e-5)
-    assert slow.all_gather(GiB, 0) == pytest.approx(0.03758096384 + 7.2e-5)
+    # bandwidth term 7/8 * 2^30 / 5e10 vs / 2.5e10; latency 7 * 1e-5 + 1e-6 per call in both
+    assert fast.all_gather(GiB, 0) == pytest.approx(0.01879048192 + 7.1e-5)
+    assert slow.all_gather(GiB, 0) == pytest.approx(0.03758096384 + 7.1e-5)
     assert fast.all_gather(GiB, 1) == slow.all_gather(GiB, 1)
 
 
@@ -528,9 +528,9 @@ def test_reshard_gather_then_all_to_all(comm: CommModel) -> None:
 def test_reshard_over_the_slow_link() -> None:
     comm = CommModel(load_device_model("h100"), parse_mesh("data=8,model=4"))
     # f32[4096, 4096] = 64 MiB, split over data on dim 0 -> replicated: all-gather over IB,
-    # 7/8 * 64 MiB / 5e10 + 7 * 1e-5 + 2e-6 for the call.
+    # 7/8 * 64 MiB / 5e10 + 7 * 1e-5 + 1e-6 for the call.
     cost = comm.reshard((4096, 4096), 4, ((0,), ()), ((), ()))
-    assert cost.seconds == pytest.approx(7 / 8 * 64 * MiB / 5e10 + 7.2e-5)
+    assert cost.seconds == pytest.approx(7 / 8 * 64 * MiB / 5e10 + 7.1e-5)
 
 
 def test_reshard_bad_shardings(comm: CommModel) -> None:
