@@ -119,6 +119,14 @@ def compile_plan(plan: HandPlan, mesh, step, state_spec, batch_spec_tree, donate
     return lowered.compile()
 
 
+def run_plan(plan: HandPlan, mesh, step, state_spec, batch_spec_tree, state, batch):
+    """Run `step` on concrete `state` and `batch` under `plan` (the numerics check): the same
+    compiled program as `compile_plan`, without donation, fed arrays placed as the plan says."""
+    compiled = compile_plan(plan, mesh, step, state_spec, batch_spec_tree, donate=False)
+    state_sh, batch_sh = shardings(plan, mesh, state_spec, batch_spec_tree)
+    return compiled(jax.device_put(state, state_sh), jax.device_put(batch, batch_sh))
+
+
 def describe(plan: HandPlan, mesh, state_spec) -> dict:
     """A few parameter specs, to show what the plan does (for reports)."""
     mesh_shape = dict(mesh.shape)

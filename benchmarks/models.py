@@ -221,7 +221,7 @@ def attention(q, k, v, causal: bool):
 def gpt_config(size: str, devices: int = 8, layers: int | None = None, hidden: int | None = None,
                heads: int | None = None, batch: int | None = None, seq: int | None = None):
     if size == "small":
-        cfg = dict(vocab=128, seq=16, d=64, heads=8, layers=2, batch=16)
+        cfg = dict(vocab=128, seq=16, d=64, heads=8, layers=2, batch=max(16, devices))
     else:
         cfg = dict(vocab=50304, seq=1024, d=1536, heads=16, layers=2, batch=8 * devices)
     for key, value in (("layers", layers), ("d", hidden), ("heads", heads), ("batch", batch),
@@ -306,7 +306,8 @@ def gpt_step(state, batch, remat: bool = False):
 
 def llama_config(size: str, devices: int = 8):
     if size == "small":
-        return dict(vocab=128, seq=16, d=64, heads=8, kv_heads=4, ffn=128, layers=2, batch=16)
+        return dict(vocab=128, seq=16, d=64, heads=8, kv_heads=4, ffn=128, layers=2,
+                    batch=max(16, devices))
     return dict(vocab=32000, seq=1024, d=2048, heads=16, kv_heads=8, ffn=5632, layers=2,
                 batch=8 * devices)
 
@@ -382,7 +383,7 @@ def llama_step(state, batch, c):
 
 def bert_config(size: str, devices: int = 8):
     if size == "small":
-        return dict(vocab=128, seq=16, d=64, heads=8, layers=2, batch=16)
+        return dict(vocab=128, seq=16, d=64, heads=8, layers=2, batch=max(16, devices))
     return dict(vocab=30720, seq=512, d=1024, heads=16, layers=2, batch=16 * devices)
 
 
@@ -451,7 +452,8 @@ def bert_step(state, batch):
 
 def moe_config(size: str, devices: int = 8):
     if size == "small":
-        return dict(d=64, ffn=128, experts=8, layers=2, batch=16, seq=16, capacity_factor=2.0)
+        return dict(d=64, ffn=128, experts=8, layers=2, batch=max(16, devices), seq=16,
+                    capacity_factor=2.0)
     return dict(d=1024, ffn=4096, experts=8, layers=2, batch=8 * devices, seq=1024,
                 capacity_factor=1.25)
 
@@ -540,7 +542,7 @@ def moe_step(state, batch, c):
 
 def resnet_config(size: str, devices: int = 8):
     if size == "small":
-        return dict(image=16, channels=(16, 32), blocks=1, classes=16, batch=16)
+        return dict(image=16, channels=(16, 32), blocks=1, classes=16, batch=max(16, devices))
     return dict(image=128, channels=(128, 256, 512), blocks=2, classes=1024, batch=32 * devices)
 
 
@@ -632,7 +634,7 @@ def resnet_step(state, batch, c):
 
 def mlp_config(size: str, devices: int = 8):
     if size == "small":
-        return dict(sizes=(32, 64, 64, 16), batch=32)
+        return dict(sizes=(32, 64, 64, 16), batch=max(32, devices))
     return dict(sizes=(2048, 8192, 8192, 2048), batch=4096 * devices)
 
 

@@ -442,7 +442,7 @@ def run_case_safe(model_name: str, mesh: str, workdir: str, keep: str | None = N
 
 
 # ---------------------------------------------------------------------------------------------
-# Numerics: hloplan's artifact vs the single-device program, small size, 8 devices
+# Numerics: every plan vs the single-device program, small size, every mesh
 
 
 def compare_outputs(got, want, rtol: float, atol: float, tiny_grad: float = 1e-6) -> dict:
@@ -480,44 +480,81 @@ def compare_outputs(got, want, rtol: float, atol: float, tiny_grad: float = 1e-6
             "masked_param_elements": masked}
 
 
-def run_numerics(model_names: list[str], workdir: str, rtol=1e-4, atol=1e-5) -> list[dict]:
+def _numerics_error(exc: Exception) -> dict:
+    return {"match": False, "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc()[-3000:]}
+
+
+def run_numerics_model(name: str, meshes: list[str], workdir: str, rtol=1e-4, atol=1e-5
+                       ) -> list[dict]:
+    """One model at the small size on every mesh: hloplan's artifact and every hand plan, run on
+    simulated CPU devices and compared with the single-device program (computed once)."""
+    import hand_plans
     import jax
     import models
 
     import hloplan
 
-    out = []
-    for name in model_names:
-        entry = {"model": name, "mesh": NUMERICS_MESH, "device_model": "toy"}
+    devices = max(math.prod(mesh_shape(m)) for m in meshes)
+    model = models.MODELS[name]
+    cfg, state_spec, batch_spec, step = model.build("small", devices)
+    rows = []
+    try:
+        exported = models.export_step(step, state_spec, batch_spec)
+        path = Path(workdir) / f"small_{name}.jaxexport"
+        path.write_bytes(exported.serialize())
+        state = models.concrete(state_spec, seed=0)
+        batch = models.concrete(batch_spec, seed=1)
+        with jax.default_device(jax.devices()[0]):
+            want = jax.jit(step)(state, batch)
+    except Exception as exc:
+        return [{"model": name, "mesh": m, **_numerics_error(exc)} for m in meshes]
+    for mesh in meshes:
+        entry: dict = {"model": name, "mesh": mesh, "device_model": "toy", "config": cfg,
+                       "rtol": rtol, "atol": atol}
         try:
-            model = models.MODELS[name]
-            cfg, state_spec, batch_spec, step = model.build("small", 8)
-            exported = models.export_step(step, state_spec, batch_spec)
-            path = Path(workdir) / f"small_{name}.jaxexport"
-            path.write_bytes(exported.serialize())
-            plan_dir = Path(workdir) / f"small_plan_{name}"
-            # The toy device model (slow compute, fast links) makes tiny programs worth sharding,
-            # so the check exercises real collectives rather than a replicated plan.
-            result = hloplan.compile(str(path), NUMERICS_MESH, output=str(plan_dir), device="toy")
-            state = models.concrete(state_spec, seed=0)
-            batch = models.concrete(batch_spec, seed=1)
-            with jax.default_device(jax.devices()[0]):
-                want = jax.jit(step)(state, batch)
+            plan_dir = Path(workdir) / f"small_plan_{name}_{mesh}"
+            # The toy device model (slow compute, fast links) makes tiny programs worth
+            # sharding, so the check exercises real collectives rather than a replicated plan.
+            result = hloplan.compile(str(path), mesh, output=str(plan_dir), device="toy")
             got = hloplan.load(plan_dir)(state, batch)
             entry.update(compare_outputs(got, want, rtol, atol))
             sharded = sum(1 for a in result.plan["arguments"] if any(a["spec"]))
-            entry.update(sharded_arguments=sharded, arguments=len(result.plan["arguments"]),
-                         rtol=rtol, atol=atol)
+            entry.update(sharded_arguments=sharded, arguments=len(result.plan["arguments"]))
         except Exception as exc:
-            entry.update(match=False, error=f"{type(exc).__name__}: {exc}",
-                         traceback=traceback.format_exc()[-3000:])
-        out.append(entry)
-        print(f"  numerics {name}: {'ok' if entry.get('match') else 'FAIL'} "
+            entry.update(_numerics_error(exc))
+        shape = mesh_shape(mesh)
+        jmesh = hand_plans.make_mesh(shape)
+        hand = {}
+        for plan in hand_plans.plans_for(name, shape):
+            try:
+                got = hand_plans.run_plan(plan, jmesh, step, state_spec, batch_spec, state, batch)
+                hand[plan.name] = compare_outputs(got, want, rtol, atol)
+            except Exception as exc:
+                hand[plan.name] = _numerics_error(exc)
+        entry["hand"] = hand
+        rows.append(entry)
+        bad = [k for k, v in hand.items() if not v.get("match")]
+        print(f"  numerics {name} {mesh}: hloplan {'ok' if entry.get('match') else 'FAIL'} "
               f"(max abs err {entry.get('max_abs_error', float('nan')):.2g} "
               f"at {entry.get('worst_leaf')}, "
               f"{entry.get('sharded_arguments', '?')}/{entry.get('arguments', '?')} args sharded)"
+              f"; hand plans {len(hand) - len(bad)}/{len(hand)} ok"
+              + (f" (FAIL: {', '.join(bad)})" if bad else "")
               + (f" {entry['error'][:200]}" if "error" in entry else ""), flush=True)
-    return out
+    return rows
+
+
+def run_numerics(model_names: list[str], meshes: list[str], workdir: str, workers: int = 1
+                 ) -> list[dict]:
+    if workers <= 1:
+        return [row for name in model_names for row in run_numerics_model(name, meshes, workdir)]
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        futures = [pool.submit(run_numerics_model, name, meshes, workdir) for name in model_names]
+        return [row for fut in futures for row in fut.result()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -766,23 +803,26 @@ def ratio_matrix(cases: list[dict]) -> list[str]:
     return lines
 
 
-def all_plans_table(cases: list[dict]) -> list[str]:
+def all_plans_table(cases: list[dict], numerics_rows: list[dict]) -> list[str]:
+    numerics = {(r["model"], r["mesh"]): r for r in numerics_rows}
     lines = ["| model | mesh | plan | step (ms) | compute (ms) | comm (ms) | collective GB/device "
-             "| peak GiB | fits | XLA full remats |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| peak GiB | fits | XLA full remats | matches single device (small size) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         plans = dict(c.get("hand", {}))
         if "hloplan" in c and "error" not in c["hloplan"]:
             plans = {"**hloplan**": c["hloplan"], **plans}
         for name, p in plans.items():
+            same = _numerics_cell(numerics, c["model"], c["mesh"], name.strip("*"))
             if "error" in p:
                 lines.append(f"| {c['model']} | {c['mesh']} | {name} | error: "
-                             f"{p['error'].splitlines()[0][:80]} | | | | | | |")
+                             f"{p['error'].splitlines()[0][:80]} | | | | | | | {same} |")
                 continue
             lines.append(f"| {c['model']} | {c['mesh']} | {name} | {_ms(p['step_s'])} | "
                          f"{_ms(p['compute_s'])} | {_ms(p['communication_s'])} | "
                          f"{p['collective_bytes'] / 1e9:.3f} | {_gb(p['peak_bytes'])} | "
                          f"{'yes' if p['fits'] else 'no'} | "
-                         f"{p.get('xla_full_rematerializations', '-')} |")
+                         f"{p.get('xla_full_rematerializations', '-')} | {same} |")
     return lines
 
 
@@ -825,14 +865,31 @@ def search_table(rows: list[dict]) -> list[str]:
 
 
 def numerics_table(rows: list[dict]) -> list[str]:
-    lines = ["| model | mesh | matches single device | max abs error | sharded args |",
-             "|---|---|---|---|---|"]
+    lines = ["| model | mesh | hloplan matches single device | max abs error | sharded args "
+             "| hand plans matching | worst hand-plan error |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         err = r.get("error", "")
+        hand = r.get("hand", {})
+        bad = [k for k, v in hand.items() if not v.get("match")]
+        hand_cell = (f"{len(hand) - len(bad)}/{len(hand)}"
+                     + (f" (NOT: {', '.join(bad)})" if bad else "")) if hand else "-"
+        worst = max((v.get("max_abs_error", 0.0) for v in hand.values() if v.get("match")),
+                    default=float("nan"))
         lines.append(f"| {r['model']} | {r['mesh']} | {'yes' if r.get('match') else 'NO ' + err[:80]}"
                      f" | {r.get('max_abs_error', float('nan')):.2g} | "
-                     f"{r.get('sharded_arguments', '-')}/{r.get('arguments', '-')} |")
+                     f"{r.get('sharded_arguments', '-')}/{r.get('arguments', '-')} | {hand_cell} "
+                     f"| {worst:.2g} |")
     return lines
+
+
+def _numerics_cell(numerics: dict, model: str, mesh: str, plan: str) -> str:
+    row = numerics.get((model, mesh))
+    if row is None:
+        return "-"
+    entry = row if plan == "hloplan" else row.get("hand", {}).get(plan)
+    if entry is None:
+        return "-"
+    return "yes" if entry.get("match") else "NO"
 
 
 def why_section(cases: list[dict]) -> list[str]:
@@ -924,9 +981,15 @@ def write_reports(results: dict, out_json: Path, out_md: Path) -> None:
            ""] + fidelity_table(cases)
     md += ["", "## Search speed (hloplan compile on Alpa's GPT shapes)", ""]
     md += search_table(results.get("search", []))
-    md += ["", "## Numerics (small size, 8 devices, hloplan artifact vs single device)", ""]
+    md += ["", "## Numerics (small size: every plan run on the simulated mesh vs the "
+           "single-device run)", "",
+           "Each model at its small size (benchmarks/models.py, batch scaled to the largest "
+           "mesh), planned by hloplan for the toy device model (slow compute, fast links, so "
+           "tiny programs are worth sharding), and each hand plan, run on simulated CPU devices; "
+           "outputs (loss and the whole updated state) compared with the single-device program "
+           "(rtol 1e-4, atol 1e-5).", ""]
     md += numerics_table(results.get("numerics", []))
-    md += ["", "## Every plan", ""] + all_plans_table(cases)
+    md += ["", "## Every plan", ""] + all_plans_table(cases, results.get("numerics", []))
     why = why_section(cases)
     if why:
         md += ["", "## Where hloplan loses or fails", ""] + why
@@ -1010,8 +1073,10 @@ def main(argv=None) -> int:
     out_md = out_json.with_suffix(".md")
     with tempfile.TemporaryDirectory(prefix="hloplan-bench-") as workdir:
         if "numerics" in sections:
-            print("numerics (small size, mesh 2x4, 8 devices):", flush=True)
-            results["numerics"] = run_numerics(models_, workdir)
+            numerics_meshes = meshes if not args.quick or args.meshes else [NUMERICS_MESH]
+            print(f"numerics (small size, meshes {', '.join(numerics_meshes)}; hloplan and every "
+                  "hand plan vs the single-device run):", flush=True)
+            results["numerics"] = run_numerics(models_, numerics_meshes, workdir, args.workers)
         if "quality" in sections:
             print(f"plan quality: {len(cases)} cases ({args.workers} workers)", flush=True)
             order = {case: i for i, case in enumerate(cases)}
