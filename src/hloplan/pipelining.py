@@ -72,8 +72,8 @@ DEFAULT_GAP = 0.01
 KEPT_STATES = 8  # solved task states kept besides the best solution's (the rest: costs only)
 # Each task ILP of the stage search gets this share of --time-limit. The search solves dozens of
 # them; one whose LP bound stays a few percent below its best plan otherwise spends the whole
-# limit in branch and bound proving it (GPT 4 layers, hidden 8192, 4x8: 50 of the search's
-# 133 s, for no better plan), and a stage's cost within a few percent is all the DP needs.
+# limit in branch and bound proving it (GPT 4 layers, hidden 8192, 4x8: about 50 s of the
+# search's 108, for no better plan), and a stage's cost within a few percent is all the DP needs.
 STAGE_TIME_FRACTION = 0.25
 
 
