@@ -1,0 +1,244 @@
+"""Plan quality on train steps written with other people's libraries: the Flax NNX transformer
+of examples/third_party/ (nnx.MultiHeadAttention, nnx.LayerNorm, optax AdamW, exported as the
+Flax docs suggest) at a realistic size, hloplan against the plans an expert writes for it with
+jax's sharding API, every plan scored by run.py's formula on its compiled per-device HLO.
+
+    .venv/bin/python benchmarks/third_party.py [--meshes 8,2x4,4x2,4x8]
+
+The hand plans work on the step as its users hold it: parameters as Flax's pure dict, the optax
+state as its flat list of leaves (each Adam moment sharded like its parameter):
+
+* dp: tokens and labels split over every device, parameters and optimizer state replicated;
+* fsdp: dp, with every parameter and moment sharded on its largest divisible dim (ZeRO-3);
+* tp_dp (2-axis meshes): batch over the first axis, Megatron tensor parallel over the second by
+  parameter path (attention heads of query/key/value/out, the MLP's hidden units, vocabulary
+  rows of the embedding and columns of the head);
+* fsdp_tp (2-axis meshes): tp_dp, with what tp leaves unsharded split over the first axis;
+* fsdp_gather, fsdp_tp_gather: the same, with the step wrapped to all-gather the parameters
+  (`with_sharding_constraint` to the dp / tp_dp layout) before it uses them.
+
+Writes benchmarks/third_party_results.json; the README shows the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import run  # sets XLA_FLAGS (32 simulated devices) before jax is imported
+
+HERE = Path(__file__).resolve().parent
+EXAMPLES = HERE.parent / "examples" / "third_party"
+
+# Realistic work per device: 8 sequences of 512 tokens (4,096 tokens) per device, hidden 1024.
+SIZE = {"SEQ": 512, "VOCAB": 32768, "D_MODEL": 1024, "HEADS": 16, "HIDDEN": 4096}
+SEQUENCES_PER_DEVICE = 8
+LAYERS = 2
+
+# Megatron tensor parallel by parameter path: (path fragment, dim sharded over the model axis).
+TP_RULES = (
+    ("['attn']['query']['kernel']", 1), ("['attn']['key']['kernel']", 1),
+    ("['attn']['value']['kernel']", 1), ("['attn']['out']['kernel']", 0),
+    ("['up']['kernel']", 1), ("['up']['bias']", 0), ("['down']['kernel']", 0),
+    ("['embed']['embedding']", 0), ("['head']['kernel']", 1), ("['head']['bias']", 0),
+)
+
+
+def _example(script: str):
+    spec = importlib.util.spec_from_file_location(f"third_party_{script}", EXAMPLES / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(EXAMPLES))
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_transformer(devices: int):
+    """(step, args) of the Flax NNX transformer at the realistic size for `devices`."""
+    module = _example("flax_train_step")
+    for name, value in SIZE.items():
+        setattr(module, name, value)
+    module.BATCH = SEQUENCES_PER_DEVICE * devices
+    return module.nnx_transformer(LAYERS)
+
+
+def param_names(params) -> list[tuple[str, tuple[int, ...]]]:
+    import jax
+
+    return [(jax.tree_util.keystr(path), tuple(leaf.shape))
+            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+
+def moment_owners(params, opt_leaves) -> list[str | None]:
+    """The parameter each optax leaf mirrors (Adam's mu and nu follow the parameters' leaf order),
+    None for the step counters."""
+    names = param_names(params)
+    owners, at = [], 0
+    for leaf in opt_leaves:
+        name, shape = names[at]
+        if tuple(leaf.shape) == shape:
+            owners.append(name)
+            at = (at + 1) % len(names)
+        else:
+            owners.append(None)
+    return owners
+
+
+def leaf_spec(plan: str, name: str | None, shape: tuple[int, ...], mesh_shape: dict):
+    from jax.sharding import PartitionSpec
+
+    axes = tuple(mesh_shape)
+    spec: list = [None] * len(shape)
+    if name is not None and plan in ("tp_dp", "fsdp_tp"):
+        model = axes[-1]
+        for fragment, dim in TP_RULES:
+            if name.endswith(fragment) and shape[dim] % mesh_shape[model] == 0:
+                spec[dim] = model
+    fsdp = {"fsdp": axes, "fsdp_tp": axes[:1]}.get(plan, ())
+    parts = math.prod(mesh_shape[a] for a in fsdp)
+    if shape and parts > 1:
+        free = [d for d in range(len(shape)) if spec[d] is None and shape[d] % parts == 0]
+        if free:
+            d = max(free, key=lambda d: shape[d])
+            spec[d] = fsdp if len(fsdp) > 1 else fsdp[0]
+    return PartitionSpec(*spec)
+
+
+def plans_for(mesh_shape: dict) -> list[str]:
+    two_axes = len(mesh_shape) == 2
+    return (["dp", "fsdp", "fsdp_gather"]
+            + (["tp_dp", "fsdp_tp", "fsdp_tp_gather"] if two_axes else []))
+
+
+def compile_hand_plan(plan: str, mesh, step, args):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    params, opt_leaves, tokens, labels = args
+    mesh_shape = dict(mesh.shape)
+    gather = plan.endswith("_gather")
+    plan = plan.removesuffix("_gather")
+    flat, tree = jax.tree_util.tree_flatten_with_path(params)
+
+    def params_sharding(plan):
+        return jax.tree.unflatten(tree, [
+            NamedSharding(mesh, leaf_spec(plan, jax.tree_util.keystr(p), tuple(x.shape),
+                                          mesh_shape)) for p, x in flat])
+
+    params_sh = params_sharding(plan)
+    if gather:
+        # FSDP as one writes it around a model one does not edit: the step all-gathers the
+        # parameters (to their tensor-parallel layout) before using them; the gradients come
+        # back through the constraint's transpose to the sharded layout. Without it XLA may
+        # keep a weight sharded on its contracting dim and move activations instead.
+        use_sh = params_sharding("tp_dp" if plan == "fsdp_tp" else "dp")
+        user_step = step
+
+        def step(params, opt_leaves, tokens, labels):
+            return user_step(jax.lax.with_sharding_constraint(params, use_sh), opt_leaves,
+                             tokens, labels)
+    opt_sh = [NamedSharding(mesh, leaf_spec(plan, owner, tuple(x.shape), mesh_shape))
+              for owner, x in zip(moment_owners(params, opt_leaves), opt_leaves)]
+    batch_axes = tuple(mesh_shape) if plan in ("dp", "fsdp") else tuple(mesh_shape)[:1]
+    batch_sh = NamedSharding(mesh, PartitionSpec(batch_axes if len(batch_axes) > 1
+                                                 else batch_axes[0]))
+    loss_sh = NamedSharding(mesh, PartitionSpec())
+    jitted = jax.jit(step, in_shardings=(params_sh, opt_sh, batch_sh, batch_sh),
+                     out_shardings=(params_sh, opt_sh, loss_sh), donate_argnums=(0, 1))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+    return jitted.lower(*abstract).compile()
+
+
+def run_case(mesh: str, workdir: str) -> dict:
+    import hand_plans
+
+    shape = run.mesh_shape(mesh)
+    devices = math.prod(shape)
+    comm = run.comm_model(mesh)
+    started = time.perf_counter()
+    step, args = build_transformer(devices)
+    path = Path(workdir) / f"nnx_transformer_{devices}.jaxexport"
+    path.write_bytes(_example("_common").export_step(step, args))
+    case: dict = {"model": "flax nnx_transformer", "mesh": mesh, "devices": devices,
+                  "config": {**SIZE, "BATCH": SEQUENCES_PER_DEVICE * devices, "layers": LAYERS},
+                  "parameters": sum(math.prod(s) for _, s in param_names(args[0]))}
+    hl, _ = run.plan_and_measure(path, mesh, Path(workdir) / f"plan_{mesh}", run.DEVICE, comm)
+    case["hloplan"] = hl
+    jmesh = hand_plans.make_mesh(shape)
+    mesh_axes = tuple(jmesh.shape.items())
+    hand = {}
+    for plan in plans_for(dict(jmesh.shape)):
+        try:
+            hand[plan] = run.measure(compile_hand_plan(plan, jmesh, step, args), mesh_axes, comm)
+        except Exception as exc:  # a plan XLA cannot compile is a result too
+            hand[plan] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+    case["hand"] = hand
+    feasible = {k: v for k, v in hand.items() if "error" not in v and v["fits"]}
+    if feasible and "error" not in hl:
+        best = min(feasible, key=lambda k: feasible[k]["step_s"])
+        best_kernels = min(feasible, key=lambda k: feasible[k]["step_kernels_s"])
+        case.update(best_hand=best, best_hand_step_s=feasible[best]["step_s"],
+                    ratio=hl["step_s"] / feasible[best]["step_s"],
+                    best_hand_kernels=best_kernels,
+                    ratio_kernels=hl["step_kernels_s"] / feasible[best_kernels]["step_kernels_s"])
+    case["wall_s"] = time.perf_counter() - started
+    return case
+
+
+HAND_COLUMNS = ("dp", "fsdp", "fsdp_gather", "tp_dp", "fsdp_tp", "fsdp_tp_gather")
+
+
+def table(cases: list[dict]) -> list[str]:
+    lines = ["| model | mesh | hloplan step (ms) | " + " | ".join(HAND_COLUMNS)
+             + " | **ratio** (vs) | ratio, per-kernel roofline (vs) | hloplan peak GiB |",
+             "|---|---|---|" + "---|" * len(HAND_COLUMNS) + "---|---|---|"]
+    for c in cases:
+        hl = c["hloplan"]
+        cells = []
+        for plan in HAND_COLUMNS:
+            p = c["hand"].get(plan)
+            cells.append("-" if p is None else "error" if "error" in p
+                         else f"{p['step_s'] * 1e3:.2f}" + ("" if p["fits"] else " (OOM)"))
+        if "error" in hl:
+            lines.append(f"| {c['model']} | {c['mesh']} | error: {hl['error'][:80]} | "
+                         + " | ".join(cells) + " | | | |")
+            continue
+        lines.append(f"| {c['model']} | {c['mesh']} | {hl['step_s'] * 1e3:.2f} | "
+                     + " | ".join(cells)
+                     + f" | {c.get('ratio', float('nan')):.3f} ({c.get('best_hand')}) | "
+                       f"{c.get('ratio_kernels', float('nan')):.3f} ({c.get('best_hand_kernels')})"
+                       f" | {hl['peak_bytes'] / 2**30:.2f} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--meshes", default=",".join(run.MESHES))
+    parser.add_argument("--out", default=str(HERE / "third_party_results.json"))
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    cases = []
+    with tempfile.TemporaryDirectory(prefix="hloplan-third-party-") as workdir:
+        for mesh in args.meshes.split(","):
+            case = run_case(mesh, workdir)
+            cases.append(case)
+            print(f"  {case['model']} {mesh}: hloplan "
+                  f"{case['hloplan'].get('step_s', float('nan')) * 1e3:.2f} ms, best hand "
+                  f"{case.get('best_hand')} {case.get('best_hand_step_s', float('nan')) * 1e3:.2f}"
+                  f" ms, ratio {case.get('ratio', float('nan')):.3f} [{case['wall_s']:.0f} s]",
+                  flush=True)
+    results = {"cases": cases, "wall_s": time.perf_counter() - started,
+               "device_model": run.DEVICE, "formula": "as benchmarks/run.py"}
+    Path(args.out).write_text(json.dumps(results, indent=1, sort_keys=True, default=str) + "\n")
+    print("\n".join(table(cases)))
+    print(f"wrote {args.out} in {results['wall_s'] / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
