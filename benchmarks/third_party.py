@@ -1,7 +1,8 @@
 """Plan quality on train steps written with other people's libraries: the Flax NNX transformer
-of examples/third_party/ (nnx.MultiHeadAttention, nnx.LayerNorm, optax AdamW, exported as the
-Flax docs suggest) at a realistic size, hloplan against the plans an expert writes for it with
-jax's sharding API, every plan scored by run.py's formula on its compiled per-device HLO.
+(nnx.MultiHeadAttention, nnx.LayerNorm, optax AdamW) and the Equinox MLP (eqx.nn.MLP, the
+equinox-docs step) of examples/third_party/, exported as their docs suggest, at a realistic
+size; hloplan against the plans an expert writes for them with jax's sharding API, every plan
+scored by run.py's formula on its compiled per-device HLO.
 
     .venv/bin/python benchmarks/third_party.py [--meshes 8,2x4,4x2,4x8]
 
@@ -10,9 +11,10 @@ state as its flat list of leaves (each Adam moment sharded like its parameter):
 
 * dp: tokens and labels split over every device, parameters and optimizer state replicated;
 * fsdp: dp, with every parameter and moment sharded on its largest divisible dim (ZeRO-3);
-* tp_dp (2-axis meshes): batch over the first axis, Megatron tensor parallel over the second by
-  parameter path (attention heads of query/key/value/out, the MLP's hidden units, vocabulary
-  rows of the embedding and columns of the head);
+* tp_dp (2-axis meshes): batch over the first axis, Megatron tensor parallel over the second
+  (transformer, by parameter path: attention heads of query/key/value/out, the MLP's hidden
+  units, vocabulary rows of the embedding and columns of the head; MLP: layers alternately
+  split on their outputs and inputs);
 * fsdp_tp (2-axis meshes): tp_dp, with what tp leaves unsharded split over the first axis;
 * fsdp_gather, fsdp_tp_gather: the same, with the step wrapped to all-gather the parameters
   (`with_sharding_constraint` to the dp / tp_dp layout) before it uses them.
@@ -37,12 +39,15 @@ HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE.parent / "examples" / "third_party"
 
 # Realistic work per device: 8 sequences of 512 tokens (4,096 tokens) per device, hidden 1024.
-SIZE = {"SEQ": 512, "VOCAB": 32768, "D_MODEL": 1024, "HEADS": 16, "HIDDEN": 4096}
+TRANSFORMER = {"SEQ": 512, "VOCAB": 32768, "D_MODEL": 1024, "HEADS": 16, "HIDDEN": 4096}
 SEQUENCES_PER_DEVICE = 8
 LAYERS = 2
+# The MLP of benchmarks/models.py (2048 -> 8192 -> 8192 -> 2048), 4,096 rows per device.
+MLP = {"in_size": 2048, "width": 8192, "out_size": 2048, "depth": 2}
+ROWS_PER_DEVICE = 4096
 
 # Megatron tensor parallel by parameter path: (path fragment, dim sharded over the model axis).
-TP_RULES = (
+TRANSFORMER_TP = (
     ("['attn']['query']['kernel']", 1), ("['attn']['key']['kernel']", 1),
     ("['attn']['value']['kernel']", 1), ("['attn']['out']['kernel']", 0),
     ("['up']['kernel']", 1), ("['up']['bias']", 0), ("['down']['kernel']", 0),
@@ -61,10 +66,37 @@ def _example(script: str):
 def build_transformer(devices: int):
     """(step, args) of the Flax NNX transformer at the realistic size for `devices`."""
     module = _example("flax_train_step")
-    for name, value in SIZE.items():
+    for name, value in TRANSFORMER.items():
         setattr(module, name, value)
     module.BATCH = SEQUENCES_PER_DEVICE * devices
     return module.nnx_transformer(LAYERS)
+
+
+def transformer_tp(names: list[tuple[str, tuple[int, ...]]]) -> dict[str, int]:
+    return {name: dim for name, _ in names for fragment, dim in TRANSFORMER_TP
+            if name.endswith(fragment)}
+
+
+def build_mlp(devices: int):
+    """(step, args) of the Equinox MLP (eqx.nn.MLP, optax AdamW) at the realistic size."""
+    return _example("equinox_train_step").eqx_mlp(**MLP, batch=ROWS_PER_DEVICE * devices)
+
+
+def mlp_tp(names: list[tuple[str, tuple[int, ...]]]) -> dict[str, int]:
+    """Megatron over eqx.nn.MLP's flat [weight (out, in), bias, ...]: even layers split their
+    outputs (weight rows and bias), odd layers their inputs (weight columns)."""
+    out, layer = {}, -1
+    for name, shape in names:
+        if len(shape) == 2:
+            layer += 1
+            out[name] = 0 if layer % 2 == 0 else 1
+        elif layer % 2 == 0:
+            out[name] = 0
+    return out
+
+
+MODELS = {"flax nnx_transformer": (build_transformer, transformer_tp),
+          "equinox mlp": (build_mlp, mlp_tp)}
 
 
 def param_names(params) -> list[tuple[str, tuple[int, ...]]]:
@@ -89,16 +121,16 @@ def moment_owners(params, opt_leaves) -> list[str | None]:
     return owners
 
 
-def leaf_spec(plan: str, name: str | None, shape: tuple[int, ...], mesh_shape: dict):
+def leaf_spec(plan: str, name: str | None, shape: tuple[int, ...], mesh_shape: dict,
+              tp: dict[str, int]):
     from jax.sharding import PartitionSpec
 
     axes = tuple(mesh_shape)
     spec: list = [None] * len(shape)
-    if name is not None and plan in ("tp_dp", "fsdp_tp"):
-        model = axes[-1]
-        for fragment, dim in TP_RULES:
-            if name.endswith(fragment) and shape[dim] % mesh_shape[model] == 0:
-                spec[dim] = model
+    if name in tp and plan in ("tp_dp", "fsdp_tp"):
+        model, dim = axes[-1], tp[name]
+        if shape[dim] % mesh_shape[model] == 0:
+            spec[dim] = model
     fsdp = {"fsdp": axes, "fsdp_tp": axes[:1]}.get(plan, ())
     parts = math.prod(mesh_shape[a] for a in fsdp)
     if shape and parts > 1:
@@ -115,7 +147,7 @@ def plans_for(mesh_shape: dict) -> list[str]:
             + (["tp_dp", "fsdp_tp", "fsdp_tp_gather"] if two_axes else []))
 
 
-def compile_hand_plan(plan: str, mesh, step, args):
+def compile_hand_plan(plan: str, mesh, step, args, tp_rule):
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -124,11 +156,12 @@ def compile_hand_plan(plan: str, mesh, step, args):
     gather = plan.endswith("_gather")
     plan = plan.removesuffix("_gather")
     flat, tree = jax.tree_util.tree_flatten_with_path(params)
+    tp = tp_rule(param_names(params))
 
     def params_sharding(plan):
         return jax.tree.unflatten(tree, [
             NamedSharding(mesh, leaf_spec(plan, jax.tree_util.keystr(p), tuple(x.shape),
-                                          mesh_shape)) for p, x in flat])
+                                          mesh_shape, tp)) for p, x in flat])
 
     params_sh = params_sharding(plan)
     if gather:
@@ -142,7 +175,7 @@ def compile_hand_plan(plan: str, mesh, step, args):
         def step(params, opt_leaves, tokens, labels):
             return user_step(jax.lax.with_sharding_constraint(params, use_sh), opt_leaves,
                              tokens, labels)
-    opt_sh = [NamedSharding(mesh, leaf_spec(plan, owner, tuple(x.shape), mesh_shape))
+    opt_sh = [NamedSharding(mesh, leaf_spec(plan, owner, tuple(x.shape), mesh_shape, tp))
               for owner, x in zip(moment_owners(params, opt_leaves), opt_leaves)]
     batch_axes = tuple(mesh_shape) if plan in ("dp", "fsdp") else tuple(mesh_shape)[:1]
     batch_sh = NamedSharding(mesh, PartitionSpec(batch_axes if len(batch_axes) > 1
@@ -154,27 +187,31 @@ def compile_hand_plan(plan: str, mesh, step, args):
     return jitted.lower(*abstract).compile()
 
 
-def run_case(mesh: str, workdir: str) -> dict:
+def run_case(model: str, mesh: str, workdir: str) -> dict:
     import hand_plans
 
     shape = run.mesh_shape(mesh)
     devices = math.prod(shape)
     comm = run.comm_model(mesh)
     started = time.perf_counter()
-    step, args = build_transformer(devices)
-    path = Path(workdir) / f"nnx_transformer_{devices}.jaxexport"
+    build, tp_rule = MODELS[model]
+    step, args = build(devices)
+    slug = model.replace(" ", "_")
+    path = Path(workdir) / f"{slug}_{devices}.jaxexport"
     path.write_bytes(_example("_common").export_step(step, args))
-    case: dict = {"model": "flax nnx_transformer", "mesh": mesh, "devices": devices,
-                  "config": {**SIZE, "BATCH": SEQUENCES_PER_DEVICE * devices, "layers": LAYERS},
+    case: dict = {"model": model, "mesh": mesh, "devices": devices,
+                  "batch": int(args[2].shape[0]),
                   "parameters": sum(math.prod(s) for _, s in param_names(args[0]))}
-    hl, _ = run.plan_and_measure(path, mesh, Path(workdir) / f"plan_{mesh}", run.DEVICE, comm)
+    hl, _ = run.plan_and_measure(path, mesh, Path(workdir) / f"plan_{slug}_{mesh}", run.DEVICE,
+                                 comm)
     case["hloplan"] = hl
     jmesh = hand_plans.make_mesh(shape)
     mesh_axes = tuple(jmesh.shape.items())
     hand = {}
     for plan in plans_for(dict(jmesh.shape)):
         try:
-            hand[plan] = run.measure(compile_hand_plan(plan, jmesh, step, args), mesh_axes, comm)
+            hand[plan] = run.measure(compile_hand_plan(plan, jmesh, step, args, tp_rule),
+                                     mesh_axes, comm)
         except Exception as exc:  # a plan XLA cannot compile is a result too
             hand[plan] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
     case["hand"] = hand
@@ -219,13 +256,16 @@ def table(cases: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--meshes", default=",".join(run.MESHES))
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help="comma-separated subset of " + ",".join(MODELS))
     parser.add_argument("--out", default=str(HERE / "third_party_results.json"))
     args = parser.parse_args(argv)
     started = time.perf_counter()
     cases = []
     with tempfile.TemporaryDirectory(prefix="hloplan-third-party-") as workdir:
-        for mesh in args.meshes.split(","):
-            case = run_case(mesh, workdir)
+        for model, mesh in [(m, mesh) for m in args.models.split(",")
+                            for mesh in args.meshes.split(",")]:
+            case = run_case(model, mesh, workdir)
             cases.append(case)
             print(f"  {case['model']} {mesh}: hloplan "
                   f"{case['hloplan'].get('step_s', float('nan')) * 1e3:.2f} ms, best hand "

@@ -44,21 +44,23 @@ def _train_step(model, loss_fn, optim):
     return step, param_leaves, opt_leaves
 
 
-def eqx_mlp():
+def eqx_mlp(in_size: int = 32, out_size: int = 8, width: int = 64, depth: int = 2,
+            batch: int | None = None):
     import equinox as eqx
     import jax
     import jax.numpy as jnp
     import optax
 
     kmodel, kx, ky = jax.random.split(jax.random.key(0), 3)
-    model = eqx.nn.MLP(in_size=32, out_size=8, width_size=64, depth=2, key=kmodel)
+    model = eqx.nn.MLP(in_size=in_size, out_size=out_size, width_size=width, depth=depth,
+                       key=kmodel)
 
     def loss_fn(model, x, y):
         return jnp.mean((jax.vmap(model)(x) - y) ** 2)
 
     step, params, opt = _train_step(model, loss_fn, optax.adamw(1e-3, weight_decay=1e-2))
-    x = jax.random.normal(kx, (BATCH, 32), jnp.float32)
-    y = jax.random.normal(ky, (BATCH, 8), jnp.float32)
+    x = jax.random.normal(kx, (batch or BATCH, in_size), jnp.float32)
+    y = jax.random.normal(ky, (batch or BATCH, out_size), jnp.float32)
     return step, (params, opt, x, y)
 
 
