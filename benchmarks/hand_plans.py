@@ -72,20 +72,26 @@ def plans_for(model_name: str, shape: tuple[int, ...]) -> list[HandPlan]:
     return plans
 
 
+def shard_largest_free_dim(spec: list, shape, fsdp_axes, mesh_shape: dict) -> list:
+    """FSDP/ZeRO-3 on top of `spec` (one entry per dim): the mesh axes of `fsdp_axes` that
+    `spec` does not use yet go on the largest dim that is still unsharded and divisible."""
+    used = {a for e in spec if e for a in ((e,) if isinstance(e, str) else e)}
+    axes = tuple(a for a in fsdp_axes if a not in used)
+    parts = math.prod(mesh_shape[a] for a in axes)
+    if axes and parts > 1:
+        free = [d for d in range(len(shape)) if spec[d] is None and shape[d] % parts == 0]
+        if free:
+            d = max(free, key=lambda d: shape[d])
+            spec[d] = axes if len(axes) > 1 else axes[0]
+    return spec
+
+
 def leaf_spec(leaf: models.Leaf, plan: HandPlan, mesh_shape: dict) -> PartitionSpec:
     """Parameter/state spec: the plan's logical rules, then FSDP over the largest free dim."""
     rules = {k: v for k, v in plan.rules.items() if k != "batch"}
     spec = list(models.logical_spec(leaf.axes, rules, leaf.shape, mesh_shape))
     if plan.fsdp and leaf.shape:
-        used = {a for e in spec if e for a in ((e,) if isinstance(e, str) else e)}
-        axes = tuple(a for a in plan.fsdp if a not in used)
-        parts = math.prod(mesh_shape[a] for a in axes)
-        if axes and parts > 1:
-            free = [d for d in range(len(leaf.shape))
-                    if spec[d] is None and leaf.shape[d] % parts == 0]
-            if free:
-                d = max(free, key=lambda d: leaf.shape[d])
-                spec[d] = axes if len(axes) > 1 else axes[0]
+        spec = shard_largest_free_dim(spec, leaf.shape, plan.fsdp, mesh_shape)
     return PartitionSpec(*spec)
 
 

@@ -58,7 +58,8 @@ TRANSFORMER_TP = (
 def _example(script: str):
     spec = importlib.util.spec_from_file_location(f"third_party_{script}", EXAMPLES / f"{script}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(EXAMPLES))
+    if str(EXAMPLES) not in sys.path:  # the examples import their _common
+        sys.path.insert(0, str(EXAMPLES))
     spec.loader.exec_module(module)
     return module
 
@@ -123,6 +124,7 @@ def moment_owners(params, opt_leaves) -> list[str | None]:
 
 def leaf_spec(plan: str, name: str | None, shape: tuple[int, ...], mesh_shape: dict,
               tp: dict[str, int]):
+    import hand_plans
     from jax.sharding import PartitionSpec
 
     axes = tuple(mesh_shape)
@@ -132,12 +134,8 @@ def leaf_spec(plan: str, name: str | None, shape: tuple[int, ...], mesh_shape: d
         if shape[dim] % mesh_shape[model] == 0:
             spec[dim] = model
     fsdp = {"fsdp": axes, "fsdp_tp": axes[:1]}.get(plan, ())
-    parts = math.prod(mesh_shape[a] for a in fsdp)
-    if shape and parts > 1:
-        free = [d for d in range(len(shape)) if spec[d] is None and shape[d] % parts == 0]
-        if free:
-            d = max(free, key=lambda d: shape[d])
-            spec[d] = fsdp if len(fsdp) > 1 else fsdp[0]
+    if fsdp and shape:
+        spec = hand_plans.shard_largest_free_dim(spec, shape, fsdp, mesh_shape)
     return PartitionSpec(*spec)
 
 
