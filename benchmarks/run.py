@@ -328,6 +328,26 @@ def replan_for_formula(path: Path, mesh: str, plan_dir: Path, comm, best: dict,
             "kernels_vs_default": hl["step_kernels_s"] / default["step_kernels_s"]}
 
 
+def hand_ratios(hl: dict, hand: dict) -> dict:
+    """hloplan against the best hand plan that fits: under the headline formula ("ratio"), the
+    totals' roofline ("ratio_hbm") and the per-kernel roofline ("ratio_kernels"), each against
+    the hand plan best under that measure. "ratio" is None when no ratio can be formed."""
+    feasible = {k: v for k, v in hand.items() if "error" not in v and v["fits"]}
+    out: dict = {"ratio": None}
+    if not feasible:
+        return out
+    best = min(feasible, key=lambda k: feasible[k]["step_s"])
+    out.update(best_hand=best, best_hand_step_s=feasible[best]["step_s"])
+    if "error" in hl:
+        return out
+    out["ratio"] = hl["step_s"] / feasible[best]["step_s"]
+    for measure, key in (("hbm", "step_hbm_s"), ("kernels", "step_kernels_s")):
+        best_here = min(feasible, key=lambda k: feasible[k][key])
+        out[f"ratio_{measure}"] = hl[key] / feasible[best_here][key]
+        out[f"best_hand_{measure}"] = best_here
+    return out
+
+
 def run_case(model_name: str, mesh: str, workdir: str, keep: str | None = None) -> dict:
     import hand_plans
     import jax
@@ -371,22 +391,11 @@ def run_case(model_name: str, mesh: str, workdir: str, keep: str | None = None) 
     case["hand"] = hand
 
     # headline numbers
+    case.update(hand_ratios(hl, hand))
     feasible = {k: v for k, v in hand.items() if "error" not in v and v["fits"]}
-    if feasible:
-        best = min(feasible, key=lambda k: feasible[k]["step_s"])
-        case["best_hand"] = best
-        case["best_hand_step_s"] = feasible[best]["step_s"]
-    else:
-        best = None
+    best = case.get("best_hand")
     rep = hand.get("replicated", {})
-    if "error" not in hl and best is not None:
-        case["ratio"] = hl["step_s"] / feasible[best]["step_s"]
-        best_hbm = min(feasible, key=lambda k: feasible[k]["step_hbm_s"])
-        case["ratio_hbm"] = hl["step_hbm_s"] / feasible[best_hbm]["step_hbm_s"]
-        case["best_hand_hbm"] = best_hbm
-        best_kernels = min(feasible, key=lambda k: feasible[k]["step_kernels_s"])
-        case["ratio_kernels"] = hl["step_kernels_s"] / feasible[best_kernels]["step_kernels_s"]
-        case["best_hand_kernels"] = best_kernels
+    if case["ratio"] is not None:
         if "step_s" in rep:
             case["replicated_ratio"] = rep["step_s"] / feasible[best]["step_s"]
         if not hl["fits"]:
@@ -396,8 +405,6 @@ def run_case(model_name: str, mesh: str, workdir: str, keep: str | None = None) 
             case["why"]["formula_objective"] = replan_for_formula(
                 path, mesh, Path(workdir) / f"formula_{model_name}_{mesh}", comm,
                 feasible[best], hl)
-    else:
-        case["ratio"] = None
     if "error" not in hl:
         predicted = sum(c["bytes"] for c in hl["estimate"]["collectives"])
         realised = hl["collective_bytes"]

@@ -139,10 +139,12 @@ def leaf_spec(plan: str, name: str | None, shape: tuple[int, ...], mesh_shape: d
     return PartitionSpec(*spec)
 
 
+HAND_PLANS = ("dp", "fsdp", "fsdp_gather", "tp_dp", "fsdp_tp", "fsdp_tp_gather")
+
+
 def plans_for(mesh_shape: dict) -> list[str]:
-    two_axes = len(mesh_shape) == 2
-    return (["dp", "fsdp", "fsdp_gather"]
-            + (["tp_dp", "fsdp_tp", "fsdp_tp_gather"] if two_axes else []))
+    """Tensor parallel needs a second mesh axis."""
+    return [p for p in HAND_PLANS if len(mesh_shape) == 2 or "tp" not in p]
 
 
 def compile_hand_plan(plan: str, mesh, step, args, tp_rule):
@@ -213,29 +215,19 @@ def run_case(model: str, mesh: str, workdir: str) -> dict:
         except Exception as exc:  # a plan XLA cannot compile is a result too
             hand[plan] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
     case["hand"] = hand
-    feasible = {k: v for k, v in hand.items() if "error" not in v and v["fits"]}
-    if feasible and "error" not in hl:
-        best = min(feasible, key=lambda k: feasible[k]["step_s"])
-        best_kernels = min(feasible, key=lambda k: feasible[k]["step_kernels_s"])
-        case.update(best_hand=best, best_hand_step_s=feasible[best]["step_s"],
-                    ratio=hl["step_s"] / feasible[best]["step_s"],
-                    best_hand_kernels=best_kernels,
-                    ratio_kernels=hl["step_kernels_s"] / feasible[best_kernels]["step_kernels_s"])
+    case.update(run.hand_ratios(hl, hand))
     case["wall_s"] = time.perf_counter() - started
     return case
 
 
-HAND_COLUMNS = ("dp", "fsdp", "fsdp_gather", "tp_dp", "fsdp_tp", "fsdp_tp_gather")
-
-
 def table(cases: list[dict]) -> list[str]:
-    lines = ["| model | mesh | hloplan step (ms) | " + " | ".join(HAND_COLUMNS)
+    lines = ["| model | mesh | hloplan step (ms) | " + " | ".join(HAND_PLANS)
              + " | **ratio** (vs) | ratio, per-kernel roofline (vs) | hloplan peak GiB |",
-             "|---|---|---|" + "---|" * len(HAND_COLUMNS) + "---|---|---|"]
+             "|---|---|---|" + "---|" * len(HAND_PLANS) + "---|---|---|"]
     for c in cases:
         hl = c["hloplan"]
         cells = []
-        for plan in HAND_COLUMNS:
+        for plan in HAND_PLANS:
             p = c["hand"].get(plan)
             cells.append("-" if p is None else "error" if "error" in p
                          else f"{p['step_s'] * 1e3:.2f}" + ("" if p["fits"] else " (OOM)"))
