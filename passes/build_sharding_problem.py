@@ -16,7 +16,14 @@ from dataclasses import dataclass
 
 from hloplan.cost_models import CommModel
 from hloplan.graph import Graph, Op
-from hloplan.op_rules import OpRule, feeding_matmuls, fused_values, hbm_traffic, rule_for
+from hloplan.op_rules import (
+    OpRule,
+    feeding_matmuls,
+    folded_transposes,
+    fused_values,
+    hbm_traffic,
+    rule_for,
+)
 from hloplan.passes.label_batch import state_like_args
 from hloplan.solver.problem import Edge, LivePoint, LiveRange, Node, ShardingProblem, Strategy
 from hloplan.state import CompileState, PlanSpace
@@ -76,7 +83,8 @@ class _ProblemBuilder:
         self.edge_cache: dict = {}  # (type, layouts id, layouts id, multiplier) -> matrix
         self.reshard_cache: dict = {}  # (type, src layout, dst layout) -> seconds
         self.plain_of: dict[int, Strategy] = {}  # id(OpStrategy) -> Strategy (cached ones live)
-        self.fused = fused_values(graph)  # values kept inside a fused kernel: no HBM traffic
+        self.folded = folded_transposes(graph)  # transposes a GEMM reads through: no kernel
+        self.fused = fused_values(graph, self.folded)  # kept inside a fused kernel: no HBM traffic
         # Collectives of ops that feed a matmul are never merged with others: each pays its
         # whole latency (XLA's combiners only merge independent collectives).
         self.chained = feeding_matmuls(graph)
@@ -127,7 +135,7 @@ class _ProblemBuilder:
         operand_types = tuple(self.graph.type_of(v) for v in op.operands)
         result_types = tuple(self.graph.type_of(v) for v in op.results)
         dtype = result_types[0].dtype if result_types and result_types[0] else "f32"
-        hbm = hbm_traffic(self.graph, op, self.fused, self.streamed)
+        hbm = hbm_traffic(self.graph, op, self.fused, self.streamed, self.folded)
         # The signature (rule, types, ...) is hashed once, here; the follower cache and the
         # list ids key on its small id (hashing an OpRule walks all its factors).
         chained = op.index in self.chained

@@ -438,18 +438,57 @@ def fusible_consumer(name: str) -> bool:
     return fusible_producer(name) or name == "stablehlo.reduce"
 
 
-def fused_values(graph: Graph) -> set[int]:
+def _contiguous_run(dims: list[int]) -> bool:
+    return dims == list(range(dims[0], dims[0] + len(dims))) if dims else True
+
+
+def _foldable_into_dot(perm: list[int], dot: Op, position: int) -> bool:
+    """Whether a transpose with permutation `perm` can become dot `dot`'s operand `position`
+    (XLA's GPU CanFoldTransposeOperandIntoDot, for row-major operands): the non-contracting
+    dims keep their order, and in the transpose's operand the batch dims lead and the
+    contracting and non-contracting dims each form one contiguous, ordered run."""
+    side = "lhs" if position == 0 else "rhs"
+    batch = list(dot.attrs[f"{side}_batch"])
+    contracting = list(dot.attrs[f"{side}_contracting"])
+    free = [d for d in range(len(perm)) if d not in batch and d not in contracting]
+    batch_src, contracting_src, free_src = ([perm[d] for d in dims]
+                                           for dims in (batch, contracting, free))
+    return (batch_src == list(range(len(batch))) and free_src == sorted(free_src)
+            and _contiguous_run(contracting_src) and _contiguous_run(free_src))
+
+
+def folded_transposes(graph: Graph) -> set[int]:
+    """Transposes that XLA folds into the dots reading them (TransposeFolding): a GEMM reads
+    its operands transposed at no cost, so such a transpose is no kernel and its operand is
+    read by the dots straight from HBM."""
+    folded = set()
+    for op in graph.ops:
+        if op.name != "stablehlo.transpose":
+            continue
+        result = op.results[0]
+        users = [(user, position) for user in dict.fromkeys(graph.values[result].users)
+                 for position, v in enumerate(graph.ops[user].operands) if v == result]
+        if users and all(graph.ops[u].name == "stablehlo.dot_general"
+                         and _foldable_into_dot(list(op.attrs["permutation"]), graph.ops[u], at)
+                         for u, at in users):
+            folded.add(op.index)
+    return folded
+
+
+def fused_values(graph: Graph, folded: set[int] | None = None) -> set[int]:
     """Values that stay inside a fused kernel: made by a fusible op, not returned, and read
-    only by fusible ops of the same region."""
+    only by fusible ops of the same region (a transpose folded into dots is not one: the
+    dots read its operand)."""
     outputs = set(graph.outputs)
+    folded = folded_transposes(graph) if folded is None else folded
     fused = set()
     for value in graph.values:
         if value.type is None or value.id in outputs or not value.users:
             continue
         producer = graph.ops[value.producer]
-        if not fusible_producer(producer.name):
+        if not fusible_producer(producer.name) or value.producer in folded:
             continue
-        if all(fusible_consumer(graph.ops[u].name)
+        if all(fusible_consumer(graph.ops[u].name) and u not in folded
                and (graph.ops[u].parent, graph.ops[u].region) == (producer.parent, producer.region)
                for u in value.users):
             fused.add(value.id)
@@ -480,10 +519,13 @@ def feeding_matmuls(graph: Graph) -> set[int]:
 
 
 def hbm_traffic(graph: Graph, op: Op, fused: set[int], streamed: frozenset[int] = frozenset(),
-                ) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+                folded: set[int] = frozenset()) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
     """Per operand and per result of `op`: whether it is read or written through HBM.
     `streamed`: argument values written into device memory every step (data inputs; state
-    that the step updates in place stays resident)."""
+    that the step updates in place stays resident). `folded`: folded_transposes(graph), ops
+    that are no kernel."""
+    if op.index in folded:
+        return (False,), (False,)
     if op.name in NO_TRAFFIC_OPS:
         return (tuple(False for _ in op.operands),
                 tuple(op.name == "arg" and v in streamed for v in op.results))

@@ -44,7 +44,7 @@ from hloplan.cost_models.collectives import local_bytes
 from hloplan.diagnostics import HloplanError, UsageError
 from hloplan.inter_op import StageCost, SubmeshShape
 from hloplan.mesh import MeshSpec
-from hloplan.op_rules import fused_values, hbm_traffic, rule_for
+from hloplan.op_rules import folded_transposes, fused_values, hbm_traffic, rule_for
 from hloplan.passes.build_sharding_problem import BuildShardingProblem
 from hloplan.passes.cut_pipeline import (
     CutContext,
@@ -459,7 +459,8 @@ class StageSearch:
         self._op_figures: dict[int, tuple] = {}
         # Fusion in the whole program: a task's own module fuses no more, so this stays a
         # lower bound.
-        self._fused = fused_values(self.graph)
+        self._folded = folded_transposes(self.graph)
+        self._fused = fused_values(self.graph, self._folded)
         self._prefix: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
         self._crossers = self._crossing_values()
         self.cuts: dict[tuple[int, int], PipelineCut] = {}
@@ -478,7 +479,7 @@ class StageSearch:
                     types = [self.graph.type_of(v) for v in op.results]
                     dtype = types[0].dtype if types and types[0] is not None else "f32"
                     moved, dims, scaled = [], set(), False
-                    reads, writes = hbm_traffic(self.graph, op, self._fused)
+                    reads, writes = hbm_traffic(self.graph, op, self._fused, folded=self._folded)
                     for v, traffic in zip((*op.operands, *op.results), (*reads, *writes)):
                         type_ = self.graph.type_of(v)
                         if type_ is None:

@@ -12,7 +12,7 @@ import hloplan
 from hloplan.cost_models import CommModel, load_device_model
 from hloplan.graph import Graph, TensorType
 from hloplan.mesh import parse_mesh
-from hloplan.op_rules import fused_values, hbm_traffic, rule_for
+from hloplan.op_rules import folded_transposes, fused_values, hbm_traffic, rule_for
 from hloplan.strategies import enumerate_strategies
 
 F32 = TensorType((1024, 1024), "f32")
@@ -67,6 +67,49 @@ def test_hbm_traffic_per_operand_and_result():
     # Arguments move nothing, unless streamed in every step.
     assert hbm_traffic(g, ops[v["w"]], fused) == ((), (False,))
     assert hbm_traffic(g, ops[v["x"]], fused, frozenset({v["x"]})) == ((), (True,))
+
+
+def _dot(g: Graph, lhs: int, rhs: int, out: TensorType, lhs_contracting=(1,), rhs_contracting=(0,),
+         lhs_batch=(), rhs_batch=()) -> int:
+    return g.add_op("stablehlo.dot_general", (lhs, rhs), [out],
+                    attrs={"lhs_batch": list(lhs_batch), "rhs_batch": list(rhs_batch),
+                           "lhs_contracting": list(lhs_contracting),
+                           "rhs_contracting": list(rhs_contracting)}).results[0]
+
+
+def test_a_transpose_read_only_by_dots_is_folded_into_them():
+    """The backward pass of `W @ x` under vmap: relu mask -> transpose -> two dots (weight and
+    input gradients). XLA folds the transpose into both GEMMs, so the mask is written to HBM
+    and the transpose is no kernel; a reshard of the mask then costs only its collective."""
+    g, v = _chain()
+    mask = g.add_op("stablehlo.multiply", (v["x"], v["w"]), [F32]).results[0]
+    flipped = g.add_op("stablehlo.transpose", (mask,), [F32], attrs={"permutation": [1, 0]})
+    _dot(g, flipped.results[0], v["w"], F32)
+    _dot(g, v["x"], flipped.results[0], F32)
+    assert folded_transposes(g) == {flipped.index}
+    fused = fused_values(g)
+    assert mask not in fused
+    assert hbm_traffic(g, flipped, fused, folded={flipped.index}) == ((False,), (False,))
+    # Unfolded (an elementwise user too), the mask stays inside the transpose's kernel.
+    g.add_op("stablehlo.negate", (flipped.results[0],), [F32])
+    assert folded_transposes(g) == set() and mask in fused_values(g)
+
+
+def test_a_transpose_that_reorders_a_dots_free_dims_is_not_folded():
+    g = Graph()
+    t3 = TensorType((4, 8, 16), "f32")
+    x = g.add_op("arg", (), [t3]).results[0]
+    y = g.add_op("arg", (), [TensorType((16, 2), "f32")]).results[0]
+    g.arguments = [x, y]
+    # [a, b, c] -> [b, a, c]: the lhs's free dims (b, a) would come out swapped.
+    swapped = g.add_op("stablehlo.transpose", (x,), [TensorType((8, 4, 16), "f32")],
+                       attrs={"permutation": [1, 0, 2]})
+    _dot(g, swapped.results[0], y, TensorType((8, 4, 2), "f32"), lhs_contracting=(2,))
+    # [a, b, c] -> [a, c, b] contracting c: free dims (a, b) keep their order.
+    kept = g.add_op("stablehlo.transpose", (x,), [TensorType((4, 16, 8), "f32")],
+                    attrs={"permutation": [0, 2, 1]})
+    _dot(g, kept.results[0], y, TensorType((4, 8, 2), "f32"), lhs_contracting=(1,))
+    assert folded_transposes(g) == {kept.index}
 
 
 def test_fused_operands_are_not_priced():
