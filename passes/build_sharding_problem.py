@@ -300,17 +300,19 @@ class _ProblemBuilder:
                     label=f"%{value_id} -> %{consumer.index}")
 
     def _shared_reshards(self) -> dict[tuple[int, int], tuple[int, int]]:
-        """(matmul, operand position) -> (the previous matmul reading the same state argument,
-        its position), for the second and later matmuls of one region reading a parameter.
+        """(matmul, operand position) -> (the previous matmul reading the same value, its
+        position), for the second and later matmuls of one region reading a value.
 
         XLA reshards a value once per layout (the forward and backward matmuls share one
-        all-gather of an FSDP-stored weight), so such a matmul takes the weight from the
-        previous one's layout: free when both need the same, a reshard between the two
-        layouts when not. Pricing each read from the stored layout instead charges FSDP a
-        second all-gather it does not do."""
+        all-gather of an FSDP-stored weight; the weight- and input-gradient matmuls share one
+        all-gather of the output gradient), so such a matmul takes the value from the previous
+        one's layout: free when both need the same, a reshard between the two layouts when
+        not. Pricing each read from the value's own layout instead charges a second collective
+        that XLA does not issue."""
         shared = {}
-        for value_id in self.graph.arguments:
-            if value_id in self.streamed:
+        for value in self.graph.values:
+            value_id = value.id
+            if len(value.users) < 2 or value_id in self.space.free_values:
                 continue
             previous: dict[tuple, tuple[int, int]] = {}
             for user in dict.fromkeys(self.graph.values[value_id].users):
@@ -341,6 +343,7 @@ class _ProblemBuilder:
     def _edges(self) -> list[Edge]:
         edges = []
         shared = self._shared_reshards()
+        self.space.reads_via = shared
         for op_index in self.space.strategies:
             op = self.graph.ops[op_index]
             for k, value_id in enumerate(op.operands):

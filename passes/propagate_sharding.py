@@ -4,7 +4,10 @@ The mesh goes in as `sdy.mesh @mesh`; main's arguments and results get `sdy.shar
 planned op's results are fixed by an `sdy.sharding_constraint` right after it (XLA keeps
 constraints; it re-propagates `sdy.sharding` attributes on ops as it likes); where a strategy
 needs an operand in another layout than its producer gives, a second constraint before the
-consumer makes that resharding explicit, so XLA's partitioner does what the plan priced.
+consumer makes that resharding explicit, so XLA's partitioner does what the plan priced. A
+matmul priced as reading a value from an earlier matmul's layout (a weight all-gathered once for
+the forward and backward matmuls) gets its constraint on the earlier one's constrained operand:
+XLA would otherwise reshard from the value's own layout again.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class PropagateSharding:
         annotator.set_mesh(mesh.axis_names, mesh.axis_sizes)
         per_mlir_op: dict[int, tuple[object, dict[int, tuple]]] = {}
         operand_constraints: list[tuple[object, int, tuple]] = []
+        chained: list[tuple[object, int, tuple, object, int]] = []
         pins: list[tuple[object, int, tuple]] = []
         argument_specs: dict[int, tuple] = {}
         for op_index in state.space.strategies:
@@ -52,6 +56,12 @@ class PropagateSharding:
                 if required is None or given is None or given == required:
                     continue
                 operand_index = op.attrs["result"] if op.name in ("while.carry", "barrier.result") else k
+                via = state.space.reads_via.get((op_index, k))
+                if via is not None and state.chosen(via[0]).operands[via[1]] not in (given, None):
+                    # Priced as a reshard from the earlier reader's layout: do that one.
+                    chained.append((mlir_op, operand_index, spec_names(required, mesh),
+                                    handles.ops[via[0]][0], via[1]))
+                    continue
                 operand_constraints.append((mlir_op, operand_index, spec_names(required, mesh)))
         results = 0
         for mlir_op, specs in per_mlir_op.values():
@@ -63,6 +73,9 @@ class PropagateSharding:
             annotator.pin_while_carry(mlir_op, result_index, spec)
         for mlir_op, operand_index, spec in operand_constraints:
             annotator.constrain_operand(mlir_op, operand_index, spec)
+        for mlir_op, operand_index, spec, earlier, earlier_index in chained:
+            annotator.constrain_operand(mlir_op, operand_index, spec,
+                                        source=(earlier, earlier_index))
         annotator.set_arguments(argument_specs)
         result_specs = {}
         for index, value_id in enumerate(graph.outputs):
@@ -71,7 +84,7 @@ class PropagateSharding:
                 spec = replicated(graph.type_of(value_id).rank)
             result_specs[index] = spec_names(spec, mesh)
         annotator.set_results(result_specs)
-        state.facts["sharding_constraints"] = 2 * len(pins) + len(operand_constraints)
+        state.facts["sharding_constraints"] = 2 * len(pins) + len(operand_constraints) + len(chained)
         state.facts["result_constraints"] = results
 
     @staticmethod

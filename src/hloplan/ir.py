@@ -961,16 +961,22 @@ class Annotator:
         terminator = list(body.operations)[-1]
         self.constrain_operand(terminator, index, spec)
 
-    def constrain_operand(self, op, operand_index: int, spec) -> None:
-        """Insert sdy.sharding_constraint before `op` so its operand arrives in `spec`."""
+    def constrain_operand(self, op, operand_index: int, spec, source=None) -> None:
+        """Insert sdy.sharding_constraint before `op` so its operand arrives in `spec`.
+        `source`: (an earlier op, its operand index) reading the same value in another
+        layout; the constraint then reshards from that operand (a chain of two reshards)."""
         with self.context:
             operation = op.operation
             value = operation.operands[operand_index]
+            if source is not None:
+                earlier, earlier_index = source
+                value = earlier.operation.operands[earlier_index]
             wanted = ir.Attribute.parse(sharding_text(spec))
             producer = value.owner if isinstance(value, ir.OpResult) else None
             if (producer is not None and op_name(producer) == "sdy.sharding_constraint"
                     and producer.attributes["sharding"] == wanted):
-                return  # already in that layout
+                operation.operands[operand_index] = value  # already in that layout
+                return
             with operation.location, ir.InsertionPoint(operation):
                 constraint = sdy.ShardingConstraintOp(value, wanted)
             operation.operands[operand_index] = constraint.result

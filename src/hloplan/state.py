@@ -42,6 +42,9 @@ class PlanSpace:
     op_of: list[int] = field(default_factory=list)  # problem node index -> op index
     free_values: set[int] = field(default_factory=set)  # values any sharding of which is free
     fallbacks: dict[int, str] = field(default_factory=dict)  # op index -> why it is replicated
+    # (matmul, operand position) -> (the earlier matmul whose resharded operand it reads, its
+    # position): priced as a reshard from that layout, so emitted as one.
+    reads_via: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass

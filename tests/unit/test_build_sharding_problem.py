@@ -50,6 +50,27 @@ def test_later_matmuls_read_a_weight_from_the_previous_ones_layout():
     assert max(max(row) for row in costs) > 0
 
 
+def test_gradient_matmuls_share_one_reshard_of_the_output_gradient():
+    """The backward pass reads the output gradient twice (the weight's gradient and the input's):
+    XLA gathers it once for both, so the second matmul reads it as the first one does."""
+    state = _compiled()
+    graph, space, problem = state.graph, state.space, state.problem
+    arguments = set(graph.arguments)
+    shared_values = []
+    for value in graph.values:
+        readers = [u for u in dict.fromkeys(value.users)
+                   if graph.ops[u].name == "stablehlo.dot_general"]
+        if value.id not in arguments and len(readers) == 2:
+            shared_values.append((value, readers))
+    assert shared_values  # each layer's output gradient
+    for value, (first, second) in shared_values:
+        producer = space.node_of[value.producer]
+        assert not any(e.src == producer and e.dst == space.node_of[second]
+                       for e in problem.edges)
+        assert any(e.src == space.node_of[first] and e.dst == space.node_of[second]
+                   and f"%{value.id} (as %{first}" in e.label for e in problem.edges)
+
+
 def test_the_chosen_plan_is_priced_by_the_evaluator_as_the_solver_did():
     state = _compiled()
     figures = evaluate(state.problem, state.solution)

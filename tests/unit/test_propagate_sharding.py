@@ -1,0 +1,66 @@
+"""propagate-sharding: the module does the reshards the plan priced."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+from jax import export
+
+from hloplan import ir
+from hloplan.compiler import make_options
+from hloplan.passes.build_sharding_problem import BuildShardingProblem
+from hloplan.passes.extract_graph import ExtractGraph
+from hloplan.passes.inline_calls import InlineCalls
+from hloplan.passes.propagate_sharding import PropagateSharding
+from hloplan.pipeline import run_pipeline
+from hloplan.solver.problem import Solution
+
+X, Y = (0,), (1,)
+
+
+def _two_readers(w, a, b):
+    return jnp.sum(a @ w) + jnp.sum(b @ w)
+
+
+def _state():
+    s = jax.ShapeDtypeStruct
+    exported = export.export(jax.jit(_two_readers), platforms=("cpu",))(
+        s((64, 64), jnp.float32), s((32, 64), jnp.float32), s((32, 64), jnp.float32))
+    program = ir.load_program(bytes(exported.serialize()), "two_readers.jaxexport")
+    return run_pipeline(program, make_options("2x4", device="toy"),
+                        [InlineCalls(), ExtractGraph(), BuildShardingProblem()])
+
+
+def _pick(state, op_index: int, want) -> int:
+    """The index of a strategy of `op_index` for which want(strategy) holds."""
+    return next(i for i, s in enumerate(state.space.strategies[op_index]) if want(s))
+
+
+def test_a_read_priced_from_an_earlier_readers_layout_is_emitted_as_a_chain():
+    """w stored [x, y]; the first matmul gathers it over x, the second needs it whole. The plan
+    prices the second read as a gather over y of the first one's layout; XLA would gather
+    [x, y] whole again unless the constraint reads the first constraint's result."""
+    state = _state()
+    graph = state.graph
+    w = graph.arguments[0]
+    first, second = [u for u in dict.fromkeys(graph.values[w].users)
+                     if graph.ops[u].name == "stablehlo.dot_general"]
+    assert state.space.reads_via[second, 1] == (first, 1)
+    choice = [0] * len(state.problem.nodes)
+    picks = {graph.values[w].producer: lambda s: s.results[0] == (X, Y),
+             first: lambda s: s.operands[1] == ((), Y),
+             second: lambda s: s.operands[1] == ((), ())}
+    for op_index, want in picks.items():
+        choice[state.space.node_of[op_index]] = _pick(state, op_index, want)
+    state.solution = Solution(tuple(choice))
+    PropagateSharding().apply(state)
+    text = str(state.program.module)
+    gathered_x = re.search(r'(%\S+) = sdy.sharding_constraint %arg0 <@mesh, \[\{\}, \{"y"\}\]>',
+                           text)
+    assert gathered_x, text
+    # The whole weight comes from the x-gathered one, not from %arg0.
+    assert re.search(rf'sdy.sharding_constraint {re.escape(gathered_x.group(1))} '
+                     r'<@mesh, \[\{\}, \{\}\]>', text), text
+    assert not re.search(r'sdy.sharding_constraint %arg0 <@mesh, \[\{\}, \{\}\]>', text)
