@@ -315,7 +315,7 @@ class _ProblemBuilder:
             if len(value.users) < 2 or value_id in self.space.free_values:
                 continue
             previous: dict[tuple, tuple[int, int]] = {}
-            for user in dict.fromkeys(self.graph.values[value_id].users):
+            for user in dict.fromkeys(value.users):
                 op = self.graph.ops[user]
                 if (op.name not in ("stablehlo.dot_general", "stablehlo.convolution")
                         or user not in self.space.strategies

@@ -486,7 +486,7 @@ def fused_values(graph: Graph, folded: set[int] | None = None) -> set[int]:
         if value.type is None or value.id in outputs or not value.users:
             continue
         producer = graph.ops[value.producer]
-        if not fusible_producer(producer.name) or value.producer in folded:
+        if not fusible_producer(producer.name):
             continue
         if all(fusible_consumer(graph.ops[u].name) and u not in folded
                and (graph.ops[u].parent, graph.ops[u].region) == (producer.parent, producer.region)
