@@ -57,8 +57,7 @@ class PropagateSharding:
                     continue
                 operand_index = op.attrs["result"] if op.name in ("while.carry", "barrier.result") else k
                 via = state.space.reads_via.get((op_index, k))
-                if via is not None and state.chosen(via[0]).operands[via[1]] not in (given, None):
-                    # Priced as a reshard from the earlier reader's layout: do that one.
+                if via is not None and self._from_earlier(state, value_id, via, given, required):
                     chained.append((mlir_op, operand_index, spec_names(required, mesh),
                                     handles.ops[via[0]][0], via[1]))
                     continue
@@ -86,6 +85,25 @@ class PropagateSharding:
         annotator.set_results(result_specs)
         state.facts["sharding_constraints"] = 2 * len(pins) + len(operand_constraints) + len(chained)
         state.facts["result_constraints"] = results
+
+    @staticmethod
+    def _from_earlier(state: CompileState, value_id: int, via: tuple[int, int], given,
+                      required) -> bool:
+        """Whether to reshard a value for its reader from the earlier reader's layout `via`
+        (as the plan priced it) rather than from the value's own: when the earlier reader
+        resharded it, and going on from there costs no more (else the plan's price was an
+        upper bound)."""
+        earlier = state.chosen(via[0]).operands[via[1]]
+        if earlier in (given, None):
+            return False  # the earlier reader takes the value as it is
+        if earlier == required:
+            return True  # the same reshard: reuse it
+        type_ = state.graph.type_of(value_id)
+
+        def seconds(src) -> float:
+            return state.comm.reshard(type_.shape, type_.itemsize, src, required).seconds
+
+        return seconds(earlier) <= seconds(given)
 
     @staticmethod
     def _given(state: CompileState, value_id: int):

@@ -64,3 +64,24 @@ def test_a_read_priced_from_an_earlier_readers_layout_is_emitted_as_a_chain():
     assert re.search(rf'sdy.sharding_constraint {re.escape(gathered_x.group(1))} '
                      r'<@mesh, \[\{\}, \{\}\]>', text), text
     assert not re.search(r'sdy.sharding_constraint %arg0 <@mesh, \[\{\}, \{\}\]>', text)
+
+
+def test_a_read_cheaper_from_the_values_own_layout_is_not_chained():
+    """w stored [x, -]; the first matmul reads it [-, x] (an all-to-all), the second [x, y]: a
+    slice of the stored layout, free, where going on from [-, x] would be another all-to-all."""
+    state = _state()
+    graph = state.graph
+    w = graph.arguments[0]
+    first, second = [u for u in dict.fromkeys(graph.values[w].users)
+                     if graph.ops[u].name == "stablehlo.dot_general"]
+    choice = [0] * len(state.problem.nodes)
+    picks = {graph.values[w].producer: lambda s: s.results[0] == (X, ()),
+             first: lambda s: s.operands[1] == ((), X),
+             second: lambda s: s.operands[1] == (X, Y)}
+    for op_index, want in picks.items():
+        choice[state.space.node_of[op_index]] = _pick(state, op_index, want)
+    state.solution = Solution(tuple(choice))
+    PropagateSharding().apply(state)
+    text = str(state.program.module)
+    assert re.search(r'sdy.sharding_constraint %arg0 <@mesh, \[\{\}, \{"x"\}\]>', text), text
+    assert re.search(r'sdy.sharding_constraint %arg0 <@mesh, \[\{"x"\}, \{"y"\}\]>', text), text
