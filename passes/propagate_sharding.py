@@ -6,8 +6,8 @@ constraints; it re-propagates `sdy.sharding` attributes on ops as it likes); whe
 needs an operand in another layout than its producer gives, a second constraint before the
 consumer makes that resharding explicit, so XLA's partitioner does what the plan priced. A
 matmul priced as reading a value from an earlier matmul's layout (a weight all-gathered once for
-the forward and backward matmuls) gets its constraint on the earlier one's constrained operand:
-XLA would otherwise reshard from the value's own layout again.
+the forward and backward matmuls) gets its constraint on the earlier one's constrained operand
+unless resharding from the value's own layout is cheaper: XLA reshards from the value otherwise.
 """
 
 from __future__ import annotations
