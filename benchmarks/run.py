@@ -328,11 +328,16 @@ def replan_for_formula(path: Path, mesh: str, plan_dir: Path, comm, best: dict,
             "kernels_vs_default": hl["step_kernels_s"] / default["step_kernels_s"]}
 
 
+def fitting_plans(hand: dict) -> dict:
+    """The hand plans that compiled and fit the memory budget."""
+    return {k: v for k, v in hand.items() if "error" not in v and v["fits"]}
+
+
 def hand_ratios(hl: dict, hand: dict) -> dict:
     """hloplan against the best hand plan that fits: under the headline formula ("ratio"), the
     totals' roofline ("ratio_hbm") and the per-kernel roofline ("ratio_kernels"), each against
     the hand plan best under that measure. "ratio" is None when no ratio can be formed."""
-    feasible = {k: v for k, v in hand.items() if "error" not in v and v["fits"]}
+    feasible = fitting_plans(hand)
     out: dict = {"ratio": None}
     if not feasible:
         return out
@@ -392,7 +397,7 @@ def run_case(model_name: str, mesh: str, workdir: str, keep: str | None = None) 
 
     # headline numbers
     case.update(hand_ratios(hl, hand))
-    feasible = {k: v for k, v in hand.items() if "error" not in v and v["fits"]}
+    feasible = fitting_plans(hand)
     best = case.get("best_hand")
     rep = hand.get("replicated", {})
     if case["ratio"] is not None:
