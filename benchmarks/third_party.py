@@ -1,20 +1,23 @@
 """Plan quality on train steps written with other people's libraries: the Flax NNX transformer
-(nnx.MultiHeadAttention, nnx.LayerNorm, optax AdamW) and the Equinox MLP (eqx.nn.MLP, the
-equinox-docs step) of examples/third_party/, exported as their docs suggest, at a realistic
-size; hloplan against the plans an expert writes for them with jax's sharding API, every plan
-scored by run.py's formula on its compiled per-device HLO.
+(nnx.MultiHeadAttention, nnx.LayerNorm, optax AdamW), the Equinox MLP (eqx.nn.MLP, the
+equinox-docs step) and the Keras 3 MLP and CNN (Sequential Dense / Conv2D +
+BatchNormalization, the stateless step of Keras' JAX training-loop guide, Keras AdamW) of
+examples/third_party/, exported as their docs suggest, at a realistic size; hloplan against
+the plans an expert writes for them with jax's sharding API, every plan scored by run.py's
+formula on its compiled per-device HLO.
 
     .venv/bin/python benchmarks/third_party.py [--meshes 8,2x4,4x2,4x8]
 
 The hand plans work on the step as its users hold it: parameters as Flax's pure dict, the optax
-state as its flat list of leaves (each Adam moment sharded like its parameter):
+state as its flat list of leaves, Keras' (trainable, non-trainable) variable lists and its
+optimizer variables (each Adam moment sharded like its parameter):
 
 * dp: tokens and labels split over every device, parameters and optimizer state replicated;
 * fsdp: dp, with every parameter and moment sharded on its largest divisible dim (ZeRO-3);
 * tp_dp (2-axis meshes): batch over the first axis, Megatron tensor parallel over the second
   (transformer, by parameter path: attention heads of query/key/value/out, the MLP's hidden
-  units, vocabulary rows of the embedding and columns of the head; MLP: layers alternately
-  split on their outputs and inputs);
+  units, vocabulary rows of the embedding and columns of the head; MLPs: layers alternately
+  split on their outputs and inputs; none for the CNN, which experts train data parallel);
 * fsdp_tp (2-axis meshes): tp_dp, with what tp leaves unsharded split over the first axis;
 * fsdp_gather, fsdp_tp_gather: the same, with the step wrapped to all-gather the parameters
   (`with_sharding_constraint` to the dp / tp_dp layout) before it uses them.
@@ -45,6 +48,10 @@ LAYERS = 2
 # The MLP of benchmarks/models.py (2048 -> 8192 -> 8192 -> 2048), 4,096 rows per device.
 MLP = {"in_size": 2048, "width": 8192, "out_size": 2048, "depth": 2}
 ROWS_PER_DEVICE = 4096
+# The Keras CNN at the size of benchmarks/models.py's ResNet: 128x128 images, 32 per device,
+# two 3x3 convolutions (each with batch norm) at each of 128, 256 and 512 channels.
+KERAS_CNN = {"image": 128, "channels": (128, 256, 512), "classes": 1024, "convs_per_stage": 2}
+IMAGES_PER_DEVICE = 32
 
 # Megatron tensor parallel by parameter path: (path fragment, dim sharded over the model axis).
 TRANSFORMER_TP = (
@@ -96,8 +103,62 @@ def mlp_tp(names: list[tuple[str, tuple[int, ...]]]) -> dict[str, int]:
     return out
 
 
-MODELS = {"flax nnx_transformer": (build_transformer, transformer_tp),
-          "equinox mlp": (build_mlp, mlp_tp)}
+def _keras_step(step, state, data):
+    """The Keras stateless step (`step(state, data) -> (loss, state)`, state = (trainable,
+    non_trainable, optimizer variables)) in this benchmark's convention: (params, optimizer
+    leaves, inputs, targets) -> (params, optimizer leaves, loss), params = (trainable,
+    non_trainable). The exported program has the same leaves in the same order."""
+    trainable, non_trainable, optimizer_variables = state
+
+    def four_argument_step(params, opt_leaves, x, y):
+        loss, (trainable, non_trainable, opt_leaves) = step((*params, opt_leaves), (x, y))
+        return (trainable, non_trainable), opt_leaves, loss
+
+    return four_argument_step, ((trainable, non_trainable), optimizer_variables, *data)
+
+
+def build_keras_mlp(devices: int):
+    """(step, args) of the Keras MLP (Sequential Dense layers, AdamW) at the MLP's size."""
+    step, (state, data) = _example("keras_train_step").keras_mlp(
+        **MLP, batch=ROWS_PER_DEVICE * devices)
+    return _keras_step(step, state, data)
+
+
+def build_keras_cnn(devices: int):
+    """(step, args) of the Keras CNN (Conv2D, BatchNormalization, AdamW) at ResNet-like size."""
+    step, (state, data) = _example("keras_train_step").keras_cnn(
+        **KERAS_CNN, batch=IMAGES_PER_DEVICE * devices)
+    return _keras_step(step, state, data)
+
+
+def keras_mlp_tp(names: list[tuple[str, tuple[int, ...]]]) -> dict[str, int]:
+    """Megatron over the Keras Dense layers (kernel (in, out), bias): even layers split their
+    outputs (kernel columns and bias), odd layers their inputs (kernel rows)."""
+    out, layer = {}, -1
+    for name, shape in names:
+        if not name.startswith("[0]"):  # non-trainable variables
+            continue
+        if len(shape) == 2:
+            layer += 1
+            out[name] = 1 if layer % 2 == 0 else 0
+        elif layer % 2 == 0:
+            out[name] = 0
+    return out
+
+
+def keras_owners(params, opt_leaves) -> list[str | None]:
+    """The trainable variable each Keras AdamW variable mirrors: after the iteration and
+    learning-rate scalars come, per trainable variable, its momentum and its velocity."""
+    trainable = [name for name, _ in param_names(params) if name.startswith("[0]")]
+    mirrored = [name for name in trainable for _ in ("momentum", "velocity")]
+    return [None] * (len(opt_leaves) - len(mirrored)) + mirrored
+
+
+# model -> (build, tensor-parallel rule or None (no tp plans), optimizer-leaf owners)
+MODELS = {"flax nnx_transformer": (build_transformer, transformer_tp, None),
+          "equinox mlp": (build_mlp, mlp_tp, None),
+          "keras mlp": (build_keras_mlp, keras_mlp_tp, keras_owners),
+          "keras cnn": (build_keras_cnn, None, keras_owners)}
 
 
 def param_names(params) -> list[tuple[str, tuple[int, ...]]]:
@@ -142,12 +203,12 @@ def leaf_spec(plan: str, name: str | None, shape: tuple[int, ...], mesh_shape: d
 HAND_PLANS = ("dp", "fsdp", "fsdp_gather", "tp_dp", "fsdp_tp", "fsdp_tp_gather")
 
 
-def plans_for(mesh_shape: dict) -> list[str]:
-    """Tensor parallel needs a second mesh axis."""
-    return [p for p in HAND_PLANS if len(mesh_shape) == 2 or "tp" not in p]
+def plans_for(mesh_shape: dict, tp_rule=True) -> list[str]:
+    """Tensor parallel needs a second mesh axis (and a model with a tensor-parallel rule)."""
+    return [p for p in HAND_PLANS if (len(mesh_shape) == 2 and tp_rule) or "tp" not in p]
 
 
-def compile_hand_plan(plan: str, mesh, step, args, tp_rule):
+def compile_hand_plan(plan: str, mesh, step, args, tp_rule, owners=None):
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -156,7 +217,7 @@ def compile_hand_plan(plan: str, mesh, step, args, tp_rule):
     gather = plan.endswith("_gather")
     plan = plan.removesuffix("_gather")
     flat, tree = jax.tree_util.tree_flatten_with_path(params)
-    tp = tp_rule(param_names(params))
+    tp = tp_rule(param_names(params)) if tp_rule else {}
 
     def params_sharding(plan):
         return jax.tree.unflatten(tree, [
@@ -176,7 +237,7 @@ def compile_hand_plan(plan: str, mesh, step, args, tp_rule):
             return user_step(jax.lax.with_sharding_constraint(params, use_sh), opt_leaves,
                              tokens, labels)
     opt_sh = [NamedSharding(mesh, leaf_spec(plan, owner, tuple(x.shape), mesh_shape, tp))
-              for owner, x in zip(moment_owners(params, opt_leaves), opt_leaves)]
+              for owner, x in zip((owners or moment_owners)(params, opt_leaves), opt_leaves)]
     batch_axes = tuple(mesh_shape) if plan in ("dp", "fsdp") else tuple(mesh_shape)[:1]
     batch_sh = NamedSharding(mesh, PartitionSpec(batch_axes if len(batch_axes) > 1
                                                  else batch_axes[0]))
@@ -194,7 +255,7 @@ def run_case(model: str, mesh: str, workdir: str) -> dict:
     devices = math.prod(shape)
     comm = run.comm_model(mesh)
     started = time.perf_counter()
-    build, tp_rule = MODELS[model]
+    build, tp_rule, owners = MODELS[model]
     step, args = build(devices)
     slug = model.replace(" ", "_")
     path = Path(workdir) / f"{slug}_{devices}.jaxexport"
@@ -208,9 +269,9 @@ def run_case(model: str, mesh: str, workdir: str) -> dict:
     jmesh = hand_plans.make_mesh(shape)
     mesh_axes = tuple(jmesh.shape.items())
     hand = {}
-    for plan in plans_for(dict(jmesh.shape)):
+    for plan in plans_for(dict(jmesh.shape), tp_rule):
         try:
-            hand[plan] = run.measure(compile_hand_plan(plan, jmesh, step, args, tp_rule),
+            hand[plan] = run.measure(compile_hand_plan(plan, jmesh, step, args, tp_rule, owners),
                                      mesh_axes, comm)
         except Exception as exc:  # a plan XLA cannot compile is a result too
             hand[plan] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}

@@ -49,45 +49,48 @@ def _train_step(model, loss_fn, optimizer):
     return step, state
 
 
-def keras_mlp():
+def keras_mlp(in_size=32, width=64, out_size=8, depth=2, batch=BATCH):
+    """`depth` hidden Dense+ReLU layers of `width`, then a linear Dense to `out_size`."""
     import keras
     import numpy as np
 
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((32,)),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(8),
-    ])
+    model = keras.Sequential(
+        [keras.Input((in_size,))]
+        + [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
+        + [keras.layers.Dense(out_size)])
     step, state = _train_step(model, keras.losses.MeanSquaredError(),
                               keras.optimizers.AdamW(learning_rate=1e-3))
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((BATCH, 32)).astype("float32")
-    y = rng.standard_normal((BATCH, 8)).astype("float32")
+    x = rng.standard_normal((batch, in_size)).astype("float32")
+    y = rng.standard_normal((batch, out_size)).astype("float32")
     return step, (state, (x, y))
 
 
-def keras_cnn():
+def keras_cnn(image=16, channels=(8, 16), classes=8, batch=BATCH, convs_per_stage=1):
+    """One stage per entry of `channels`: `convs_per_stage` times (3x3 Conv2D,
+    BatchNormalization, ReLU), a 2x2 max-pool between stages; then global average pooling and
+    a Dense classifier."""
     import keras
     import numpy as np
 
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((16, 16, 3)),
-        keras.layers.Conv2D(8, 3, padding="same"),
-        keras.layers.BatchNormalization(),
-        keras.layers.ReLU(),
-        keras.layers.MaxPooling2D(2),
-        keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
-        keras.layers.GlobalAveragePooling2D(),
-        keras.layers.Dense(8),
-    ])
+    layers = [keras.Input((image, image, 3))]
+    for i, width in enumerate(channels):
+        if i:
+            layers.append(keras.layers.MaxPooling2D(2))
+        for _ in range(convs_per_stage):
+            # No bias before batch norm (it cancels): its gradient is rounding noise, which
+            # AdamW would turn into steps of the learning rate.
+            layers += [keras.layers.Conv2D(width, 3, padding="same", use_bias=False),
+                       keras.layers.BatchNormalization(), keras.layers.ReLU()]
+    layers += [keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(classes)]
+    model = keras.Sequential(layers)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     step, state = _train_step(model, loss, keras.optimizers.AdamW(learning_rate=1e-3))
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((BATCH, 16, 16, 3)).astype("float32")
-    y = rng.integers(0, 8, (BATCH,)).astype("int32")
+    x = rng.standard_normal((batch, image, image, 3)).astype("float32")
+    y = rng.integers(0, classes, (batch,)).astype("int32")
     return step, (state, (x, y))
 
 
