@@ -411,37 +411,43 @@ def run_case(model_name: str, mesh: str, workdir: str, keep: str | None = None) 
                 path, mesh, Path(workdir) / f"formula_{model_name}_{mesh}", comm,
                 feasible[best], hl)
     if "error" not in hl:
-        predicted = sum(c["bytes"] for c in hl["estimate"]["collectives"])
-        realised = hl["collective_bytes"]
-        pred_kind: dict[str, float] = {}
-        pred_axes: dict[str, float] = {}
-        for c in hl["estimate"]["collectives"]:
-            pred_kind[c["kind"]] = pred_kind.get(c["kind"], 0.0) + c["bytes"]
-            key = f"{c['kind']}({c['axes']})"
-            pred_axes[key] = pred_axes.get(key, 0.0) + c["bytes"]
-        real_axes = {k: v["bytes"] for k, v in hl["collectives_by_axes"].items()}
-        # The share of bytes predicted on the right kind *and* mesh axes: the same total on the
-        # wrong axes (a gather over the slow axis instead of the fast one) is a wrong estimate.
-        matched = sum(min(pred_axes.get(k, 0.0), real_axes.get(k, 0.0))
-                      for k in set(pred_axes) | set(real_axes))
-        largest = max(predicted, realised)
-        case["fidelity"] = {
-            "predicted_bytes": predicted,
-            "realised_bytes": realised,
-            "ratio": (predicted / realised) if realised else (1.0 if predicted == 0 else None),
-            "predicted_by_kind": pred_kind,
-            "realised_by_kind": {k: v["bytes"] for k, v in hl["collectives"].items()},
-            "predicted_by_axes": pred_axes,
-            "realised_by_axes": real_axes,
-            "axes_match": matched / largest if largest else 1.0,
-            "predicted_step_s": hl["estimate"]["step_time_s"],
-            "formula_step_s": hl["step_s"],
-            "kernels_step_s": hl["step_kernels_s"],
-            "predicted_peak_bytes": hl["estimate"]["peak_memory_bytes"],
-            "realised_peak_bytes": hl["peak_bytes"],
-        }
+        case["fidelity"] = fidelity(hl)
     case["wall_s"] = time.perf_counter() - started
     return case
+
+
+def fidelity(hl: dict) -> dict:
+    """hloplan's predicted collective bytes (plan.json) against those in its compiled program,
+    in total, per kind and per kind and mesh axes."""
+    predicted = sum(c["bytes"] for c in hl["estimate"]["collectives"])
+    realised = hl["collective_bytes"]
+    pred_kind: dict[str, float] = {}
+    pred_axes: dict[str, float] = {}
+    for c in hl["estimate"]["collectives"]:
+        pred_kind[c["kind"]] = pred_kind.get(c["kind"], 0.0) + c["bytes"]
+        key = f"{c['kind']}({c['axes']})"
+        pred_axes[key] = pred_axes.get(key, 0.0) + c["bytes"]
+    real_axes = {k: v["bytes"] for k, v in hl["collectives_by_axes"].items()}
+    # The share of bytes predicted on the right kind *and* mesh axes: the same total on the
+    # wrong axes (a gather over the slow axis instead of the fast one) is a wrong estimate.
+    matched = sum(min(pred_axes.get(k, 0.0), real_axes.get(k, 0.0))
+                  for k in set(pred_axes) | set(real_axes))
+    largest = max(predicted, realised)
+    return {
+        "predicted_bytes": predicted,
+        "realised_bytes": realised,
+        "ratio": (predicted / realised) if realised else (1.0 if predicted == 0 else None),
+        "predicted_by_kind": pred_kind,
+        "realised_by_kind": {k: v["bytes"] for k, v in hl["collectives"].items()},
+        "predicted_by_axes": pred_axes,
+        "realised_by_axes": real_axes,
+        "axes_match": matched / largest if largest else 1.0,
+        "predicted_step_s": hl["estimate"]["step_time_s"],
+        "formula_step_s": hl["step_s"],
+        "kernels_step_s": hl["step_kernels_s"],
+        "predicted_peak_bytes": hl["estimate"]["peak_memory_bytes"],
+        "realised_peak_bytes": hl["peak_bytes"],
+    }
 
 
 def run_case_safe(model_name: str, mesh: str, workdir: str, keep: str | None = None) -> dict:

@@ -4,7 +4,8 @@ equinox-docs step) and the Keras 3 MLP and CNN (Sequential Dense / Conv2D +
 BatchNormalization, the stateless step of Keras' JAX training-loop guide, Keras AdamW) of
 examples/third_party/, exported as their docs suggest, at a realistic size; hloplan against
 the plans an expert writes for them with jax's sharding API, every plan scored by run.py's
-formula on its compiled per-device HLO.
+formula on its compiled per-device HLO; and hloplan's predicted collective bytes against
+those in its compiled program (run.py's fidelity check).
 
     .venv/bin/python benchmarks/third_party.py [--meshes 8,2x4,4x2,4x8]
 
@@ -90,17 +91,22 @@ def build_mlp(devices: int):
     return _example("equinox_train_step").eqx_mlp(**MLP, batch=ROWS_PER_DEVICE * devices)
 
 
-def mlp_tp(names: list[tuple[str, tuple[int, ...]]]) -> dict[str, int]:
-    """Megatron over eqx.nn.MLP's flat [weight (out, in), bias, ...]: even layers split their
-    outputs (weight rows and bias), odd layers their inputs (weight columns)."""
+def alternating_tp(names: list[tuple[str, tuple[int, ...]]], out_dim: int) -> dict[str, int]:
+    """Megatron over an MLP's [weight, bias, ...] leaves: even layers split their outputs
+    (weight dim `out_dim` and the bias), odd layers their inputs (the other weight dim)."""
     out, layer = {}, -1
     for name, shape in names:
         if len(shape) == 2:
             layer += 1
-            out[name] = 0 if layer % 2 == 0 else 1
+            out[name] = out_dim if layer % 2 == 0 else 1 - out_dim
         elif layer % 2 == 0:
             out[name] = 0
     return out
+
+
+def mlp_tp(names: list[tuple[str, tuple[int, ...]]]) -> dict[str, int]:
+    """eqx.nn.MLP's flat leaves: weights (out, in)."""
+    return alternating_tp(names, out_dim=0)
 
 
 def _keras_step(step, state, data):
@@ -132,18 +138,8 @@ def build_keras_cnn(devices: int):
 
 
 def keras_mlp_tp(names: list[tuple[str, tuple[int, ...]]]) -> dict[str, int]:
-    """Megatron over the Keras Dense layers (kernel (in, out), bias): even layers split their
-    outputs (kernel columns and bias), odd layers their inputs (kernel rows)."""
-    out, layer = {}, -1
-    for name, shape in names:
-        if not name.startswith("[0]"):  # non-trainable variables
-            continue
-        if len(shape) == 2:
-            layer += 1
-            out[name] = 1 if layer % 2 == 0 else 0
-        elif layer % 2 == 0:
-            out[name] = 0
-    return out
+    """The Keras Dense layers' trainable variables ("[0]..."): kernels (in, out)."""
+    return alternating_tp([(n, s) for n, s in names if n.startswith("[0]")], out_dim=1)
 
 
 def keras_owners(params, opt_leaves) -> list[str | None]:
@@ -277,14 +273,17 @@ def run_case(model: str, mesh: str, workdir: str) -> dict:
             hand[plan] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
     case["hand"] = hand
     case.update(run.hand_ratios(hl, hand))
+    if "error" not in hl:
+        case["fidelity"] = run.fidelity(hl)
     case["wall_s"] = time.perf_counter() - started
     return case
 
 
 def table(cases: list[dict]) -> list[str]:
     lines = ["| model | mesh | hloplan step (ms) | " + " | ".join(HAND_PLANS)
-             + " | **ratio** (vs) | ratio, per-kernel roofline (vs) | hloplan peak GiB |",
-             "|---|---|---|" + "---|" * len(HAND_PLANS) + "---|---|---|"]
+             + " | **ratio** (vs) | ratio, per-kernel roofline (vs) | hloplan peak GiB |"
+               " predicted / compiled collective bytes (kind and axes match) |",
+             "|---|---|---|" + "---|" * len(HAND_PLANS) + "---|---|---|---|"]
     for c in cases:
         hl = c["hloplan"]
         cells = []
@@ -300,8 +299,14 @@ def table(cases: list[dict]) -> list[str]:
                      + " | ".join(cells)
                      + f" | {c.get('ratio', float('nan')):.3f} ({c.get('best_hand')}) | "
                        f"{c.get('ratio_kernels', float('nan')):.3f} ({c.get('best_hand_kernels')})"
-                       f" | {hl['peak_bytes'] / 2**30:.2f} |")
+                       f" | {hl['peak_bytes'] / 2**30:.2f} | {_fidelity_cell(c.get('fidelity'))} |")
     return lines
+
+
+def _fidelity_cell(f: dict | None) -> str:
+    if not f or f["ratio"] is None:
+        return "-"
+    return f"{f['ratio']:.3f} ({f['axes_match']:.3f})"
 
 
 def main(argv=None) -> int:
