@@ -274,6 +274,15 @@ def explain_loss(hl: dict, hand: dict, hand_name: str, plan_json: dict) -> dict:
     }
 
 
+def why_it_loses(path: Path, mesh: str, plan_dir: Path, comm, hl: dict, hand: dict,
+                 hand_name: str, plan_json: dict) -> dict:
+    """Where hloplan loses to the hand plan `hand_name`: what differs (explain_loss), and how
+    the plan made for the formula's own assumptions scores (replan_for_formula, in `plan_dir`)."""
+    why = explain_loss(hl, hand, hand_name, plan_json)
+    why["formula_objective"] = replan_for_formula(path, mesh, plan_dir, comm, hand, hl)
+    return why
+
+
 def plan_and_measure(path: Path, mesh: str, plan_dir: Path, device: str, comm,
                      keep: bool = False) -> tuple[dict, dict | None]:
     """Plan the exported program at `path` with hloplan for `device`, compile the artifact and
@@ -406,10 +415,8 @@ def run_case(model_name: str, mesh: str, workdir: str, keep: str | None = None) 
         if not hl["fits"]:
             case["note"] = "hloplan's plan does not fit in 80 GiB"
         if case["ratio"] > LOSS_THRESHOLD or not hl["fits"]:
-            case["why"] = explain_loss(hl, feasible[best], best, plan_json)
-            case["why"]["formula_objective"] = replan_for_formula(
-                path, mesh, Path(workdir) / f"formula_{model_name}_{mesh}", comm,
-                feasible[best], hl)
+            case["why"] = why_it_loses(path, mesh, Path(workdir) / f"formula_{model_name}_{mesh}",
+                                       comm, hl, feasible[best], best, plan_json)
     if "error" not in hl:
         case["fidelity"] = fidelity(hl)
     case["wall_s"] = time.perf_counter() - started
@@ -1107,11 +1114,11 @@ def main(argv=None) -> int:
                     futures = [pool.submit(run_case_safe, m, mesh, workdir, args.keep) for m, mesh in cases]
                     for fut in futures:
                         done.append(fut.result())
-                        _print_case(done[-1])
+                        print_case(done[-1])
             else:
                 for m, mesh in cases:
                     done.append(run_case_safe(m, mesh, workdir, args.keep))
-                    _print_case(done[-1])
+                    print_case(done[-1])
             done.sort(key=lambda c: order[(c["model"], c["mesh"])])
             results["plan_quality"] = done
         if "search" in sections:
@@ -1128,7 +1135,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _print_case(c: dict) -> None:
+def print_case(c: dict) -> None:
     hl = c.get("hloplan", {})
     if "harness_error" in c:
         print(f"  {c['model']:>6} {c['mesh']:>4}: harness error {c['harness_error'][:300]}",

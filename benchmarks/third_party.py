@@ -4,8 +4,9 @@ equinox-docs step) and the Keras 3 MLP and CNN (Sequential Dense / Conv2D +
 BatchNormalization, the stateless step of Keras' JAX training-loop guide, Keras AdamW) of
 examples/third_party/, exported as their docs suggest, at a realistic size; hloplan against
 the plans an expert writes for them with jax's sharding API, every plan scored by run.py's
-formula on its compiled per-device HLO; and hloplan's predicted collective bytes against
-those in its compiled program (run.py's fidelity check).
+formula on its compiled per-device HLO; hloplan's predicted collective bytes against those in
+its compiled program (run.py's fidelity check); and, where hloplan loses, why (run.py's
+explanation, and the plan made for the formula's own assumptions).
 
     .venv/bin/python benchmarks/third_party.py [--meshes 8,2x4,4x2,4x8]
 
@@ -259,8 +260,8 @@ def run_case(model: str, mesh: str, workdir: str) -> dict:
     case: dict = {"model": model, "mesh": mesh, "devices": devices,
                   "batch": int(args[2].shape[0]),
                   "parameters": sum(math.prod(s) for _, s in param_names(args[0]))}
-    hl, _ = run.plan_and_measure(path, mesh, Path(workdir) / f"plan_{slug}_{mesh}", run.DEVICE,
-                                 comm)
+    hl, plan_json = run.plan_and_measure(path, mesh, Path(workdir) / f"plan_{slug}_{mesh}",
+                                         run.DEVICE, comm)
     case["hloplan"] = hl
     jmesh = hand_plans.make_mesh(shape)
     mesh_axes = tuple(jmesh.shape.items())
@@ -275,6 +276,10 @@ def run_case(model: str, mesh: str, workdir: str) -> dict:
     case.update(run.hand_ratios(hl, hand))
     if "error" not in hl:
         case["fidelity"] = run.fidelity(hl)
+    if case["ratio"] is not None and case["ratio"] > run.LOSS_THRESHOLD:
+        best = case["best_hand"]
+        case["why"] = run.why_it_loses(path, mesh, Path(workdir) / f"formula_{slug}_{mesh}",
+                                       comm, hl, hand[best], best, plan_json)
     case["wall_s"] = time.perf_counter() - started
     return case
 
@@ -323,11 +328,7 @@ def main(argv=None) -> int:
                             for mesh in args.meshes.split(",")]:
             case = run_case(model, mesh, workdir)
             cases.append(case)
-            print(f"  {case['model']} {mesh}: hloplan "
-                  f"{case['hloplan'].get('step_s', float('nan')) * 1e3:.2f} ms, best hand "
-                  f"{case.get('best_hand')} {case.get('best_hand_step_s', float('nan')) * 1e3:.2f}"
-                  f" ms, ratio {case.get('ratio', float('nan')):.3f} [{case['wall_s']:.0f} s]",
-                  flush=True)
+            run.print_case(case)  # with, where hloplan loses, why
     results = {"cases": cases, "wall_s": time.perf_counter() - started,
                "device_model": run.DEVICE, "formula": "as benchmarks/run.py"}
     Path(args.out).write_text(json.dumps(results, indent=1, sort_keys=True, default=str) + "\n")
