@@ -270,7 +270,8 @@ def explain_loss(hl: dict, hand: dict, hand_name: str, plan_json: dict) -> dict:
         "top_ops": top_ops(plan_json),
         "hloplan_top_collectives": hl["top_collectives"],
         "hand_top_collectives": hand["top_collectives"],
-        "hloplan_specs": argument_summary(plan_json),
+        # [name, spec] pairs, largest first (a dict would come back sorted by name).
+        "hloplan_specs": list(argument_summary(plan_json).items()),
     }
 
 
@@ -834,7 +835,8 @@ def all_plans_table(cases: list[dict], numerics_rows: list[dict]) -> list[str]:
              "| peak GiB | fits | XLA full remats | matches single device (small size) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
-        plans = dict(c.get("hand", {}))
+        # By name: results.json keeps its keys sorted, so --report-only rewrites the same table.
+        plans = dict(sorted(c.get("hand", {}).items()))
         if "hloplan" in c and "error" not in c["hloplan"]:
             plans = {"**hloplan**": c["hloplan"], **plans}
         for name, p in plans.items():
@@ -963,7 +965,7 @@ def why_section(cases: list[dict]) -> list[str]:
                          f"{o['strategy']} | {_ms(o['compute_s'])} | {_ms(o['communication_s'])} "
                          f"| {_ms(o['resharding_in_s'])} |")
         lines += ["", "hloplan's specs for the largest parameters: "
-                  + ", ".join(f"`{k}` {v}" for k, v in list(why["hloplan_specs"].items())[:8]), ""]
+                  + ", ".join(f"`{k}` {v}" for k, v in why["hloplan_specs"][:8]), ""]
     return lines
 
 
