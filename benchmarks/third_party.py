@@ -138,15 +138,21 @@ def build_keras_cnn(devices: int):
     return _keras_step(step, state, data)
 
 
+def _keras_trainable(names: list[tuple[str, tuple[int, ...]]]) -> list[tuple[str, tuple[int, ...]]]:
+    """The trainable variables among the Keras params' leaves (params = (trainable,
+    non_trainable), see _keras_step)."""
+    return [(name, shape) for name, shape in names if name.startswith("[0]")]
+
+
 def keras_mlp_tp(names: list[tuple[str, tuple[int, ...]]]) -> dict[str, int]:
-    """The Keras Dense layers' trainable variables ("[0]..."): kernels (in, out)."""
-    return alternating_tp([(n, s) for n, s in names if n.startswith("[0]")], out_dim=1)
+    """The Keras Dense layers' trainable variables: kernels (in, out)."""
+    return alternating_tp(_keras_trainable(names), out_dim=1)
 
 
 def keras_owners(params, opt_leaves) -> list[str | None]:
     """The trainable variable each Keras AdamW variable mirrors: after the iteration and
     learning-rate scalars come, per trainable variable, its momentum and its velocity."""
-    trainable = [name for name, _ in param_names(params) if name.startswith("[0]")]
+    trainable = [name for name, _ in _keras_trainable(param_names(params))]
     mirrored = [name for name in trainable for _ in ("momentum", "velocity")]
     return [None] * (len(opt_leaves) - len(mirrored)) + mirrored
 
