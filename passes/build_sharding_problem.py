@@ -23,6 +23,7 @@ from hloplan.op_rules import (
     fused_values,
     hbm_traffic,
     rule_for,
+    unmaterialized_values,
 )
 from hloplan.passes.label_batch import state_like_args
 from hloplan.solver.problem import Edge, LivePoint, LiveRange, Node, ShardingProblem, Strategy
@@ -85,6 +86,9 @@ class _ProblemBuilder:
         self.plain_of: dict[int, Strategy] = {}  # id(OpStrategy) -> Strategy (cached ones live)
         self.folded = folded_transposes(graph)  # transposes a GEMM reads through: no kernel
         self.fused = fused_values(graph, self.folded)  # kept inside a fused kernel: no HBM traffic
+        # Of those, the values XLA never writes out (it recomputes them in each consumer): no
+        # memory either.
+        self.unmaterialized = unmaterialized_values(graph, self.fused)
         # Collectives of ops that feed a matmul are never merged with others: each pays its
         # whole latency (XLA's combiners only merge independent collectives).
         self.chained = feeding_matmuls(graph)
@@ -384,6 +388,13 @@ class _ProblemBuilder:
                     last_use[value_id] = max(last_use[value_id], loop_end)
         for value_id in graph.arguments + graph.outputs:
             last_use[value_id] = end
+        # A value fused into its consumers is computed there: its operands live until then
+        # (in reverse program order, so that chains of fused values carry through).
+        for op in reversed(graph.ops):
+            until = max((last_use[v] for v in op.results if v in self.unmaterialized), default=None)
+            if until is not None:
+                for value_id in op.operands:
+                    last_use[value_id] = max(last_use[value_id], until)
         arguments = set(graph.arguments)
         births: dict[int, list[int]] = {}
         for value in graph.values:
@@ -414,7 +425,7 @@ class _ProblemBuilder:
         fixed_of: dict[int, float] = {}
         node_of = space.node_of
         for value in graph.values:
-            if value.type is None:
+            if value.type is None or value.id in self.unmaterialized:
                 continue
             if value.producer in space.strategies:
                 owner[value.id] = node_of[value.producer]

@@ -75,3 +75,25 @@ def test_the_chosen_plan_is_priced_by_the_evaluator_as_the_solver_did():
     state = _compiled()
     figures = evaluate(state.problem, state.solution)
     assert abs(figures.total - state.stats.objective) <= 1e-9 + 1e-6 * figures.total
+
+
+def _shifted_logits(logits):
+    # The max broadcast back over the vocabulary: as large as the logits, and never written out
+    # by XLA (the subtract's kernel recomputes it).
+    return logits - jnp.max(logits, axis=-1, keepdims=True)
+
+
+def test_a_broadcast_read_only_by_fused_kernels_takes_no_memory():
+    logits = jax.ShapeDtypeStruct((4096, 8192), jnp.float32)
+    data = export.export(jax.jit(_shifted_logits))(logits).serialize()
+    state = hloplan.compile(data, "8", device="h100").state
+    graph, space, problem = state.graph, state.space, state.problem
+    broadcasts = [op for op in graph.ops if op.name == "stablehlo.broadcast_in_dim"
+                  and graph.type_of(op.results[0]).shape == (4096, 8192)]
+    assert broadcasts
+    for op in broadcasts:
+        node = space.node_of[op.index]
+        assert not any(r.node == node for r in problem.live_ranges)
+    # The logits and the difference: with the broadcast counted, three logits-sized values.
+    peak = evaluate(problem, state.solution).peak_memory
+    assert peak < 2.5 * 4096 * 8192 * 4 / 8

@@ -17,6 +17,7 @@ from jax import export
 
 from hloplan import ir
 from hloplan.compiler import make_options
+from hloplan.op_rules import fused_values, unmaterialized_values
 from hloplan.passes.build_sharding_problem import BuildShardingProblem
 from hloplan.passes.extract_graph import ExtractGraph
 from hloplan.passes.inline_calls import InlineCalls
@@ -87,16 +88,26 @@ def built_state():
 def _reference_live(state, t: int) -> tuple[set[int], float]:
     """Nodes and fixed bytes live after op t, from the graph directly (loop-free programs):
     a value lives from its definition (arguments: from the start) to its last use (arguments
-    and outputs: to the end)."""
+    and outputs: to the end); a broadcast fused into its consumers takes no memory, and its
+    operand lives until the broadcast's last use (it is computed there)."""
     graph, space, mesh = state.graph, state.space, state.options.mesh
     end = len(graph.ops)
+    unmaterialized = unmaterialized_values(graph, fused_values(graph))
+
+    def last_use(value) -> int:
+        if value.id in graph.arguments or value.id in graph.outputs:
+            return end
+        uses = [value.producer]
+        for u in value.users:
+            results = [graph.values[r] for r in graph.ops[u].results]
+            uses += [last_use(r) for r in results if r.id in unmaterialized] or [u]
+        return max(uses)
+
     nodes, fixed = set(), 0.0
     for value in graph.values:
         born = 0 if value.id in graph.arguments else value.producer
-        last = max((u for u in value.users if u >= value.producer), default=value.producer)
-        if value.id in graph.arguments or value.id in graph.outputs:
-            last = end
-        if value.type is None or not born <= t <= last:
+        if (value.type is None or value.id in unmaterialized
+                or not born <= t <= last_use(value)):
             continue
         if value.producer in space.strategies:
             nodes.add(space.node_of[value.producer])
