@@ -856,8 +856,9 @@ def all_plans_table(cases: list[dict], numerics_rows: list[dict]) -> list[str]:
 def fidelity_table(cases: list[dict]) -> list[str]:
     lines = ["| model | mesh | predicted GB/device | realised GB/device | predicted / realised "
              "| on the predicted axes | hloplan est. step (ms) | formula step (ms) "
-             "| per-kernel roofline step (ms) | predicted peak GiB | compiled peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| per-kernel roofline step (ms) | predicted peak GiB | compiled peak GiB "
+             "| predicted / compiled peak |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         f = c.get("fidelity")
         if not f:
@@ -867,8 +868,14 @@ def fidelity_table(cases: list[dict]) -> list[str]:
                      f"{f['realised_bytes'] / 1e9:.3f} | {'-' if r is None else f'{r:.3f}'} | "
                      f"{_pct(f.get('axes_match'))} | {_ms(f['predicted_step_s'])} | {_ms(f['formula_step_s'])} | "
                      f"{_ms(f.get('kernels_step_s'))} | "
-                     f"{_gb(f['predicted_peak_bytes'])} | {_gb(f['realised_peak_bytes'])} |")
+                     f"{_gb(f['predicted_peak_bytes'])} | {_gb(f['realised_peak_bytes'])} | "
+                     f"{_peak_ratio(f)} |")
     return lines
+
+
+def _peak_ratio(f: dict) -> str:
+    predicted, compiled = f.get("predicted_peak_bytes"), f.get("realised_peak_bytes")
+    return f"{predicted / compiled:.2f}" if predicted and compiled else "-"
 
 
 def search_table(rows: list[dict]) -> list[str]:
