@@ -281,7 +281,10 @@ class CommModel:
              way when x is the slow axis is [y, x]); its size is the per-device tensor after
              the gather;
           2. all-to-alls: axes that move to another dim d', one all-to-all per (d, d') pair over
-             those axes, sized by the per-device tensor at that moment;
+             those axes, sized by the per-device tensor at that moment; but XLA's partitioner
+             moves axes into a dim by all-to-all from one source dim only: axes that arrive
+             at one dim from two or more dims ([x, y, -] -> [-, -, (x, y)]) are all-gathered
+             where they are in step 1 instead;
           3. slices: dst axes not yet in place are free (each device keeps its part).
         The per-device size is tracked through the steps (dims rounded up, as XLA pads). This is
         exact for the common cases, S->R (all-gather), S(d)->S(d') (all-to-all) and R->S (free);
@@ -302,6 +305,13 @@ class CommModel:
                 keep += 1
             leaving.append(list(src_s[d][keep:]))
 
+        sources: dict[int, set[int]] = {}  # target dim -> the dims axes move to it from
+        for d in range(rank):
+            for axis in leaving[d]:
+                if dst_dim.get(axis, d) != d:
+                    sources.setdefault(dst_dim[axis], set()).add(d)
+        gathered_into = {t for t, dims in sources.items() if len(dims) > 1}
+
         def size() -> int:
             return local_bytes(shape, itemsize, current, self.mesh)
 
@@ -317,13 +327,15 @@ class CommModel:
 
         # 1. all-gathers, the last dim first (tests/unit/test_hlo_stats.py checks XLA's order)
         for d in reversed(range(rank)):
-            gathered = tuple(a for a in leaving[d] if dst_dim.get(a, d) == d)
+            gathered = tuple(a for a in leaving[d]
+                             if dst_dim.get(a, d) == d or dst_dim[a] in gathered_into)
             if gathered:
                 current[d] = [a for a in current[d] if a not in gathered]
                 record(ALL_GATHER, size(), gathered)
         # 2. all-to-alls
         for d in range(rank):
-            targets = sorted({dst_dim[a] for a in leaving[d] if dst_dim.get(a, d) != d})
+            targets = sorted({dst_dim[a] for a in leaving[d]
+                              if dst_dim.get(a, d) != d and dst_dim[a] not in gathered_into})
             for target in targets:
                 moved = tuple(a for a in leaving[d] if dst_dim.get(a) == target)
                 record(ALL_TO_ALL, size(), moved)

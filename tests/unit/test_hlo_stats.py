@@ -788,6 +788,13 @@ def test_kernel_roofline_of_a_real_program() -> None:
         ((None, "model", None, "data"), ()),
         (("data", "model"), (None, "model")),
         ((("data", "model"), None), ()),  # one dim over both axes: one all-gather
+        # Axes moving into one dim from two: not an all-to-all but all-gathers, then a slice.
+        (("data", "model", None), (None, None, ("data", "model"))),
+        (("data", "model", None), (None, None, ("model", "data"))),
+        (("data", None, "model"), (None, ("data", "model"))),
+        # From one dim: an all-to-all.
+        ((("data", "model"), None), (None, ("data", "model"))),
+        (("data", "model", None), ("data", None, "model")),
     ],
 )
 def test_reshard_model_matches_compiled_collectives(mesh, src, dst) -> None:
