@@ -13,7 +13,10 @@ shards every parameter and optimizer-state tensor over an FSDP axis group (ZeRO-
   vocab-parallel embeddings and logits), batch replicated;
 * tp_dp (2-axis meshes): data on the first axis, Megatron tensor parallel on the second;
 * fsdp_tp (2-axis meshes): tp_dp plus parameters/optimizer state sharded over the data axis;
-* ep / ep_dp (MoE only): expert parallel (the experts dim) instead of splitting expert FFNs.
+* ep / ep_dp (MoE only): expert parallel (the experts dim) instead of splitting expert FFNs;
+* 3-axis meshes (x, y across nodes, z within a node): dp, fsdp, tp_dp and fsdp_tp with data on
+  (x, y) and tensor parallel on z, hsdp_tp (hybrid sharded data parallel: parameters sharded
+  over y only, replicated over x, plus tensor parallel on z), ep_dp (experts on z).
 
 `compile_plan` lowers `jax.jit(step, in_shardings=..., out_shardings=...)` on ShapeDtypeStructs
 and compiles it (compile only: nothing is allocated).
@@ -57,6 +60,20 @@ def plans_for(model_name: str, shape: tuple[int, ...]) -> list[HandPlan]:
         ]
         if model_name == "moe":
             plans.append(HandPlan("ep", {"experts": data}))
+        return plans
+    if len(shape) == 3:
+        data, model, every = ("x", "y"), "z", ("x", "y", "z")
+        tp = {n: model for n in tp_names}
+        plans = [
+            HandPlan("replicated", {}),
+            HandPlan("dp", {"batch": every}),
+            HandPlan("fsdp", {"batch": every}, fsdp=every),
+            HandPlan("tp_dp", {"batch": data, **tp}),
+            HandPlan("fsdp_tp", {"batch": data, **tp}, fsdp=data),
+            HandPlan("hsdp_tp", {"batch": data, **tp}, fsdp=("y",)),
+        ]
+        if model_name == "moe":
+            plans.append(HandPlan("ep_dp", {"batch": data, "experts": model}))
         return plans
     data, model = "x", "y"
     every = ("x", "y")
