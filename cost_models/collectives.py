@@ -113,7 +113,8 @@ class CommModel:
     all-reduces of many parameters) are merged into buffers of about that size, so one of S
     bytes pays only min(1, S / threshold) of the per-call latency (none when the platform merges
     them all: threshold inf); a threshold of 0, or no `combine`, makes every collective pay its
-    full latency. The one launch every merged buffer still pays is not modelled.
+    full latency. The first buffer's launch, which a plan pays once if it issues the kind at
+    all, is `launch_latency` (the planner charges it through the problem's launches).
     """
 
     def __init__(self, model: DeviceModel, mesh: MeshSpec, hosts: int | None = None,
@@ -203,12 +204,25 @@ class CommModel:
         n = group.size
         if n == 1 or nbytes <= 0:
             return 0.0
-        steps = 2 * (n - 1) if kind == ALL_REDUCE else n - 1
-        latency = steps * group.latency + self.model.collective_overhead
+        latency = self._latency(kind, group)
         threshold = self.combine.get(kind)
         if threshold:
             latency *= min(1.0, nbytes / threshold)  # 0 when all are merged (threshold inf)
         return self.bytes_sent(kind, nbytes, group.axes) / group.bandwidth + latency
+
+    def _latency(self, kind: str, group) -> float:
+        steps = 2 * (group.size - 1) if kind == ALL_REDUCE else group.size - 1
+        return steps * group.latency + self.model.collective_overhead
+
+    def launch_latency(self, kind: str, axes: int | str | Iterable[int | str]) -> float:
+        """The latency of one merged buffer of `kind` over `axes`: what a plan pays once for
+        using the kind at all, on top of each collective's share (`collective`); 0 for a kind
+        the combiners do not merge (each of those pays its latency in full already)."""
+        kind = _kind(kind)
+        group = self.group(axes)
+        if kind not in self.combine or group.size == 1:
+            return 0.0
+        return self._latency(kind, group)
 
     def all_reduce(self, nbytes: float, axes: int | str | Iterable[int | str]) -> float:
         """All-reduce of a buffer of `nbytes` on each device."""

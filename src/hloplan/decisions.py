@@ -86,6 +86,10 @@ class DecisionIndex:
             if edge.dst != edge.src:
                 self.edges_of[edge.dst].append(e)
         self.points_of = problem.points_of_nodes()
+        self.launches_of: list[list[int]] = [[] for _ in range(n)]
+        for k, launch in enumerate(problem.launches):
+            for member, _ in launch.members:
+                self.launches_of[member].append(k)
         self.memory = np.asarray(self.evaluation.memory, dtype=float)
         budget = problem.memory_budget
         self.limit = budget + MEMORY_RTOL * abs(budget)
@@ -116,6 +120,7 @@ class DecisionIndex:
             compute += [s.compute_cost - mine.compute_cost for s in strategies]
             communication += [s.communication_cost - mine.communication_cost for s in strategies]
             own += [s.memory - mine.memory for s in strategies]
+        communication += self._launch_deltas(group, count)
         resharding = np.zeros(count)
         seen_edges: set[int] = set()
         for g in group:
@@ -136,6 +141,21 @@ class DecisionIndex:
         return [Alternative(k, float(compute[k]), float(communication[k]), float(resharding[k]),
                             float(own[k]), float(peaks[k]), float(peaks[k] - base_peak),
                             bool(fits[k]) and others_ok) for k in ks]
+
+    def _launch_deltas(self, group: list[int], count: int) -> np.ndarray:
+        """Per strategy index of the group, the change in the launches the plan pays."""
+        delta = np.zeros(count)
+        members = set(group)
+        for k in sorted({k for g in group for k in self.launches_of[g]}):
+            launch = self.problem.launches[k]
+            kept = any(self.choice[node] in picks for node, picks in launch.members
+                       if node not in members)
+            paid = launch.active(self.choice)
+            for index in range(count):
+                now = kept or any(index in picks for node, picks in launch.members
+                                  if node in members)
+                delta[index] += launch.cost * (now - paid)
+        return delta
 
     def _memory(self, group: list[int], count: int) -> tuple[np.ndarray, np.ndarray]:
         """Peak bytes and whether every live point fits, per strategy index of the group."""

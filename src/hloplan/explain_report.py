@@ -139,7 +139,8 @@ def step_breakdown(plan: dict) -> list[tuple[str, float]]:
 
     plan.json gives op communication per op but not per collective; the collectives an op's
     strategy issues are named in the strategy ("... + all-reduce(x) <- ..."), so each op's
-    communication is charged to those (evenly when there are several).
+    communication is charged to those (evenly when there are several), and each merged
+    collective's first launch (estimate "launches") to its collective.
     """
     est = plan["estimate"]
     parts: dict[str, float] = {}
@@ -150,6 +151,9 @@ def step_breakdown(plan: dict) -> list[tuple[str, float]]:
         kinds = [f"{k}({a})" for k, a in _COLLECTIVE_IN_NAME.findall(op.get("strategy", ""))]
         for kind in kinds or ["other communication"]:
             parts[kind] = parts.get(kind, 0.0) + seconds / max(len(kinds), 1)
+    for launch in est.get("launches", []):  # a merged collective's first launch
+        kind = launch["collective"].split(" x")[0]
+        parts[kind] = parts.get(kind, 0.0) + launch["seconds"]
     communication = est.get("communication_s", 0.0)
     if not parts and communication > 0:
         parts["communication"] = communication

@@ -125,6 +125,10 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
             "compute_s": _round(evaluation.compute),
             "communication_s": _round(evaluation.communication),
             "resharding_s": _round(evaluation.resharding),
+            # The first launch of each kind of merged collective the plan issues (included in
+            # communication_s; the ops' own communication prices their share of the rest).
+            "launches": [{"collective": label, "seconds": _round(seconds)}
+                         for label, seconds in evaluation.launches],
             "peak_memory_bytes": int(evaluation.peak_memory),
             "collectives": [{**c, "bytes": _round(c["bytes"])} for _, c in sorted(collectives.items())],
         },

@@ -81,3 +81,29 @@ def test_chained_collectives_pay_their_whole_latency() -> None:
     grads = _all_reduce_costs(builder, g, ops["grad"])
     assert grads
     assert min(grads) < unmerged.all_reduce(W.nbytes, (0, 1)) / 2
+
+
+def test_a_plan_pays_one_launch_of_each_merged_collective() -> None:
+    """The gradient's all-reduce prices only its share of the merged buffers' latency; the
+    first buffer's launch is a launch of the problem, paid once by any plan that all-reduces a
+    gradient over those axes. The batch statistics' chained all-reduce is in no launch."""
+    g, ops = _step()
+    mesh = parse_mesh("4x8")
+    h100 = load_device_model("h100")
+    merged = CommModel(h100, mesh, hosts=4, combine=h100.combiner)
+    builder = _ProblemBuilder(g, merged, False, SimpleNamespace(log=None))
+    space, problem = builder.build(float("inf"))
+    grad, mean = space.node_of[ops["grad"]], space.node_of[ops["mean"]]
+    launched = {node for launch in problem.launches for node, _ in launch.members}
+    assert grad in launched and mean not in launched
+    by_label = {launch.label: launch for launch in problem.launches}
+    launch = by_label["all-reduce(x,y)"]
+    assert launch.cost == pytest.approx(merged.launch_latency("all-reduce", ("x", "y")))
+    assert launch.cost == pytest.approx(CommModel(h100, mesh, hosts=4).all_reduce(0.1, (0, 1)),
+                                        rel=1e-3)
+    # Exactly the strategies that all-reduce the gradient over both axes pay it.
+    picks = dict(launch.members)[grad]
+    strategies = problem.nodes[grad].strategies
+    assert set(picks) == {i for i, s in enumerate(strategies)
+                          if any(c[:2] == ("all-reduce", "x,y") for c in s.collectives)}
+    assert merged.launch_latency("all-gather", ("x",)) == 0.0  # not merged: full price already

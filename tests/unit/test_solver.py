@@ -16,7 +16,15 @@ import pytest
 from hloplan.solver.evaluate import evaluate
 from hloplan.solver.explain import compare, format_bytes, format_seconds, next_best
 from hloplan.solver.ilp import InfeasibleError, SolverError, available_solvers, solve
-from hloplan.solver.problem import Edge, LivePoint, Node, ShardingProblem, Solution, Strategy
+from hloplan.solver.problem import (
+    Edge,
+    Launch,
+    LivePoint,
+    Node,
+    ShardingProblem,
+    Solution,
+    Strategy,
+)
 
 MS = 1e-3
 GIB = float(2**30)
@@ -51,10 +59,12 @@ def brute_force(problem: ShardingProblem) -> tuple[float, tuple[int, ...]]:
 
 
 def random_problem(
-    seed: int, n: int, k: int, m: int, *, ties: bool = False, tight: float = 0.5
+    seed: int, n: int, k: int, m: int, *, ties: bool = False, tight: float = 0.5,
+    launches: int = 0,
 ) -> ShardingProblem:
     """A reproducible random problem with dense edges, live points and a budget between the
-    smallest and largest possible peaks (`tight` = 0 is the smallest)."""
+    smallest and largest possible peaks (`tight` = 0 is the smallest), and `launches` costs
+    each paid once when some of its member nodes pick one of its strategies."""
     rng = random.Random(seed)
     nodes = []
     for i in range(n):
@@ -83,7 +93,14 @@ def random_problem(
         )
 
     budget = extreme(min) + tight * (extreme(max) - extreme(min))
-    return ShardingProblem(tuple(nodes), tuple(edges), points, budget, f"random{seed}")
+    paid = tuple(
+        Launch(f"l{q}", rng.uniform(0.5, 3) * MS, tuple(
+            (i, tuple(sorted(rng.sample(range(k), rng.randint(1, k - 1)))))
+            for i in sorted(rng.sample(range(n), rng.randint(1, 3)))))
+        for q in range(launches)
+    )
+    return ShardingProblem(tuple(nodes), tuple(edges), points, budget, f"random{seed}",
+                           launches=paid)
 
 
 # --------------------------------------------------------------------------- choices
@@ -270,6 +287,62 @@ def test_backends_agree_with_brute_force(seed):
     assert objectives
     for objective in objectives.values():
         assert objective == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_launches_agree_with_brute_force(seed):
+    problem = random_problem(seed, n=7, k=3, m=8, ties=True, tight=0.5, launches=3)
+    expected, _ = brute_force(problem)
+    for backend in BACKENDS:
+        solution, stats = solve(problem, solver=backend)
+        assert stats.status == "optimal"
+        assert stats.objective == evaluate(problem, solution).total
+        assert stats.objective == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_launch_is_paid_once_by_all_its_members():
+    # Each of a and b saves 1 ms by reduce-scattering ("RS"); the merged reduce-scatter's
+    # launch costs 1.5 ms: worth it for both together, not for one alone.
+    a = node("a", ("AR", 2, 0, 0), ("RS", 1, 0, 0))
+    b = node("b", ("AR", 2, 0, 0), ("RS", 1, 0, 0))
+    c = node("c", ("AR", 2, 0, 0), ("RS", 1.6, 0, 0))
+    launch = Launch("reduce-scatter(x)", 1.5 * MS, ((0, (1,)), (1, (1,))))
+    both = ShardingProblem((a, b), launches=(launch,))
+    assert evaluate(both, Solution((1, 1))).total == pytest.approx(3.5 * MS)
+    assert evaluate(both, Solution((1, 1))).launches == (("reduce-scatter(x)", 1.5 * MS),)
+    assert evaluate(both, Solution((0, 0))).launches == ()
+    for backend in BACKENDS:
+        assert solve(both, solver=backend)[0].choice == (1, 1)
+    alone = ShardingProblem((a, c), launches=(launch,))  # c gains only 0.4 ms from RS
+    for backend in BACKENDS:
+        assert solve(alone, solver=backend)[0].choice == (0, 0)
+    # A member that cannot avoid the launch (one strategy, a member) makes it a constant.
+    forced = ShardingProblem((a, node("d", ("RS", 1, 0, 0))), launches=(
+        Launch("reduce-scatter(x)", 1.5 * MS, ((0, (1,)), (1, (0,)))),))
+    solution, stats = solve(forced)
+    assert solution.choice == (1, 0) and stats.objective == pytest.approx(3.5 * MS)
+
+
+def test_explanations_price_launches():
+    a = node("a", ("AR", 2, 0, 0), ("RS", 1, 0, 0))
+    b = node("b", ("AR", 2, 0, 0), ("RS", 1, 0, 0))
+    problem = ShardingProblem((a, b), launches=(
+        Launch("reduce-scatter(x)", 1.5 * MS, ((0, (1,)), (1, (1,)))),))
+    chosen, alternative = Solution((1, 1)), Solution((0, 0))
+    reasons = compare(problem, chosen, alternative)
+    gained = evaluate(problem, alternative).total - evaluate(problem, chosen).total
+    assert sum(r.delta_total for r in reasons) == pytest.approx(gained)
+    # Moving a alone keeps the launch (b still pays it): 1 ms slower, no launch saved.
+    _, moved = next_best(problem, chosen, 0)
+    assert moved.total - evaluate(problem, chosen).total == pytest.approx(1 * MS)
+
+
+def test_malformed_launches_are_rejected():
+    a = node("a", ("AR", 2, 0, 0), ("RS", 1, 0, 0))
+    for launch in (Launch("l", 1.0, ((1, (0,)),)), Launch("l", 1.0, ((0, (2,)),)),
+                   Launch("l", -1.0, ((0, (0,)),))):
+        with pytest.raises(ValueError):
+            ShardingProblem((a,), launches=(launch,)).validate()
 
 
 def test_solve_is_deterministic():

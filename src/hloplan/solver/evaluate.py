@@ -27,6 +27,7 @@ class Evaluation:
     """The cost and memory of one solution; all times in seconds, memory in bytes per device."""
 
     compute: float
+    # The chosen strategies' communication plus the merged collectives' launches below.
     communication: float
     resharding: float
     total: float
@@ -41,6 +42,8 @@ class Evaluation:
     # Per node: (compute, communication, resharding into the node). An edge's cost is charged to
     # its destination, so the third column sums to `resharding`.
     per_node: tuple[tuple[float, float, float], ...]
+    # The launches (problem.launches) this solution pays: (label, seconds), in problem order.
+    launches: tuple[tuple[str, float], ...] = ()
 
 
 def memory_fits(used: float, budget: float) -> bool:
@@ -155,7 +158,9 @@ def evaluate(problem: ShardingProblem, solution: Solution) -> Evaluation:
         for index, strategy in enumerate(chosen)
     )
     compute = sum(s.compute_cost for s in chosen)
-    communication = sum(s.communication_cost for s in chosen)
+    launches = tuple((launch.label, launch.cost) for launch in problem.launches
+                     if launch.active(solution.choice))
+    communication = sum(s.communication_cost for s in chosen) + sum(c for _, c in launches)
     resharding = sum(resharding_in)
     memory = live_point_bytes(problem, solution)
     peak_point = max(range(len(memory)), key=memory.__getitem__) if memory else None
@@ -173,4 +178,5 @@ def evaluate(problem: ShardingProblem, solution: Solution) -> Evaluation:
         feasible=not violations,
         violations=tuple(violations),
         per_node=per_node,
+        launches=launches,
     )

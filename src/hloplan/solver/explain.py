@@ -85,6 +85,22 @@ def _resharding_deltas(
     return deltas
 
 
+def _launch_deltas(
+    problem: ShardingProblem, chosen: Solution, alternative: Solution
+) -> dict[int, float]:
+    """Per changed node, the launches the alternative pays and the chosen solution does not
+    (minus the reverse), each charged to the first member node whose choice differs."""
+    deltas: dict[int, float] = {}
+    a, b = chosen.choice, alternative.choice
+    for launch in problem.launches:
+        delta = launch.cost * (launch.active(b) - launch.active(a))
+        if not delta:
+            continue
+        owner = next(node for node, _ in launch.members if a[node] != b[node])
+        deltas[owner] = deltas.get(owner, 0.0) + delta
+    return deltas
+
+
 def _switched_peak(
     problem: ShardingProblem, base: Evaluation, node: int, memory_delta: float
 ) -> float:
@@ -107,6 +123,7 @@ def compare(problem: ShardingProblem, chosen: Solution, alternative: Solution) -
     base = evaluate(problem, chosen)
     evaluate(problem, alternative)  # validates the alternative's shape
     resharding = _resharding_deltas(problem, chosen, alternative)
+    launches = _launch_deltas(problem, chosen, alternative)
     reasons: list[tuple[bool, Reason]] = []
     for index, node in enumerate(problem.nodes):
         i, j = chosen.choice[index], alternative.choice[index]
@@ -120,7 +137,8 @@ def compare(problem: ShardingProblem, chosen: Solution, alternative: Solution) -
             from_strategy=mine.name,
             to_strategy=other.name,
             delta_compute=other.compute_cost - mine.compute_cost,
-            delta_communication=other.communication_cost - mine.communication_cost,
+            delta_communication=other.communication_cost - mine.communication_cost
+            + launches.get(index, 0.0),
             delta_resharding=resharding.get(index, 0.0),
             delta_peak_memory=switched - base.peak_memory,
             text="",

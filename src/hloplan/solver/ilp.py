@@ -313,6 +313,9 @@ class _Model:
     pairs: dict[tuple[int, int], np.ndarray]  # (a, b) with a < b: matrix[i_a][j_b], seconds
     constant: float  # seconds that no decision changes
     memory: _Memory | None = None
+    # Launches (problem.launches) some choice may not pay: (seconds, {group: strategy indices
+    # that pay it}). One whose member cannot avoid it is in `constant`.
+    launches: list[tuple[float, dict[int, np.ndarray]]] = field(default_factory=list)
 
     def to_choice(self, group_choice: Sequence[int]) -> Solution:
         """Expand one index per group to one index per node."""
@@ -398,6 +401,14 @@ def _restrict(model: _Model, allowed: Sequence[np.ndarray]) -> _Model:
                         {(a, b): matrix[np.ix_(allowed[a], allowed[b])]
                          for (a, b), matrix in model.pairs.items()},
                         model.constant)
+    for cost, members in model.launches:
+        # Index i of the restricted group g pays when allowed[g][i] did.
+        kept = {g: np.flatnonzero(np.isin(allowed[g], picks)) for g, picks in members.items()}
+        kept = {g: picks for g, picks in kept.items() if len(picks)}
+        if any(len(picks) == groups[g].size for g, picks in kept.items()):
+            restricted.constant += cost  # every remaining choice of that group pays
+        elif kept:
+            restricted.launches.append((cost, kept))
     _fold_separable(restricted)
     restricted.memory = model.memory.restricted(allowed)
     return restricted
@@ -418,8 +429,35 @@ def _compile(problem: ShardingProblem) -> _Model:
             costs[id(node.strategies)] = vector
         model.linear[g] += vector
     _add_edges(problem, model)
+    _add_launches(problem, model)
     model.memory = _Memory(problem, group_of, [g.size for g in groups])
     return model
+
+
+def _add_launches(problem: ShardingProblem, model: _Model) -> None:
+    """Each launch as (seconds, {group: the strategy indices that pay it}); nodes of one group
+    pick one index, so their member indices are united. A launch some group pays under every
+    choice is a constant."""
+    for launch in problem.launches:
+        members: dict[int, set[int]] = {}
+        forced = False
+        for node, picks in launch.members:
+            g = model.group_of[node]
+            if g < 0:
+                forced = forced or 0 in picks  # a single-strategy node always picks index 0
+                continue
+            members.setdefault(g, set()).update(picks)
+        if forced or any(len(picks) == model.groups[g].size for g, picks in members.items()):
+            model.constant += launch.cost
+        elif members and launch.cost > 0:
+            model.launches.append((launch.cost, {g: np.array(sorted(picks))
+                                                 for g, picks in sorted(members.items())}))
+
+
+def _launch_costs(model: _Model, choice: Sequence[int]) -> float:
+    """Seconds of the launches `choice` (one index per group) pays."""
+    return sum(cost for cost, members in model.launches
+               if any(choice[g] in picks for g, picks in members.items()))
 
 
 def _binding_points(model: _Model, budget: float) -> list[int]:
@@ -435,7 +473,7 @@ def _objective(model: _Model, choice: Sequence[int]) -> float:
     total = model.constant + sum(float(model.linear[g][i]) for g, i in enumerate(choice))
     for (a, b), matrix in model.pairs.items():
         total += float(matrix[choice[a], choice[b]])
-    return total
+    return total + _launch_costs(model, choice)
 
 
 def _fits(model: _Model, budget: float, choice: Sequence[int]) -> bool:
@@ -663,6 +701,7 @@ class _Built:
     e: dict[tuple[int, int], tuple[list[list[int]], list[list[int]], list[list[int]]]]
     memory_rows: dict[int, int] = field(default_factory=dict)  # live point -> row (lazy form)
     chain: list[tuple[int, int]] = field(default_factory=list)  # (live point, load column)
+    launches: list[int] = field(default_factory=list)  # per model launch: its column
     lazy: bool = False
     peak: int | None = None  # the peak column of the min-peak model
     values: np.ndarray | None = None  # the last solve's column values
@@ -715,7 +754,16 @@ def _build(model: _Model, binding: list[int], budget: float, backend: str,
         for j, members in enumerate(col_classes):
             lp.row(f"dst_{ra}_{rb}_{j}", [line[j] for line in grid] + [s[b][m] for m in members],
                    [1.0] * len(grid) + [-1.0] * len(members), 0.0, 0.0)
-    built = _Built(model, lp, backend, s, e, lazy=lazy)
+    launches = []
+    for k, (cost, members) in enumerate(model.launches):
+        # paid >= the one-hot sum over a group's paying strategies, for every member group; it
+        # needs no integrality: at an integral choice the cheapest `paid` is 0 or 1.
+        paid = lp.column(f"launch_{k}" if named else "", cost * _TIME_SCALE, 0.0, 1.0)
+        launches.append(paid)
+        for g, picks in members.items():
+            lp.row(f"launch_{k}_{model.groups[g].rep}", [s[g][int(i)] for i in picks] + [paid],
+                   [1.0] * len(picks) + [-1.0], -math.inf, 0.0)
+    built = _Built(model, lp, backend, s, e, lazy=lazy, launches=launches)
     if not lazy:
         _add_chain(built, binding, budget)
     return built
@@ -770,6 +818,8 @@ def _start_values(built: _Built, choice: Sequence[int]) -> np.ndarray:
         i = next(k for k, members in enumerate(row_classes) if choice[a] in members)
         j = next(k for k, members in enumerate(col_classes) if choice[b] in members)
         values[grid[i][j]] = 1.0
+    for column, (_, members) in zip(built.launches, built.model.launches, strict=True):
+        values[column] = float(any(choice[g] in picks for g, picks in members.items()))
     if built.chain:
         loads = built.model.memory.choice_loads(choice) - built.model.memory.constant
         for p, column in built.chain:
@@ -1275,7 +1325,7 @@ def solve(
     if memory.count and not all(memory_fits(float(v), budget) for v in memory.min_load):
         raise _infeasible(problem, model, backend, time_limit, threads)
     binding = _binding_points(model, budget)
-    if not model.groups or (not model.pairs and not binding):
+    if not model.groups or (not model.pairs and not binding and not model.launches):
         return _solve_directly(problem, model, started)
     lazy = memory_rows == "lazy" or (memory_rows == "auto" and backend == "highs")
     return _solve_ilp(problem, model, backend, time_limit, threads, started, lazy, gap)
@@ -1363,7 +1413,7 @@ def _solve_model(
     `search`: improve a fractional LP's rounding by neighbourhood search before branching.
     Raises _ModelInfeasible, or SolverError when nothing usable was found in time."""
     binding = _binding_points(model, budget)
-    if not model.groups or (not model.pairs and not binding):
+    if not model.groups or (not model.pairs and not binding and not model.launches):
         choice = [int(np.argmin(costs)) for costs in model.linear]
         return _Outcome(choice, "optimal", _objective(model, choice), 0, 0,
                         {"backend": None, "source": "direct"})

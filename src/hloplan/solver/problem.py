@@ -12,11 +12,13 @@ point lists it, or when one of the problem's live ranges covers the point: a pro
 live from their definition to their last use, so the builder lists each node once, as the run of
 consecutive points where it is live, and the memory checks stay linear in the program's size
 (listing every live node at every point grows with depth squared: 70M entries for a 96-layer
-GPT-3).
+GPT-3). A launch is a cost paid once when any of several nodes picks one of its strategies:
+the first buffer of collectives that XLA merges across ops.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 
@@ -77,6 +79,26 @@ class LiveRange:
 
 
 @dataclass(frozen=True)
+class Launch:
+    """A collective that XLA merges across the ops issuing it, so a plan pays its launch once.
+
+    XLA's combiners merge independent collectives of one kind over the same devices (the
+    gradient all-reduces of a step) into buffers; the strategies that issue one price only
+    their share of the buffers' latency, and this launch is the latency of the first buffer,
+    paid once by any plan that picks at least one member: `members` lists (node index,
+    strategy indices that issue the collective).
+    """
+
+    label: str  # e.g. "reduce-scatter(x)"
+    cost: float  # seconds
+    members: tuple[tuple[int, tuple[int, ...]], ...]
+
+    def active(self, choice: Sequence[int]) -> bool:
+        """Whether a plan choosing `choice` (a strategy index per node) pays this launch."""
+        return any(choice[node] in picks for node, picks in self.members)
+
+
+@dataclass(frozen=True)
 class ShardingProblem:
     nodes: tuple[Node, ...]
     edges: tuple[Edge, ...] = ()
@@ -86,6 +108,7 @@ class ShardingProblem:
     # Nodes live over runs of consecutive points, each listed once here instead of in every
     # point's `nodes` (a node has at most one range, and no point it covers lists it).
     live_ranges: tuple[LiveRange, ...] = ()
+    launches: tuple[Launch, ...] = ()
 
     def nodes_at(self, point: int) -> tuple[int, ...]:
         """The nodes live at one point, sorted, each once (time linear in the ranges)."""
@@ -144,6 +167,16 @@ class ShardingProblem:
             if point.nodes and not (0 <= min(point.nodes) and max(point.nodes) < len(self.nodes)):
                 index = next(i for i in point.nodes if not 0 <= i < len(self.nodes))
                 raise ValueError(f"live point {point.label!r} refers to node {index}")
+        for launch in self.launches:
+            if not launch.cost >= 0:
+                raise ValueError(f"launch {launch.label!r} costs {launch.cost}")
+            for index, picks in launch.members:
+                if not 0 <= index < len(self.nodes):
+                    raise ValueError(f"launch {launch.label!r} refers to node {index}")
+                size = len(self.nodes[index].strategies)
+                if not picks or not all(0 <= pick < size for pick in picks):
+                    raise ValueError(f"launch {launch.label!r}: node {index} has {size} "
+                                     f"strategies, not {picks}")
         ranged: dict[int, LiveRange] = {}
         for r in self.live_ranges:
             if not 0 <= r.node < len(self.nodes):
