@@ -238,7 +238,9 @@ class _ProblemBuilder:
         the merged buffers' latency; a plan that issues the kind at all pays one buffer's
         launch in full: a lone reduce-scatter for one weight's sharded optimizer update costs
         a whole latency, which the share alone (bytes / 30 MiB of it) hid. Per kind, mesh axes
-        and loop trip count (collectives merge within one iteration)."""
+        and loop trip count (collectives merge within one iteration). A chained collective of
+        the kind (priced unmerged) does not absorb the launch: the gradients a step computes
+        last are reduced after every chained collective of the backward pass."""
         members: dict[tuple, dict[int, list[int]]] = {}
         for op_index, node_index in self.space.node_of.items():
             if op_index in self.chained:

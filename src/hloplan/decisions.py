@@ -87,8 +87,15 @@ class DecisionIndex:
                 self.edges_of[edge.dst].append(e)
         self.points_of = problem.points_of_nodes()
         self.launches_of: list[list[int]] = [[] for _ in range(n)]
+        # Per launch: its members' paying indices, and how many members the solution has
+        # paying (a move changes the count by its own nodes only).
+        self.launch_picks: list[dict[int, set[int]]] = []
+        self.launch_paying: list[int] = []
         for k, launch in enumerate(problem.launches):
-            for member, _ in launch.members:
+            picks = {node: set(p) for node, p in launch.members}
+            self.launch_picks.append(picks)
+            self.launch_paying.append(sum(self.choice[node] in p for node, p in picks.items()))
+            for member in picks:
                 self.launches_of[member].append(k)
         self.memory = np.asarray(self.evaluation.memory, dtype=float)
         budget = problem.memory_budget
@@ -145,16 +152,15 @@ class DecisionIndex:
     def _launch_deltas(self, group: list[int], count: int) -> np.ndarray:
         """Per strategy index of the group, the change in the launches the plan pays."""
         delta = np.zeros(count)
-        members = set(group)
         for k in sorted({k for g in group for k in self.launches_of[g]}):
-            launch = self.problem.launches[k]
-            kept = any(self.choice[node] in picks for node, picks in launch.members
-                       if node not in members)
-            paid = launch.active(self.choice)
+            picks = self.launch_picks[k]
+            moved = [picks[g] for g in group if g in picks]
+            others = self.launch_paying[k] - sum(self.choice[g] in picks[g]
+                                                 for g in group if g in picks)
+            paid = self.launch_paying[k] > 0
             for index in range(count):
-                now = kept or any(index in picks for node, picks in launch.members
-                                  if node in members)
-                delta[index] += launch.cost * (now - paid)
+                now = others > 0 or any(index in p for p in moved)
+                delta[index] += self.problem.launches[k].cost * (now - paid)
         return delta
 
     def _memory(self, group: list[int], count: int) -> tuple[np.ndarray, np.ndarray]:

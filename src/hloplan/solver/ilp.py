@@ -306,6 +306,29 @@ class _Memory:
 
 
 @dataclass
+class _Launch:
+    """A launch in group terms: paid when some group in `members` picks one of its indices
+    there. Several nodes of one group pick one index, so their indices are united."""
+
+    cost: float
+    members: dict[int, np.ndarray]
+
+    def paid(self, choice: Sequence[int]) -> bool:
+        return any(choice[g] in picks for g, picks in self.members.items())
+
+    def restricted(self, groups: list[_Group], allowed: Sequence[np.ndarray]
+                   ) -> tuple[_Launch | None, bool]:
+        """This launch with group g limited to `allowed[g]` (index i of the result paying when
+        allowed[g][i] did), and whether every remaining choice pays it (then it is a
+        constant). (None, False): no choice can pay it."""
+        kept = {g: np.flatnonzero(np.isin(allowed[g], picks)) for g, picks in self.members.items()}
+        kept = {g: picks for g, picks in kept.items() if len(picks)}
+        if any(len(picks) == groups[g].size for g, picks in kept.items()):
+            return None, True
+        return (_Launch(self.cost, kept) if kept else None), False
+
+
+@dataclass
 class _Model:
     groups: list[_Group]
     group_of: list[int]  # per node: its group, or -1 for a single-strategy (constant) node
@@ -313,9 +336,8 @@ class _Model:
     pairs: dict[tuple[int, int], np.ndarray]  # (a, b) with a < b: matrix[i_a][j_b], seconds
     constant: float  # seconds that no decision changes
     memory: _Memory | None = None
-    # Launches (problem.launches) some choice may not pay: (seconds, {group: strategy indices
-    # that pay it}). One whose member cannot avoid it is in `constant`.
-    launches: list[tuple[float, dict[int, np.ndarray]]] = field(default_factory=list)
+    # Launches (problem.launches) whose payment depends on the choice.
+    launches: list[_Launch] = field(default_factory=list)
 
     def to_choice(self, group_choice: Sequence[int]) -> Solution:
         """Expand one index per group to one index per node."""
@@ -401,14 +423,12 @@ def _restrict(model: _Model, allowed: Sequence[np.ndarray]) -> _Model:
                         {(a, b): matrix[np.ix_(allowed[a], allowed[b])]
                          for (a, b), matrix in model.pairs.items()},
                         model.constant)
-    for cost, members in model.launches:
-        # Index i of the restricted group g pays when allowed[g][i] did.
-        kept = {g: np.flatnonzero(np.isin(allowed[g], picks)) for g, picks in members.items()}
-        kept = {g: picks for g, picks in kept.items() if len(picks)}
-        if any(len(picks) == groups[g].size for g, picks in kept.items()):
-            restricted.constant += cost  # every remaining choice of that group pays
-        elif kept:
-            restricted.launches.append((cost, kept))
+    for launch in model.launches:
+        kept, always = launch.restricted(groups, allowed)
+        if always:
+            restricted.constant += launch.cost
+        elif kept is not None:
+            restricted.launches.append(kept)
     _fold_separable(restricted)
     restricted.memory = model.memory.restricted(allowed)
     return restricted
@@ -435,29 +455,32 @@ def _compile(problem: ShardingProblem) -> _Model:
 
 
 def _add_launches(problem: ShardingProblem, model: _Model) -> None:
-    """Each launch as (seconds, {group: the strategy indices that pay it}); nodes of one group
-    pick one index, so their member indices are united. A launch some group pays under every
-    choice is a constant."""
+    """Each launch in group terms (`_Launch`); a launch some node pays under every choice (a
+    single-strategy node picks index 0) is a constant."""
+    everything = [np.arange(g.size) for g in model.groups]
     for launch in problem.launches:
+        if launch.cost <= 0:
+            continue
         members: dict[int, set[int]] = {}
-        forced = False
+        always = False
         for node, picks in launch.members:
             g = model.group_of[node]
             if g < 0:
-                forced = forced or 0 in picks  # a single-strategy node always picks index 0
-                continue
-            members.setdefault(g, set()).update(picks)
-        if forced or any(len(picks) == model.groups[g].size for g, picks in members.items()):
+                always = always or 0 in picks
+            else:
+                members.setdefault(g, set()).update(picks)
+        kept, forced = _Launch(launch.cost, {g: np.array(sorted(p)) for g, p
+                                             in sorted(members.items())}).restricted(
+            model.groups, everything)
+        if always or forced:
             model.constant += launch.cost
-        elif members and launch.cost > 0:
-            model.launches.append((launch.cost, {g: np.array(sorted(picks))
-                                                 for g, picks in sorted(members.items())}))
+        elif kept is not None:
+            model.launches.append(kept)
 
 
 def _launch_costs(model: _Model, choice: Sequence[int]) -> float:
     """Seconds of the launches `choice` (one index per group) pays."""
-    return sum(cost for cost, members in model.launches
-               if any(choice[g] in picks for g, picks in members.items()))
+    return sum(launch.cost for launch in model.launches if launch.paid(choice))
 
 
 def _binding_points(model: _Model, budget: float) -> list[int]:
@@ -755,12 +778,12 @@ def _build(model: _Model, binding: list[int], budget: float, backend: str,
             lp.row(f"dst_{ra}_{rb}_{j}", [line[j] for line in grid] + [s[b][m] for m in members],
                    [1.0] * len(grid) + [-1.0] * len(members), 0.0, 0.0)
     launches = []
-    for k, (cost, members) in enumerate(model.launches):
-        # paid >= the one-hot sum over a group's paying strategies, for every member group; it
-        # needs no integrality: at an integral choice the cheapest `paid` is 0 or 1.
-        paid = lp.column(f"launch_{k}" if named else "", cost * _TIME_SCALE, 0.0, 1.0)
+    for k, launch in enumerate(model.launches):
+        # paid >= the one-hot sum over a member group's paying strategies, for every member
+        # group; it needs no integrality: at an integral choice the cheapest `paid` is 0 or 1.
+        paid = lp.column(f"launch_{k}" if named else "", launch.cost * _TIME_SCALE, 0.0, 1.0)
         launches.append(paid)
-        for g, picks in members.items():
+        for g, picks in launch.members.items():
             lp.row(f"launch_{k}_{model.groups[g].rep}", [s[g][int(i)] for i in picks] + [paid],
                    [1.0] * len(picks) + [-1.0], -math.inf, 0.0)
     built = _Built(model, lp, backend, s, e, lazy=lazy, launches=launches)
@@ -818,8 +841,8 @@ def _start_values(built: _Built, choice: Sequence[int]) -> np.ndarray:
         i = next(k for k, members in enumerate(row_classes) if choice[a] in members)
         j = next(k for k, members in enumerate(col_classes) if choice[b] in members)
         values[grid[i][j]] = 1.0
-    for column, (_, members) in zip(built.launches, built.model.launches, strict=True):
-        values[column] = float(any(choice[g] in picks for g, picks in members.items()))
+    for column, launch in zip(built.launches, built.model.launches, strict=True):
+        values[column] = float(launch.paid(choice))
     if built.chain:
         loads = built.model.memory.choice_loads(choice) - built.model.memory.constant
         for p, column in built.chain:
