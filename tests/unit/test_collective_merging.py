@@ -12,7 +12,7 @@ from hloplan.cost_models import CommModel, load_device_model
 from hloplan.graph import Graph, TensorType
 from hloplan.mesh import parse_mesh
 from hloplan.op_rules import feeding_matmuls, rule_for
-from hloplan.passes.build_sharding_problem import _ProblemBuilder
+from hloplan.passes.build_sharding_problem import BuildShardingProblem, _ProblemBuilder
 
 ACT = TensorType((4096, 512), "f32")  # batch x features
 W = TensorType((512, 512), "f32")
@@ -107,3 +107,19 @@ def test_a_plan_pays_one_launch_of_each_merged_collective() -> None:
     assert set(picks) == {i for i, s in enumerate(strategies)
                           if any(c[:2] == ("all-reduce", "x,y") for c in s.collectives)}
     assert merged.launch_latency("all-gather", ("x",)) == 0.0  # not merged: full price already
+
+
+def test_launches_cheaper_than_the_threshold_are_left_to_the_shares() -> None:
+    """BuildShardingProblem keeps a launch only when it costs at least min_launch_s: on 4 nodes
+    an all-reduce launch over both axes is 0.62 ms (62 ring steps), under the 1 ms default; over
+    the 128 nodes of a 16x8x8 mesh it would be 20 ms."""
+    g, ops = _step()
+    h100 = load_device_model("h100")
+    merged = CommModel(h100, parse_mesh("4x8"), hosts=4, combine=h100.combiner)
+    assert merged.launch_latency("all-reduce", ("x", "y")) < BuildShardingProblem().min_launch_s
+    kept = _ProblemBuilder(g, merged, False, SimpleNamespace(log=None),
+                           min_launch_s=BuildShardingProblem().min_launch_s)
+    _, problem = kept.build(float("inf"))
+    assert problem.launches == ()
+    big = CommModel(h100, parse_mesh("16x8x8"), hosts=128, combine=h100.combiner)
+    assert big.launch_latency("all-reduce", ("x", "y", "z")) > 0.02
