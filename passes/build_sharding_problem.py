@@ -57,9 +57,10 @@ class BuildShardingProblem:
     follow_pointwise: bool = True
     # A merged collective's first launch becomes an ILP term only when it costs at least this
     # (seconds): over a 1,024-GPU mesh one all-reduce launch is 20 ms of ring latency, which
-    # the per-collective shares (bytes / 30 MiB of it) hide; on <= 32 GPUs launches are under
-    # 1 ms, and pricing them made the LPs fractional (2-layer GPT on 8x8: solve 4 -> 24 s)
-    # and moved plans by less than the model's own error.
+    # the per-collective shares (bytes / 30 MiB of it) hide. On <= 32 GPUs (4 nodes) launches
+    # are under 1 ms; priced there (session 9) they moved the Flax transformer on 4x8 from
+    # 0.834 to 2.32 of the best hand plan, whose compiled program has no such all-reduce. On
+    # 8x8 (1.26 ms) they are priced, and make the 2-layer GPT's LP fractional (4 -> 35 s).
     min_launch_s: float = 1e-3
 
     def apply(self, state: CompileState) -> None:
@@ -244,8 +245,9 @@ class _ProblemBuilder:
         """The merged collectives' first launches. The strategies of an op whose collective
         XLA merges with others' (not on a matmul's dependency chain) price only its share of
         the merged buffers' latency; a plan that issues the kind at all pays one buffer's
-        launch in full: a lone reduce-scatter for one weight's sharded optimizer update costs
-        a whole latency, which the share alone (bytes / 30 MiB of it) hid. Per kind, mesh axes
+        launch in full: an all-reduce of the loss and a few bias gradients over 1,024 GPUs costs
+        20 ms of ring steps, which the shares alone (bytes / 30 MiB of it) hid. Only launches of
+        at least `min_launch_s` become terms. Per kind, mesh axes
         and loop trip count (collectives merge within one iteration). A chained collective of
         the kind (priced unmerged) does not absorb the launch: the gradients a step computes
         last are reduced after every chained collective of the backward pass."""
