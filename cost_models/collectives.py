@@ -114,7 +114,8 @@ class CommModel:
     bytes pays only min(1, S / threshold) of the per-call latency (none when the platform merges
     them all: threshold inf); a threshold of 0, or no `combine`, makes every collective pay its
     full latency. The first buffer's launch, which a plan pays once if it issues the kind at
-    all, is `launch_latency` (the planner charges it through the problem's launches).
+    all, is `launch_latency` (the planner charges it through the problem's launches, where it
+    costs at least BuildShardingProblem.min_launch_s).
     """
 
     def __init__(self, model: DeviceModel, mesh: MeshSpec, hosts: int | None = None,
