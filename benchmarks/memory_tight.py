@@ -24,7 +24,6 @@ import argparse
 import json
 import math
 import os
-import re
 import tempfile
 import time
 import traceback
@@ -66,10 +65,10 @@ def tight_case(model_name: str, mesh: str, budget: float, best_hand_step_s: floa
     except HloplanError as exc:
         text = str(exc)
         out["outcome"] = "no plan fits"
-        found = re.search(r"smallest achievable peak is (at least )?([0-9.]+ [KMGT]iB)", text)
+        found = run.smallest_peak(text)
         if found:
-            out["smallest_estimate_proven"] = not found.group(1)
-            out["smallest_estimate_bytes"] = parse_bytes(found.group(2).replace(" ", ""))
+            out["smallest_estimate_bytes"] = parse_bytes(found[0].replace(" ", ""))
+            out["smallest_estimate_proven"] = found[1]
         out["message"] = text.splitlines()[0][:300]
         out["plan_s"] = time.perf_counter() - t0
         return out
@@ -95,7 +94,6 @@ def tight_case_safe(*args) -> dict:
 
 
 def table(rows: list[dict]) -> list[str]:
-    gib = 2**30
     lines = ["| model | mesh | budget GiB (no hand plan fits) | smallest hand plan peak GiB "
              "| hloplan | estimated peak GiB | compiled peak GiB | step / best hand plan's at 80 GiB |",
              "|---|---|---|---|---|---|---|---|"]
@@ -107,15 +105,14 @@ def table(rows: list[dict]) -> list[str]:
         smallest = r.get("smallest_estimate_bytes")
         if smallest is not None:
             bound = "" if r.get("smallest_estimate_proven") else ">= "
-            outcome += (f" (smallest estimate {bound}{smallest / gib:.2f} GiB, "
+            outcome += (f" (smallest estimate {bound}{run._gb(smallest)} GiB, "
                         f"{smallest / r['smallest_hand_peak_bytes']:.2f} x the leanest hand plan)")
         if outcome == "error":
             outcome += f": {r.get('error', '')[:80]}"
         lines.append(
-            f"| {r['model']} | {r['mesh']} | {r['budget_bytes'] / gib:.2f} | "
-            f"{r['smallest_hand_peak_bytes'] / gib:.2f} ({r['smallest_hand_plan']}) | {outcome} | "
-            f"{'-' if est is None else f'{est / gib:.2f}'} | "
-            f"{'-' if comp is None else f'{comp / gib:.2f}'} | "
+            f"| {r['model']} | {r['mesh']} | {run._gb(r['budget_bytes'])} | "
+            f"{run._gb(r['smallest_hand_peak_bytes'])} ({r['smallest_hand_plan']}) | {outcome} | "
+            f"{run._gb(est)} | {run._gb(comp)} | "
             f"{'-' if ratio is None else f'{ratio:.3f}'} |")
     return lines
 

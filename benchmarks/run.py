@@ -658,10 +658,17 @@ def _parse_progress(stdout: str) -> list[dict]:
 MEMORY_ERROR = "no plan fits the memory budget"
 
 
-def _infeasible_note(error: str) -> str:
+def smallest_peak(error: str) -> tuple[str, bool] | None:
+    """From hloplan's "no plan fits" diagnostic: the smallest peak it could reach ("5.20 GiB")
+    and whether that is proven (else a lower bound); None when the message names none."""
     m = re.search(r"the smallest achievable peak is (at least )?([0-9.]+ [KMGT]iB)", error)
-    return f"no plan fits 80 GiB (min peak {'>= ' if m and m.group(1) else ''}" \
-           f"{m.group(2) if m else '?'})"
+    return (m.group(2), not m.group(1)) if m else None
+
+
+def _infeasible_note(error: str) -> str:
+    found = smallest_peak(error)
+    return f"no plan fits 80 GiB (min peak {'>= ' if found and not found[1] else ''}" \
+           f"{found[0] if found else '?'})"
 
 
 def _search_chain(sizes, mesh: str, solver: str, timeout_s: float) -> list[dict]:
