@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import time
 from dataclasses import dataclass, field
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from hloplan import ir
 from hloplan.cost_models import DeviceModelError, load_device_model
-from hloplan.diagnostics import HloplanError, UsageError
+from hloplan.diagnostics import Diagnostic, HloplanError, UsageError
 from hloplan.emit.artifact import render, write_plan_dir
 from hloplan.mesh import MeshError, MeshSpec, parse_mesh
 from hloplan.passes.extract_graph import ExtractGraph
@@ -18,7 +19,7 @@ from hloplan.passes.inline_calls import InlineCalls
 from hloplan.pipeline import run_pipeline
 from hloplan.pipelining import PipelineOptions
 from hloplan.state import CompileOptions, CompileState
-from hloplan.units import parse_bytes
+from hloplan.units import format_bytes, format_seconds, parse_bytes
 
 # The largest mesh hloplan plans for (a sanity bound on typos such as 1024x1024x1024).
 MAX_DEVICES = 1 << 20
@@ -107,7 +108,13 @@ def _compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pa
     # The reference program is rebuilt from the input's text only when the input was not a
     # serialized Exported (that one is its own reference).
     original_text = ir.module_text(program.module) if program.exported is None else None
-    state = run_pipeline(program, options, passes, after_pass=after_pass)
+    try:
+        state = run_pipeline(program, options, passes, after_pass=after_pass)
+    except HloplanError as error:
+        if not _nothing_fits(error):
+            raise
+        return _accumulated(data, filename, options, pipeline, passes, error, parse_time,
+                            original_text)
     timings = {"parse": parse_time, **state.timings}
     pipelined = None
     if pipeline is not None:
@@ -123,16 +130,79 @@ def _compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pa
 
 
 def _plan_pipeline(data: bytes, filename: str, options: CompileOptions,
-                   pipeline: PipelineOptions, single: CompileState):
+                   pipeline: PipelineOptions, single: CompileState | None):
     """Plan the pipelined alternative on a fresh copy of the program (the single-stage state's
-    module already carries its own shardings)."""
+    module already carries its own shardings). `single` None: no single-stage plan fits."""
     from hloplan.pipelining import plan_pipeline
     from hloplan.solver.evaluate import evaluate
 
     program = ir.load_program(data, filename)
     state = run_pipeline(program, options, [InlineCalls(), ExtractGraph()])
-    single_seconds = evaluate(single.problem, single.solution).total
+    single_seconds = None if single is None else evaluate(single.problem, single.solution).total
     return plan_pipeline(state, options, pipeline, single_seconds), state
+
+
+def _nothing_fits(error: HloplanError) -> bool:
+    return any(d.message.startswith("no plan fits the memory budget") for d in error.diagnostics)
+
+
+def _accumulated(data: bytes, filename: str, options: CompileOptions,
+                 pipeline: PipelineOptions | None, passes, error: HloplanError,
+                 parse_time: float, original_text: str | None) -> CompileResult:
+    """No single-program plan fits the memory budget: the user's pipeline options if given,
+    else gradient accumulation (one stage, the fastest number of microbatches that fits: each
+    microbatch's activations are 1/M of the batch's). The plan directory's single-program
+    files (module.mlir, sharded.jaxexport) hold the fastest plan without a budget, which does
+    not fit; plan.json's pipeline section is the plan the loader runs. `error` is raised, with
+    what accumulation found, when nothing fits that way either."""
+    from hloplan.pipelining import PipelinePlan
+
+    started = time.perf_counter()
+    popts = pipeline if pipeline is not None else PipelineOptions(stages=1, accumulate=True)
+    try:
+        pipelined = _plan_pipeline(data, filename, options, popts, None)
+    except HloplanError as why:
+        raise HloplanError(list(error.diagnostics) + [
+            Diagnostic("note", "nor can it accumulate gradients over microbatches: "
+                       + why.diagnostics[0].format(filename), None)]) from None
+    plan_, _ = pipelined
+    if not isinstance(plan_, PipelinePlan):
+        if pipeline is not None:
+            what = "with the given --stages/--microbatches either"
+        elif plan_ is None:
+            what = "by accumulating gradients either: no batch input to split"
+        else:
+            tried = sorted(int(m) for m in plan_.search["microbatches_stages"])
+            what = (f"by accumulating gradients over {tried[0]} to {tried[-1]} microbatches "
+                    "either")
+            if plan_.candidates:
+                best = min(plan_.candidates, key=lambda c: c["peak_bytes"])
+                what += (f" (smallest estimated peak {format_bytes(best['peak_bytes'])}, with "
+                         f"{best['microbatches']})")
+        raise HloplanError(list(error.diagnostics) + [
+            Diagnostic("note", f"no plan fits {what}", None)])
+    unbounded = dataclasses.replace(options, memory_budget=float("inf"))
+    program = ir.load_program(data, filename)
+    state = run_pipeline(program, unbounded, passes)
+    state.options = options  # plan.json reports the user's budget
+    estimate = plan_.estimate
+    state.log.warn(
+        f"no single-program plan fits the memory budget of {format_bytes(options.budget)} per "
+        f"device; {'accumulating gradients over' if plan_.stages == 1 else 'pipelined with'} "
+        f"{plan_.microbatches} microbatches"
+        + (f" in {plan_.stages} stages" if plan_.stages > 1 else "")
+        + f" (peak {format_bytes(max(estimate['memory_per_stage_bytes']))} per device, "
+        f"step {format_seconds(estimate['step_time_s'])})",
+        notes=("the fastest single-program plan, which does not fit, is in module.mlir and "
+               "sharded.jaxexport; hloplan.load runs the accumulated plan",))
+    timings = {"parse": parse_time, **state.timings,
+               "pipeline": time.perf_counter() - started}
+    emit_start = time.perf_counter()
+    files = render(state, data, original_text, pipelined)
+    timings["emit"] = time.perf_counter() - emit_start
+    if state.stats is not None:
+        timings["solver_seconds"] = state.stats.seconds
+    return CompileResult(state, files, timings)
 
 
 def compile(path_or_bytes, mesh: str | MeshSpec, output: str | None = None, **kwargs) -> CompileResult:

@@ -86,6 +86,9 @@ class PipelineOptions:
     layers: int | None = None  # candidate layers for the stage DP (None: DEFAULT_LAYERS)
     max_solves: int = DEFAULT_MAX_SOLVES  # ILP solves the stage search may spend
     gap: float = DEFAULT_GAP  # stop when no lower bound beats the best plan by more than this
+    # Gradient accumulation where no single-program plan fits: one stage, any number of
+    # microbatches M >= 2 dividing the batch, the fastest that fits (nothing if none does).
+    accumulate: bool = False
 
 
 @dataclass(frozen=True)
@@ -347,8 +350,8 @@ def _stage_cost(graph, analysis: BatchAnalysis, cut_: PipelineCut, stage: int,
       PriceBoundaryLayouts); receiving what they read from other stages (each device its own
       share, over `link`);
     - once per step: its part-B tasks; adding up the partial sums of the M microbatches;
-    - memory: its largest task peak and the activations it keeps between its forward and
-      backward per microbatch in flight.
+    - memory: its largest task peak with what the loader holds beside that task (_held_bytes),
+      and the activations it keeps between its forward and backward per microbatch in flight.
     Returns the cost and its parts (seconds)."""
     owner = {v: t.stage for t in cut_.tasks for v in t.outputs}
     tasks = [t for t in cut_.tasks if t.stage == stage]
@@ -373,7 +376,8 @@ def _stage_cost(graph, analysis: BatchAnalysis, cut_: PipelineCut, stage: int,
                                         comm.mesh)
                     accumulate += (microbatches - 1) * 3 * local / hbm  # read 2, write 1
     b_time = sum(figures[t.index].seconds for t in tasks if t.part == "B")
-    peak = max((figures[t.index].peak for t in tasks), default=0.0)
+    held = _held_bytes(graph, analysis, tasks, figures, microbatches, comm.mesh)
+    peak = max((figures[t.index].peak + held[t.index] for t in tasks), default=0.0)
     residual = 0.0
     for t in a_tasks:
         later = [o for o in a_tasks if o.phase > t.phase]
@@ -382,6 +386,46 @@ def _stage_cost(graph, analysis: BatchAnalysis, cut_: PipelineCut, stage: int,
     parts = {"compute_s": compute, "transfer_s": transfer, "per_step_s": b_time,
              "accumulate_s": accumulate}
     return StageCost(compute + transfer, b_time + accumulate, peak, residual), parts
+
+
+def _held_bytes(graph, analysis: BatchAnalysis, tasks: list, figures: dict[int, TaskFigure],
+                microbatches: int, mesh: MeshSpec) -> dict[int, float]:
+    """Per task of a stage: bytes per device the loader holds while the task runs that the
+    task's own peak (its arguments, results and temporaries) does not count:
+    - every whole argument the stage's tasks read (parameters, optimizer state), once per
+      layout a task takes it in (the loader keeps each copy for the step), except the task's own;
+    - the whole batch arguments the stage slices its microbatches from (all M of them);
+    - while a per-microbatch task runs, the running sums of the stage's partial sums over the
+      batch (its own result is a second copy, counted in its peak).
+    Without these, a stage that accumulates gradients was estimated to fit where its optimizer
+    state and accumulators did not."""
+    batch_args = {graph.arguments[p] for p in analysis.batch_args}
+    whole = set(graph.arguments) - batch_args
+    copies: dict[tuple, float] = {}  # (argument, layout) -> bytes per device
+    for t in tasks:
+        for k, v in enumerate(t.inputs):
+            type_ = graph.type_of(v)
+            spec = figures[t.index].in_specs[k]
+            if v in whole:
+                copies[(v, spec)] = local_bytes(type_.shape, type_.itemsize, spec, mesh)
+            elif v in batch_args:  # the program's type: the whole batch, as the task splits it
+                copies[(v, spec)] = local_bytes(type_.shape, type_.itemsize, spec, mesh)
+    sums = 0.0
+    if microbatches > 1:
+        for t in tasks:
+            if t.part == "A":
+                for k, v in enumerate(t.outputs):
+                    if v in analysis.frontier:
+                        type_ = graph.type_of(v)
+                        sums += local_bytes(type_.shape, type_.itemsize,
+                                            figures[t.index].out_specs[k], mesh)
+    held = {}
+    for t in tasks:
+        own = {(v, figures[t.index].in_specs[k]) for k, v in enumerate(t.inputs)
+               if v in whole}
+        held[t.index] = sum(b for key, b in copies.items() if key not in own) + (
+            sums if t.part == "A" else 0.0)
+    return held
 
 
 def _estimate(state, cut_: PipelineCut, plan_tasks: list[TaskPlan], analysis, microbatches,
@@ -721,7 +765,13 @@ def plan_pipeline(state: CompileState, options: CompileOptions, popts: PipelineO
     # Microbatches M per stage count S: as given, or S <= M <= 4 S (dividing the batch), as
     # with one stage and gradient accumulation; 1 x 1 is the plain plan, planned already.
     pairs: dict[int, list[int]] = {}
-    for m in ([popts.microbatches] if popts.microbatches else _divisors(batch)):
+    if popts.accumulate:
+        stage_counts = [1]
+        pairs = {m: [1] for m in _divisors(batch) if m > 1}
+        if not pairs:
+            return None
+    for m in ([] if popts.accumulate else
+              [popts.microbatches] if popts.microbatches else _divisors(batch)):
         counts = [s for s in stage_counts if (popts.microbatches or s <= m <= 4 * s)
                   and (m > 1 or s > 1)]
         if counts:
@@ -742,7 +792,7 @@ def plan_pipeline(state: CompileState, options: CompileOptions, popts: PipelineO
     shapes = inter_op.submesh_shapes(mesh)
     planner = TaskPlanner(state, analysis, options)
     search = StageSearch(state, ctx, planner, options, comm, starts, shapes)
-    explicit = popts.stages is not None or popts.microbatches is not None
+    explicit = (popts.stages is not None or popts.microbatches is not None) and not popts.accumulate
     bound = single_stage_seconds if (single_stage_seconds is not None and not explicit) \
         else float("inf")
     budget = options.budget
@@ -766,7 +816,8 @@ def plan_pipeline(state: CompileState, options: CompileOptions, popts: PipelineO
         candidates.insert(0, {"stages": 1, "microbatches": 1, "submeshes": [str(shapes[-1])],
                               "step_time_s": single_stage_seconds, "fits": True})
     if found is None:
-        return NoPipeline(candidates, stats) if single_stage_seconds is not None else None
+        return NoPipeline(candidates, stats) if (single_stage_seconds is not None
+                                                 or popts.accumulate) else None
     _, microbatches, solution = found
     stage_shapes = [shapes[st.shape] for st in solution.stages]
     cut_ = cut_at(ctx, [search.starts[st.start] for st in solution.stages])
@@ -801,12 +852,12 @@ def plan_pipeline(state: CompileState, options: CompileOptions, popts: PipelineO
 def _candidate(search: StageSearch, microbatches: int, stages, value: float,
                schedule_kind: str, budget: float) -> dict:
     costs = [search.exact[(st.start, st.end, st.shape, microbatches)] for st in stages]
-    fits = all(c.memory(inter_op.in_flight(schedule_kind, microbatches, len(costs) - k)) <= budget
-               for k, c in enumerate(costs))
+    peaks = [c.memory(inter_op.in_flight(schedule_kind, microbatches, len(costs) - k))
+             for k, c in enumerate(costs)]
     return {"stages": len(stages), "microbatches": microbatches,
             "submeshes": [str(search.shapes[st.shape]) for st in stages],
             "layers": [[st.start, st.end] for st in stages],
-            "step_time_s": value, "fits": fits}
+            "step_time_s": value, "peak_bytes": max(peaks), "fits": max(peaks) <= budget}
 
 
 def _stage_info(state, ctx: CutContext, search: StageSearch, solution, cut_: PipelineCut,

@@ -303,6 +303,18 @@ class PipelineRunner:
         sums: dict[int, object] = {}
         concat: dict[int, list] = {}
         concat_values = {o["value"] for o in self.pipe["outputs"] if o["from"] == "concat"}
+        # A microbatch's values are dropped after their last reader (gradient accumulation
+        # holds one microbatch's activations, not M); the last microbatch keeps what the
+        # once-per-step tasks and the results read of it.
+        readers: dict[int, int] = {}
+        for task in self.tasks:
+            if task["part"] == "A":
+                for v in task["inputs"]:
+                    readers[v] = readers.get(v, 0) + 1
+        late = {v for task in self.tasks if task["part"] == "B" for v in task["inputs"]}
+        late |= {o["value"] for o in self.pipe["outputs"] if o["from"] == "task"}
+        left = [dict(readers) for _ in range(self.microbatches)]
+        last = self.microbatches - 1
         for task_index, m in self.pipe["order"]:
             task = self.tasks[task_index]
             env = per_micro[m]
@@ -313,12 +325,19 @@ class PipelineRunner:
                 return self._microbatch(v, arguments[v], m)
 
             produced = self._run_task(task, lookup, held)
-            env.update(produced)
+            for v in task["inputs"]:
+                if v in env:
+                    left[m][v] -= 1
+                    if left[m][v] == 0 and not (m == last and v in late):
+                        del env[v]
             for v, array in produced.items():
                 if v in self.frontier:
                     sums[v] = array if v not in sums else self._add(sums[v], array)
                 if v in concat_values:
                     concat.setdefault(v, [None] * self.microbatches)[m] = array
+                if readers.get(v) or (m == last and v in late):
+                    env[v] = array
+            del produced
         once: dict[int, object] = {}
         for task in self.tasks:
             if task["part"] != "B":
