@@ -45,15 +45,48 @@ def _shard_bytes(sharding, aval) -> int:
     return math.prod(sharding.shard_shape(tuple(aval.shape))) * aval.dtype.itemsize
 
 
+def _state_layouts(runner) -> dict[int, object]:
+    """Argument value id -> the sharding the step hands its next value back in: for a step
+    `(state, batch) -> (loss, new_state)` (run.py's models; the small check's `(params, ...)
+    -> (loss, params)` too), each new-state leaf as the task that makes it makes it (its
+    running sum's layout for an accumulated one), which is how the user passes it next step."""
+    import jax
+
+    ref = runner.reference
+    ins = jax.tree.unflatten(ref.in_tree, list(range(ref.in_tree.num_leaves)))
+    outs = jax.tree.unflatten(ref.out_tree, list(range(ref.out_tree.num_leaves)))
+    state_in, state_out = jax.tree.leaves(ins[0][0]), jax.tree.leaves(outs[1])
+    kept = list(ref.module_kept_var_idx)
+    values = runner.pipe["arguments"]
+    value_of = {k: values[len(values) - len(kept) + i] for i, k in enumerate(kept)}
+    made = {}
+    for task in runner.tasks:
+        made.update(zip(task["outputs"], task["exported"].out_shardings_jax(
+            runner.meshes[task["stage"]])))
+    layouts = {}
+    for leaf_in, leaf_out in zip(state_in, state_out, strict=True):
+        entry = runner.pipe["outputs"][leaf_out]
+        if leaf_in in value_of and entry["from"] in ("task", "sum"):
+            layouts[value_of[leaf_in]] = made[entry["value"]]
+    return layouts
+
+
 def measure_accumulated(plan_dir: Path, mesh: str) -> dict:
-    """An accumulated (one-stage, M-microbatch) plan, compiled task by task (never run): each
-    task's formula step time (run.measure) and compiled peak, and the step's peak per device
-    as the loader (hloplan/emit/pipeline_loader.py) holds its arrays: the whole arguments in
-    the layout their first task takes them in (as passed by the user) and a copy per further
-    layout, the whole batch, the running sums of the accumulated partial sums, a microbatch's
-    values until their last reader, the microbatch slices a task reads, and the task's own
-    compiled results and temporaries (`memory_analysis`). The step time is M x the
-    per-microbatch tasks + the once-per-step tasks (one stage: nothing overlaps)."""
+    """An accumulated (one-stage, M-microbatch) plan, compiled (never run) program by program:
+    its tasks, and every move the loader (hloplan/emit/pipeline_loader.py) makes with
+    jax.device_put between them, compiled as the jitted identity (or slice) XLA runs for it.
+
+    - step time: run.measure's formula on each: M x the per-microbatch tasks + the
+      once-per-step tasks (one stage: nothing overlaps) + the moves: each argument into each
+      layout a task takes it in other than the one the user holds it in (once per step), each
+      microbatch sliced out of the whole batch into its task's layout (M times), each running
+      sum into the layout of the task that reads it;
+    - peak per device, as the loader holds its arrays: the state as the step hands it back
+      (each new-state value's layout; other arguments as their first task takes them; the
+      whole batch as its task takes a microbatch), the copies of arguments in further layouts
+      (kept for the step), the running sums, a microbatch's values until their last reader,
+      each call's inputs, compiled results and temporaries (`memory_analysis`).
+    check_simulation compares the live bytes at each task call with the loader's, run."""
     import jax
 
     import hloplan
@@ -64,32 +97,57 @@ def measure_accumulated(plan_dir: Path, mesh: str) -> dict:
         raise ValueError("measure_accumulated: one stage only")
     M = pipe["microbatches"]
     comm = run.comm_model(mesh)
-    axes = tuple(zip(runner.meshes[0].axis_names, runner.meshes[0].devices.shape))
-    batch = {int(k) for k in pipe["argument_batch_dims"]}
+    sub = runner.meshes[0]
+    axes = tuple(zip(sub.axis_names, sub.devices.shape))
+    batch = {int(k): d for k, d in pipe["argument_batch_dims"].items()}
     frontier = set(pipe["frontier"])
+    arguments = set(pipe["arguments"])
+    moves: dict[tuple, dict] = {}  # compiled moves, by what they move
+
+    def move(key, fn, aval, source, target) -> dict:
+        """Formula seconds and bytes of a compiled move of `aval` from `source` to `target`."""
+        if key not in moves:
+            compiled = jax.jit(fn, out_shardings=target).lower(
+                jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=source)).compile()
+            measured = run.measure(compiled, axes, comm)
+            moves[key] = {"step_s": measured["step_s"], "temp": measured["memory"]["temp_bytes"] or 0,
+                          "collectives": measured["collectives"], "count": 0}
+        return moves[key]
+
     tasks = []
+    whole_aval: dict[int, object] = {}
     for task in runner.tasks:
         exported = task["exported"]
         args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
                 for a, s in zip(exported.in_avals, task["in_shardings"])]
         compiled = task["call"].lower(*args).compile()
         measured = run.measure(compiled, axes, comm)
-        outs = exported.out_shardings_jax(runner.meshes[0])
+        outs = exported.out_shardings_jax(sub)
         tasks.append({
             "task": task, "measured": measured,
             "in_bytes": [_shard_bytes(s, a) for s, a in zip(task["in_shardings"], exported.in_avals)],
+            "in_avals": list(exported.in_avals),
             "out_bytes": [_shard_bytes(s, a) for s, a in zip(outs, exported.out_avals)],
+            "out_avals": list(exported.out_avals),
             "in_keys": [(v, s) for v, s in zip(task["inputs"], task["in_shardings"])],
+            "out_layouts": list(outs),
             "temp": measured["memory"]["temp_bytes"] or 0,
         })
-    # What the user passes: each argument as its first reader takes it (the whole batch: M
-    # microbatches in that layout).
+    # What the user holds: the state as the step hands it back, other arguments as their first
+    # task takes them, the whole batch in its task's microbatch layout.
+    user_layout: dict[int, object] = dict(_state_layouts(runner))
     user: dict[int, int] = {}
-    first_layout: dict[int, object] = {}
     for t in tasks:
-        for (v, s), b in zip(t["in_keys"], t["in_bytes"]):
-            if v not in user and v in set(pipe["arguments"]):
-                user[v], first_layout[v] = (M * b if v in batch else b), s
+        for (v, s), aval in zip(t["in_keys"], t["in_avals"]):
+            if v in arguments and v not in user:
+                if v in batch:
+                    shape = list(aval.shape)
+                    shape[batch[v]] *= M
+                    whole_aval[v] = jax.ShapeDtypeStruct(tuple(shape), aval.dtype)
+                else:
+                    whole_aval[v] = aval
+                layout = user_layout.setdefault(v, s)
+                user[v] = _shard_bytes(layout, whole_aval[v])
     copies: dict[tuple, int] = {}  # the loader's copies of whole arguments in other layouts
     readers: dict[int, int] = {}
     for t in tasks:
@@ -102,25 +160,53 @@ def measure_accumulated(plan_dir: Path, mesh: str) -> dict:
     left = [dict(readers) for _ in range(M)]
     sums: dict[int, int] = {}
     once: dict[int, int] = {}
+    layout: dict[int, object] = {}  # value -> the sharding its task made it in
     peak = 0
     peak_at = None
+    calls = []  # (task, microbatch, bytes live as it starts, its inputs included)
+    move_s = 0.0
 
     def live() -> int:
         return (sum(user.values()) + sum(copies.values()) + sum(sum(e.values()) for e in env)
                 + sum(sums.values()) + sum(once.values()))
 
-    def run_task(t, m):
+    def note(now: int, where: str) -> None:
         nonlocal peak, peak_at
-        task = t["task"]
-        slices = 0
-        for (v, s), b in zip(t["in_keys"], t["in_bytes"]):
-            if v in batch:
-                slices += b  # the microbatch slice, made for this call
-            elif v in user and s != first_layout[v]:
-                copies.setdefault((v, s), b)
-        now = live() + slices + t["temp"] + sum(t["out_bytes"])
         if now > peak:
-            peak, peak_at = now, f"{task['name']} microbatch {m}"
+            peak, peak_at = now, where
+
+    def run_task(t, m):
+        nonlocal move_s
+        task = t["task"]
+        made = 0  # inputs made for this call: microbatch slices, resharded values
+        for (v, s), b, aval in zip(t["in_keys"], t["in_bytes"], t["in_avals"]):
+            ndim = len(aval.shape)
+            if v in batch:
+                dim, size = batch[v], aval.shape[batch[v]]
+
+                def cut(x, dim=dim, start=m * size, size=size):
+                    return jax.lax.slice_in_dim(x, start, start + size, axis=dim)
+
+                moved = move(("slice", v, m, s), cut, whole_aval[v], user_layout[v], s)
+                note(live() + made + b + moved["temp"], f"slicing microbatch {m}")
+                made += b
+            elif v in user:
+                if user_layout[v].is_equivalent_to(s, ndim) or (v, s) in copies:
+                    continue
+                moved = move(("copy", v, s), lambda x: x, aval, user_layout[v], s)
+                note(live() + made + b + moved["temp"], f"moving an argument for {task['name']}")
+                copies[(v, s)] = b
+            elif not layout[v].is_equivalent_to(s, ndim):
+                moved = move(("reshard", v, s), lambda x: x, aval, layout[v], s)
+                note(live() + made + b + moved["temp"], f"resharding for {task['name']}")
+                made += b
+            else:
+                continue
+            moved["count"] += 1
+            move_s += moved["step_s"]
+        calls.append((task["name"], m, live() + made))
+        note(calls[-1][2] + t["temp"] + sum(t["out_bytes"]), f"{task['name']} microbatch {m}")
+        layout.update(zip(task["outputs"], t["out_layouts"]))
         return dict(zip(task["outputs"], t["out_bytes"]))
 
     by_index = {t["task"]["index"]: t for t in tasks}
@@ -135,18 +221,81 @@ def measure_accumulated(plan_dir: Path, mesh: str) -> dict:
         for v, b in produced.items():
             if v in frontier:
                 if v in sums:  # the add's result beside the old sum and this microbatch's
-                    transient = live() + b + sums[v]
-                    if transient > peak:
-                        peak, peak_at = transient, f"adding {v} microbatch {m}"
+                    note(live() + b + sums[v], f"adding microbatch {m}")
                 sums[v] = b
             if readers.get(v) or (m == M - 1 and v in late):
                 env[m][v] = b
     for t in tasks:
         if t["task"]["part"] == "B":
             once.update(run_task(t, 0))
-    step = sum(t["measured"]["step_s"] * (M if t["task"]["part"] == "A" else 1) for t in tasks)
-    return {"peak_bytes": peak, "peak_at": peak_at, "step_s": step, "microbatches": M,
-            "task_peaks": {t["task"]["name"]: t["measured"]["peak_bytes"] for t in tasks}}
+    task_s = sum(t["measured"]["step_s"] * (M if t["task"]["part"] == "A" else 1) for t in tasks)
+    by_kind: dict[str, dict] = {}
+    for (kind, *_), moved in moves.items():
+        slot = by_kind.setdefault(kind, {"count": 0, "step_s": 0.0})
+        slot["count"] += moved["count"]
+        slot["step_s"] += moved["step_s"] * moved["count"]
+    return {"peak_bytes": peak, "peak_at": peak_at, "step_s": task_s + move_s,
+            "tasks_s": task_s, "moves_s": move_s, "moves": by_kind, "microbatches": M,
+            "tasks": {t["task"]["name"]: {k: t["measured"][k] for k in (
+                "flops", "compute_s", "communication_s", "step_s", "peak_bytes",
+                "collectives")} for t in tasks},
+            "live_at_calls": calls}
+
+
+def check_simulation(workdir: str, microbatches: int = 4) -> dict:
+    """measure_accumulated's live bytes against the loader's own, on a small GPT step run for
+    real on 8 devices: at every task call, the bytes of live arrays on one device (each buffer
+    once), with the arguments passed as measure_accumulated assumes."""
+    import sys
+
+    import jax
+    from jax import export
+
+    import hloplan
+    from hloplan.compiler import PipelineOptions
+
+    sys.path.insert(0, str(HERE.parent))
+    from fixtures import models as small
+
+    def step(params, tokens, targets):
+        loss, grads = jax.value_and_grad(small.gpt_loss)(params, tokens, targets)
+        return loss, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    plan_dir = Path(workdir) / "check_simulation"
+    made = small.gpt_train_step_args(seed=0, batch=64, seq=32, vocab=512, d_model=32,
+                                     n_layers=2)
+    args = (made[0], made[2], made[3])
+    hloplan.compile(export.export(jax.jit(step))(*args).serialize(), "8", output=str(plan_dir),
+                    device="toy", pipeline=PipelineOptions(stages=1, microbatches=microbatches))
+    simulated = [live for _, _, live in measure_accumulated(plan_dir, "8")["live_at_calls"]]
+    runner = hloplan.load(plan_dir)
+    leaves, tree = jax.tree.flatten((args, {}))
+    kept = list(runner.reference.module_kept_var_idx)
+    values = runner.pipe["arguments"]
+    value_of = {k: values[len(values) - len(kept) + i] for i, k in enumerate(kept)}
+    first: dict = dict(_state_layouts(runner))
+    for task in runner.tasks:
+        for v, sharding in zip(task["inputs"], task["in_shardings"]):
+            first.setdefault(v, sharding)
+    placed = [jax.device_put(x, first[value_of[k]]) if k in value_of else x
+              for k, x in enumerate(leaves)]
+    call_args, call_kwargs = jax.tree.unflatten(tree, placed)
+    del made, args, leaves, placed
+    device = runner.meshes[0].devices.flat[0]
+    measured = []
+    for task in runner.tasks:
+        def counted(*inputs, call=task["call"]):
+            buffers = {}
+            for array in jax.live_arrays():
+                for shard in array.addressable_shards:
+                    if shard.device == device:
+                        buffers[shard.data.unsafe_buffer_pointer()] = shard.data.nbytes
+            measured.append(sum(buffers.values()))
+            return call(*inputs)
+        task["call"] = counted
+    runner(*call_args, **call_kwargs)
+    return {"microbatches": microbatches, "simulated": simulated, "measured": measured,
+            "equal": simulated == measured}
 
 
 def tight_case(model_name: str, mesh: str, budget: float, best_hand_step_s: float,
@@ -186,6 +335,9 @@ def tight_case(model_name: str, mesh: str, budget: float, best_hand_step_s: floa
         measured = measure_accumulated(plan_dir, mesh)
         out["microbatches"] = measured["microbatches"]
         out["peak_at"] = measured["peak_at"]
+        out["tasks"] = measured["tasks"]
+        out["moves"] = measured["moves"]
+        out["tasks_s"], out["moves_s"] = measured["tasks_s"], measured["moves_s"]
         out["estimated_peak_bytes"] = max(plan_json["pipeline"]["estimate"]
                                           ["memory_per_stage_bytes"])
     else:
@@ -264,6 +416,8 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="hloplan-tight-") as workdir, \
             ProcessPoolExecutor(max_workers=args.workers) as pool:
+        check = pool.submit(check_simulation, workdir).result()  # jax in workers only
+        print(f"loader simulation vs the loader run on 8 devices: {check}", flush=True)
         futures = [(job, pool.submit(tight_case_safe, *job[0], job[1], job[2], workdir))
                    for job in jobs]
         for (key, _, _, smallest, smallest_peak), future in futures:
@@ -274,12 +428,12 @@ def main(argv=None) -> int:
             print(f"{key[0]} {key[1]}: {row['outcome']}", flush=True)
     counts = {k: sum(r["outcome"] == k for r in rows)
               for k in ("fits", "no plan fits", "OVER", "error")}
-    result = {"fraction": args.fraction, "counts": counts, "cases": rows,
+    result = {"fraction": args.fraction, "counts": counts, "cases": rows, "simulation_check": check,
               "wall_s": time.perf_counter() - started, "git": run.git_state()}
     Path(args.out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     print("\n".join(table(rows)))
     print(f"\n{counts} in {result['wall_s'] / 60:.1f} min")
-    return 1 if counts["OVER"] or counts["error"] else 0
+    return 1 if counts["OVER"] or counts["error"] or not check["equal"] else 0
 
 
 if __name__ == "__main__":

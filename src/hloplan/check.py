@@ -212,7 +212,7 @@ def format_report(report: dict) -> str:
         lines.append(f"  process {entry['process']} ({entry['local_devices']} devices){verdict}")
     if "pipeline" in report:
         pipe = report["pipeline"]
-        lines.append(f"pipeline: {pipe['stages']} stages x {pipe['microbatches']} microbatches "
+        lines.append(f"pipeline: {pipe['stages']} stage{'s' if pipe['stages'] != 1 else ''} x {pipe['microbatches']} microbatches "
                      f"({pipe['schedule']}), bubble {pipe['estimate']['bubble_fraction']:.0%}")
     lines.append("collectives      predicted            realised (compiled HLO)")
     kinds = sorted(set(report["predicted"]["collectives"]) | set(report["realised"]["collectives"]))

@@ -232,8 +232,11 @@ def _summary(plan: dict, output: str | None) -> None:
 
     est, solver = plan["estimate"], plan["solver"]
     mesh = ",".join(f"{n}={s}" for n, s in zip(plan["mesh"]["axis_names"], plan["mesh"]["axis_sizes"]))
+    pipe = plan.get("pipeline")
+    pipelined = bool(pipe and pipe.get("tasks"))
     lines = [
-        f"planned for mesh {mesh} on {plan['device_model']['name']}: estimated step "
+        f"{'single-program plan' if pipelined else 'planned'} for mesh {mesh} on "
+        f"{plan['device_model']['name']}: estimated step "
         f"{format_seconds(est['step_time_s'])} (compute {format_seconds(est['compute_s'])}, "
         f"communication {format_seconds(est['communication_s'] + est['resharding_s'])}), "
         f"peak {format_bytes(est['peak_memory_bytes'])} per device",
@@ -241,11 +244,14 @@ def _summary(plan: dict, output: str | None) -> None:
         f"{solver['gap']:.2%}{'' if solver['gap'] != float('inf') else ' (no bound)'}, "
         f"{solver['variables']} variables, {solver['constraints']} constraints",
     ]
-    pipe = plan.get("pipeline")
-    if pipe and pipe.get("stages", 1) * pipe.get("microbatches", 1) > 1:
+    budget = plan.get("memory_budget_bytes")
+    if pipelined and budget is not None and est["peak_memory_bytes"] > budget:
+        lines[0] += f", over the budget of {format_bytes(budget)}"
+    if pipelined:
         est = pipe["estimate"]
-        lines.append(f"pipeline: {pipe['stages']} stages x {pipe['microbatches']} microbatches "
+        lines.append(f"pipeline: {pipe['stages']} stage{'s' if pipe['stages'] != 1 else ''} x {pipe['microbatches']} microbatches "
                      f"({pipe['schedule']}), estimated step {format_seconds(est['step_time_s'])}, "
+                     f"peak {format_bytes(max(est['memory_per_stage_bytes']))} per device, "
                      f"bubble {est['bubble_fraction']:.0%}")
     elif pipe:
         lines.append("pipeline: none (one stage is estimated fastest)")

@@ -343,8 +343,21 @@ def render_text(plan: dict, console, top: int = 10) -> None:
     console.print(Text(f"hloplan plan for {source.get('file', '?')}: mesh {_mesh_text(plan)} "
                        f"({mesh.get('devices', '?')} devices) on {device.get('name', '?')}",
                        style="bold"))
-    console.print(Text(f"estimated step {format_seconds(est.get('step_time_s', 0.0))}, "
-                       f"peak {format_bytes(est.get('peak_memory_bytes', 0))} per device"))
+    pipe = plan.get("pipeline") or {}
+    single = (f"estimated step {format_seconds(est.get('step_time_s', 0.0))}, "
+              f"peak {format_bytes(est.get('peak_memory_bytes', 0))} per device")
+    if pipe.get("tasks"):  # the loader runs the pipeline; the tables below are the single program
+        pest = pipe["estimate"]
+        budget_bytes = plan.get("memory_budget_bytes")
+        over = (budget_bytes is not None and est.get("peak_memory_bytes", 0) > budget_bytes)
+        console.print(Text(
+            f"runs {pipe['stages']} stage{'s' if pipe['stages'] != 1 else ''} x {pipe['microbatches']} microbatches: estimated step "
+            f"{format_seconds(pest['step_time_s'])}, peak "
+            f"{format_bytes(max(pest['memory_per_stage_bytes']))} per device (see Pipeline)"))
+        console.print(Text(f"single-program plan (below): {single}"
+                           + (", over the memory budget" if over else "")))
+    else:
+        console.print(Text(single))
     console.print()
 
     links = mesh.get("links") or []
@@ -492,7 +505,7 @@ def device_ranges(devices: list[int]) -> str:
 
 
 def _candidate_text(c: dict) -> str:
-    text = f"{c['stages']} stages x {c['microbatches']} microbatches"
+    text = f"{c['stages']} stage{'s' if c['stages'] != 1 else ''} x {c['microbatches']} microbatches"
     if c.get("submeshes"):
         text += f" on {' + '.join(c['submeshes'])}"
     return text
@@ -531,7 +544,7 @@ def _render_pipeline(plan: dict, console, table, cells) -> None:
         return
     est = pipe["estimate"]
     console.print(Text(
-        f"Pipeline: {pipe['stages']} stages x {pipe['microbatches']} microbatches"
+        f"Pipeline: {pipe['stages']} stage{'s' if pipe['stages'] != 1 else ''} x {pipe['microbatches']} microbatches"
         + (" on " + " + ".join(f"{s['shape'][0]}x{s['shape'][1]}" for s in pipe["submeshes"])
            if all("shape" in s for s in pipe["submeshes"]) else "")
         + f", {pipe['schedule']}; batch {pipe['batch_size']} in {', '.join(pipe['batch_arguments'])}; "

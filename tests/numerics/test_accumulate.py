@@ -10,10 +10,12 @@ import re
 import jax
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from jax import export
 
 import hloplan
 from fixtures import models
+from hloplan.cli import main
 from hloplan.compiler import PipelineOptions
 from hloplan.diagnostics import HloplanError
 from hloplan.units import parse_bytes
@@ -72,8 +74,12 @@ def _live_bytes_per_call(plan_dir, args) -> list[int]:
         call = task["call"]
 
         def counted(*inputs, call=call):
-            seen.append(sum(s.data.nbytes for a in jax.live_arrays()
-                            for s in a.addressable_shards if s.device == device))
+            buffers = {}  # by address: a shard's .data is an array of its own, on one buffer
+            for array in jax.live_arrays():
+                for shard in array.addressable_shards:
+                    if shard.device == device:
+                        buffers[shard.data.unsafe_buffer_pointer()] = shard.data.nbytes
+            seen.append(sum(buffers.values()))
             return call(*inputs)
 
         task["call"] = counted
@@ -91,3 +97,18 @@ def test_loader_holds_one_microbatch_at_a_time(wide_vocab_gpt, tmp_path):
                         pipeline=PipelineOptions(stages=1, microbatches=m))
         peaks[m] = max(_live_bytes_per_call(tmp_path / f"m{m}", args))
     assert peaks[8] <= peaks[2]
+
+
+def test_cli_says_it_accumulates_and_the_plan_runs(wide_vocab_gpt, tmp_path):
+    path, _, _ = wide_vocab_gpt
+    budget = int(0.8 * _smallest_single_peak(path))
+    result = CliRunner().invoke(main, ["compile", str(path), "--mesh", "8", "--device", "toy",
+                                       "--memory-budget", str(budget), "-o",
+                                       str(tmp_path / "plan")], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "warning: no single-program plan fits the memory budget" in result.output
+    assert "over the budget of" in result.output  # the single-program plan's line
+    assert "pipeline: 1 stage x" in result.output
+    check = CliRunner().invoke(main, ["run", str(tmp_path / "plan"), "--check"],
+                               catch_exceptions=False)
+    assert check.exit_code == 0, check.output

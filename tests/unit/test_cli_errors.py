@@ -97,6 +97,7 @@ def test_budget_nothing_fits_says_by_how_much(tmp_path):
     assert result.exit_code == 1
     assert "no plan fits the memory budget of 1.00 KiB" in result.output
     assert "over budget" in result.output and "largest tensors" in result.output
+    assert "no plan fits by accumulating gradients over 2 to" in result.output
     assert not (tmp_path / "p").exists()
 
 

@@ -115,6 +115,11 @@ class PipelineRunner:
         import numpy as np
 
         if not self.multi_process:
+            # An array already laid out so is used as is (device_put would copy it: a second
+            # copy of every parameter for the whole step).
+            if isinstance(value, jax.Array) and value.sharding.is_equivalent_to(sharding,
+                                                                                 value.ndim):
+                return value
             return jax.device_put(value, sharding)
         stage = None
         if isinstance(value, jax.Array):
@@ -337,7 +342,7 @@ class PipelineRunner:
                     concat.setdefault(v, [None] * self.microbatches)[m] = array
                 if readers.get(v) or (m == last and v in late):
                     env[v] = array
-            del produced
+            produced = array = None  # no reference outlives its microbatch here
         once: dict[int, object] = {}
         for task in self.tasks:
             if task["part"] != "B":
