@@ -276,7 +276,7 @@ class _ProblemBuilder:
         if plain is None:
             plain = Strategy(strategy.name, strategy.compute, strategy.communication,
                              strategy.memory, strategy.collectives,
-                             axis_roles(strategy, self.mesh.ndim))
+                             axis_roles(strategy, self.mesh.ndim), strategy.transient)
             self.plain_of[id(strategy)] = plain
         return plain
 

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 
 from hloplan.graph import Graph
-from hloplan.solver.problem import ShardingProblem
+from hloplan.solver.problem import ShardingProblem, first_live_points
 from hloplan.state import CompileState, PlanSpace
 
 # Attributes that hold op indices or value ids: they differ between copies of a layer.
@@ -300,7 +300,7 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
     """Indices (in order) of the live points no other point dominates under the problem's ties.
 
     A point's bytes are its fixed bytes plus, per decision, the chosen strategy's memory summed
-    over its nodes there. Nodes of one decision with the same memory per strategy form a class;
+    over its nodes there (and the transient bytes of those first live there). Nodes of one decision with the same memory per strategy form a class;
     point P is dominated by Q when Q has at least P's fixed bytes and at least as many nodes of
     every class: then Q holds at least as many bytes as P whatever the (tie-respecting) choice,
     and checking Q suffices. With repeated layers tied, a forward-pass point is dominated by the
@@ -329,6 +329,27 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
             class_ids[key] = len(class_ids)
             class_max.append(max(memory))
         class_of[index] = class_ids[key]
+    # A node's transient bytes (at its first live point only) count as a node of their own
+    # there, of a class of their own.
+    flash_class: dict[int, int] = {}  # node -> class (-1: the same bytes for every choice)
+    flash_constant: dict[int, float] = {}
+    flash_in: dict[int, list[int]] = {}
+    flash_out: dict[int, list[int]] = {}
+    for index, first in first_live_points(problem).items():
+        transient = tuple(s.transient for s in problem.nodes[index].strategies)
+        if not any(transient):
+            continue
+        flash_in.setdefault(first, []).append(index)
+        flash_out.setdefault(first + 1, []).append(index)
+        node = problem.nodes[index]
+        if min(transient) == max(transient):
+            flash_class[index], flash_constant[index] = -1, transient[0]
+            continue
+        key = ("flash", ("tie", node.tie) if node.tie is not None else ("node", index), transient)
+        if key not in class_ids:
+            class_ids[key] = len(class_ids)
+            class_max.append(max(transient))
+        flash_class[index] = class_ids[key]
     width = max(len(class_ids), 1)
     largest = np.array(class_max + [0.0] * (width - len(class_max)))
     # Walk the points keeping the class counts up to date from the nodes that join and leave
@@ -354,6 +375,13 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
                 c = class_list[index]
                 if c < 0:
                     constant_sum += sign * constant_list[index]
+                else:
+                    change[c] = change.get(c, 0) + sign
+        for sign, flashed in ((1, flash_in.get(p, ())), (-1, flash_out.get(p, ()))):
+            for index in flashed:
+                c = flash_class[index]
+                if c < 0:
+                    constant_sum += sign * flash_constant[index]
                 else:
                     change[c] = change.get(c, 0) + sign
         previous = live

@@ -28,6 +28,7 @@ class OpStrategy:
     memory: float = 0.0
     collectives: tuple[tuple[str, str, float], ...] = ()
     name: str = ""
+    transient: float = 0.0  # bytes held only while made (unscattered partial sums)
 
 
 def axis_roles(strategy: OpStrategy, ndim: int) -> tuple[tuple[int, ...], ...]:
@@ -202,4 +203,5 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
     if operands and any(s is not None and any(s) for s in operands) or reduced:
         name += " <- " + " ".join(spec_text(s, mesh) for s in operands if s is not None)
     return OpStrategy(results, operands, reduced, compute * multiplier,
-                      communication * multiplier, sum(result_bytes), tuple(collectives), name)
+                      communication * multiplier, sum(result_bytes), tuple(collectives), name,
+                      transient=sum(computed_bytes) - sum(result_bytes))

@@ -97,3 +97,23 @@ def test_a_broadcast_read_only_by_fused_kernels_takes_no_memory():
     # The logits and the difference: with the broadcast counted, three logits-sized values.
     peak = evaluate(problem, state.solution).peak_memory
     assert peak < 2.5 * 4096 * 8192 * 4 / 8
+
+
+def test_reduce_scattered_partial_sums_are_held_whole_while_made():
+    """A weight gradient reduce-scattered over the 8 data-parallel devices is computed as a
+    whole [2048, 2048] partial sum on each (16 MiB) before the collective shrinks it to its
+    shard (2 MiB): the strategy keeps 2 MiB and holds 14 MiB more where it is made."""
+    state = _compiled()
+    graph, space, problem = state.graph, state.space, state.problem
+    grads = [op.index for op in graph.ops if op.name == "stablehlo.dot_general"
+             and graph.type_of(op.results[0]).shape == (2048, 2048)]
+    assert grads
+    scattered = [s for s in problem.nodes[space.node_of[grads[0]]].strategies
+                 if "reduce-scatter(x)" in s.name]
+    assert scattered
+    for s in scattered:
+        assert s.memory == 2048 * 2048 * 4 / 8
+        assert s.transient == 2048 * 2048 * 4 - s.memory
+    summed = [s for s in problem.nodes[space.node_of[grads[0]]].strategies
+              if "all-reduce(x)" in s.name]
+    assert summed and all(s.transient == 0 for s in summed)

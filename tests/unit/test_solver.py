@@ -20,6 +20,7 @@ from hloplan.solver.problem import (
     Edge,
     Launch,
     LivePoint,
+    LiveRange,
     Node,
     ShardingProblem,
     Solution,
@@ -60,7 +61,7 @@ def brute_force(problem: ShardingProblem) -> tuple[float, tuple[int, ...]]:
 
 def random_problem(
     seed: int, n: int, k: int, m: int, *, ties: bool = False, tight: float = 0.5,
-    launches: int = 0,
+    launches: int = 0, transients: bool = False,
 ) -> ShardingProblem:
     """A reproducible random problem with dense edges, live points and a budget between the
     smallest and largest possible peaks (`tight` = 0 is the smallest), and `launches` costs
@@ -73,7 +74,13 @@ def random_problem(
             (f"s{j}", rng.uniform(0, 1), rng.uniform(0, 1), rng.choice([0.25, 0.5, 1, 2]))
             for j in range(k)
         )
-        nodes.append(node(f"n{i}", *strategies, tie=tie))
+        made = node(f"n{i}", *strategies, tie=tie)
+        if transients:  # some strategies hold more bytes where the node is first live
+            made = Node(made.name, tuple(
+                Strategy(st.name, st.compute_cost, st.communication_cost, st.memory,
+                         transient=rng.choice([0.0, 0.0, 1.0, 3.0]) * GIB)
+                for st in made.strategies), tie=made.tie)
+        nodes.append(made)
     edges = []
     for _ in range(m):
         a, b = rng.sample(range(n), 2)
@@ -141,6 +148,30 @@ def test_memory_budget_forces_costlier_strategy():
     evaluation = evaluate(problem, solution)
     assert evaluation.peak_memory == 5 * GIB
     assert evaluation.feasible
+
+
+def test_transient_bytes_count_at_the_first_live_point_only():
+    # g: "all-reduce" 2 ms, 4 GiB of partial sums kept; "reduce-scatter" 1 ms, 1 GiB kept but
+    # 4 GiB while made (3 GiB transient). h (2 GiB) is born at the next point, while g lives.
+    # Budget 5.5 GiB: points 0/1 hold g and g + h. All-reduce: 4 / 6 GiB (over);
+    # reduce-scatter: 1 + 3 / 1 + 2 = 4 / 3 GiB: fits. Budget 3.5 GiB: only the transient,
+    # counted at point 0 alone, keeps reduce-scatter out (4 > 3.5): nothing fits.
+    g = Node("g", (Strategy("all-reduce", 2 * MS, 0.0, 4 * GIB),
+                   Strategy("reduce-scatter", 1 * MS, 0.0, 1 * GIB, transient=3 * GIB)))
+    h = Node("h", (Strategy("r", 0.0, 0.0, 2 * GIB),))
+    points = (LivePoint((), 0.0, "after g"), LivePoint((), 0.0, "after h"))
+    ranges = (LiveRange(0, 0, 1), LiveRange(1, 1, 1))
+    problem = ShardingProblem((g, h), (), points, 5.5 * GIB, live_ranges=ranges)
+    problem.validate()
+    assert evaluate(problem, Solution((1, 0))).memory == (4 * GIB, 3 * GIB)
+    assert evaluate(problem, Solution((0, 0))).memory == (4 * GIB, 6 * GIB)
+    for backend in BACKENDS:
+        solution, _ = solve(problem, solver=backend)
+        assert solution.choice == (1, 0)
+    tight = ShardingProblem((g, h), (), points, 3.5 * GIB, live_ranges=ranges)
+    with pytest.raises(InfeasibleError) as info:
+        solve(tight)
+    assert info.value.details.min_peak == 4 * GIB
 
 
 def test_infeasible_budget_reports_shortfall():
@@ -287,6 +318,17 @@ def test_backends_agree_with_brute_force(seed):
     assert objectives
     for objective in objectives.values():
         assert objective == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_transients_agree_with_brute_force(seed):
+    problem = random_problem(seed, n=7, k=3, m=10, ties=True, tight=0.8, transients=True)
+    expected, choice = brute_force(problem)
+    assert choice, "some choice must fit"
+    for backend in BACKENDS:
+        solution, stats = solve(problem, solver=backend)
+        assert evaluate(problem, solution).feasible
+        assert stats.objective == pytest.approx(expected, rel=1e-6)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from numbers import Integral
 
-from hloplan.solver.problem import ShardingProblem, Solution
+from hloplan.solver.problem import ShardingProblem, Solution, first_live_points
 from hloplan.units import format_bytes
 
 __all__ = ["MEMORY_RTOL", "Evaluation", "evaluate", "live_point_bytes", "memory_fits"]
@@ -70,14 +70,19 @@ def live_point_bytes(problem: ShardingProblem, solution: Solution) -> tuple[floa
 
     A node listed twice at one point is counted once: a value is either live there or not.
     """
-    chosen = [node.strategies[pick].memory for node, pick in zip(problem.nodes, solution.choice)]
+    picked = [node.strategies[pick] for node, pick in zip(problem.nodes, solution.choice)]
+    chosen = [s.memory for s in picked]
     points, ranges = problem.live_points, problem.live_ranges
-    exact = all(float(m).is_integer() and abs(m) < _EXACT for m in chosen) and all(
+    # A node's transient bytes at its first live point (partial sums before a reduce-scatter).
+    flash = [0.0] * (len(points) + 1)
+    for index, first in first_live_points(problem).items():
+        flash[first] += picked[index].transient
+    exact = all(float(m).is_integer() and abs(m) < _EXACT for m in chosen + flash) and all(
         float(p.fixed_bytes).is_integer() and abs(p.fixed_bytes) < _EXACT for p in points)
     totals = []
     if not exact:
         for p, point in enumerate(points):
-            used = point.fixed_bytes
+            used = point.fixed_bytes + flash[p]
             for index in dict.fromkeys(point.nodes):
                 used += chosen[index]
             for r in ranges:
@@ -103,7 +108,7 @@ def live_point_bytes(problem: ShardingProblem, solution: Solution) -> tuple[floa
             for index in previous - live:
                 running -= chosen[index]
             previous = live
-        totals.append(point.fixed_bytes + running)
+        totals.append(point.fixed_bytes + running + flash[p])
     return tuple(totals)
 
 

@@ -52,7 +52,7 @@ import numpy as np
 import pulp
 
 from hloplan.solver.evaluate import MEMORY_RTOL, evaluate, memory_fits
-from hloplan.solver.problem import ShardingProblem, Solution, SolveStats
+from hloplan.solver.problem import ShardingProblem, Solution, SolveStats, first_live_points
 from hloplan.units import format_bytes
 
 __all__ = [
@@ -174,27 +174,38 @@ class _Memory:
         previous: set[int] = set()
         constant = 0.0
         nodes = problem.nodes
+        transients: dict[int, np.ndarray] = {}  # id(strategies) -> transient bytes
         enter: dict[int, list[int]] = {}
         leave: dict[int, list[int]] = {}
+        # A node's first live point also holds its transient bytes (gone at the next).
+        flash_in: dict[int, list[int]] = {}
+        flash_out: dict[int, list[int]] = {}
         for r in problem.live_ranges:
             enter.setdefault(r.first, []).append(r.node)
             leave.setdefault(r.last + 1, []).append(r.node)
+        for index, first in first_live_points(problem).items():
+            if any(s.transient for s in nodes[index].strategies):
+                flash_in.setdefault(first, []).append(index)
+                flash_out.setdefault(first + 1, []).append(index)
         for p, point in enumerate(problem.live_points):
             live = set(point.nodes)
             changed: dict[int, np.ndarray] = {}
             entering = sorted(live - previous) + sorted(enter.get(p, ()))
             leaving = sorted(previous - live) + sorted(leave.get(p, ()))
-            for sign, moved in ((1.0, entering), (-1.0, leaving)):
+            for sign, moved, kind, cache in (
+                    (1.0, entering, "memory", vectors), (-1.0, leaving, "memory", vectors),
+                    (1.0, sorted(flash_in.get(p, ())), "transient", transients),
+                    (-1.0, sorted(flash_out.get(p, ())), "transient", transients)):
                 for index in moved:
                     g = group_of[index]
                     strategies = nodes[index].strategies
                     if g < 0:
-                        constant += sign * strategies[0].memory
+                        constant += sign * getattr(strategies[0], kind)
                         continue
-                    vector = vectors.get(id(strategies))
+                    vector = cache.get(id(strategies))
                     if vector is None:
-                        vector = np.array([s.memory for s in strategies], dtype=float)
-                        vectors[id(strategies)] = vector
+                        vector = np.array([getattr(s, kind) for s in strategies], dtype=float)
+                        cache[id(strategies)] = vector
                     delta = changed.get(g)
                     changed[g] = sign * vector if delta is None else delta + sign * vector
             for g, delta in changed.items():

@@ -35,6 +35,9 @@ class Strategy:
     # Optional, per mesh axis: a hashable description of what the strategy does with the axis
     # (strategies.axis_roles). Lets the solver plan meshes of many axes on smaller views.
     axes: tuple = ()
+    # Bytes per device held only as the node's values are made: at its first live point
+    # (first_live_points; partial sums at full size before their reduce-scatter shrinks them).
+    transient: float = 0.0
 
     @property
     def cost(self) -> float:
@@ -76,6 +79,24 @@ class LiveRange:
     node: int
     first: int
     last: int
+    # Whether `first` is where the node's values are made (it holds its transient bytes
+    # there); False once the points before it were dropped (with_live_points).
+    made: bool = True
+
+
+def first_live_points(problem) -> dict[int, int]:
+    """Per node live somewhere, its first live point (listed or in its range): where it
+    holds its strategy's transient bytes."""
+    first: dict[int, int] = {}
+    for p, point in enumerate(problem.live_points):
+        for index in point.nodes:
+            first.setdefault(index, p)
+    for r in problem.live_ranges:
+        if r.made:
+            first[r.node] = min(first.get(r.node, r.first), r.first)
+        elif first.get(r.node, -1) >= r.first:  # made at a point no longer checked
+            del first[r.node]
+    return first
 
 
 @dataclass(frozen=True)
@@ -125,7 +146,8 @@ class ShardingProblem:
             first = bisect.bisect_left(kept, r.first)
             last = bisect.bisect_right(kept, r.last) - 1
             if first <= last:
-                ranges.append(LiveRange(r.node, first, last))
+                ranges.append(LiveRange(r.node, first, last,
+                                        r.made and first < len(kept) and kept[first] == r.first))
         return replace(self, live_points=tuple(self.live_points[p] for p in kept),
                        live_ranges=tuple(ranges))
 
