@@ -90,12 +90,14 @@ def measure_accumulated(plan_dir: Path, mesh: str) -> dict:
     import jax
 
     import hloplan
+    from hloplan.emit.pipeline_loader import microbatch
 
     runner = hloplan.load(plan_dir)
     pipe = runner.pipe
     if pipe["stages"] != 1:
         raise ValueError("measure_accumulated: one stage only")
     M = pipe["microbatches"]
+    blocks = pipe.get("microbatch_blocks", 1)
     comm = run.comm_model(mesh)
     sub = runner.meshes[0]
     axes = tuple(zip(sub.axis_names, sub.devices.shape))
@@ -134,13 +136,13 @@ def measure_accumulated(plan_dir: Path, mesh: str) -> dict:
             "temp": measured["memory"]["temp_bytes"] or 0,
         })
     # What the user holds: the state as the step hands it back, other arguments as their first
-    # task takes them, the whole batch in its task's microbatch layout.
+    # task takes them, the whole batch in its first per-microbatch task's layout.
     user_layout: dict[int, object] = dict(_state_layouts(runner))
     user: dict[int, int] = {}
-    for t in tasks:
+    for t in sorted(tasks, key=lambda t: t["task"]["part"] != "A"):
         for (v, s), aval in zip(t["in_keys"], t["in_avals"]):
             if v in arguments and v not in user:
-                if v in batch:
+                if v in batch and t["task"]["part"] == "A":  # a microbatch's shape
                     shape = list(aval.shape)
                     shape[batch[v]] *= M
                     whole_aval[v] = jax.ShapeDtypeStruct(tuple(shape), aval.dtype)
@@ -181,11 +183,15 @@ def measure_accumulated(plan_dir: Path, mesh: str) -> dict:
         made = 0  # inputs made for this call: microbatch slices, resharded values
         for (v, s), b, aval in zip(t["in_keys"], t["in_bytes"], t["in_avals"]):
             ndim = len(aval.shape)
-            if v in batch:
-                dim, size = batch[v], aval.shape[batch[v]]
-
-                def cut(x, dim=dim, start=m * size, size=size):
-                    return jax.lax.slice_in_dim(x, start, start + size, axis=dim)
+            if v in batch and task["part"] == "P":  # the prologue reads the whole batch
+                if user_layout[v].is_equivalent_to(s, ndim):
+                    continue
+                moved = move(("whole", v, s), lambda x: x, whole_aval[v], user_layout[v], s)
+                note(live() + made + b + moved["temp"], f"moving the batch for {task['name']}")
+                made += b
+            elif v in batch:
+                def cut(x, dim=batch[v], m=m):  # as the loader cuts it
+                    return microbatch(x, dim, m, M, blocks)
 
                 moved = move(("slice", v, m, s), cut, whole_aval[v], user_layout[v], s)
                 note(live() + made + b + moved["temp"], f"slicing microbatch {m}")
@@ -210,6 +216,9 @@ def measure_accumulated(plan_dir: Path, mesh: str) -> dict:
         return dict(zip(task["outputs"], t["out_bytes"]))
 
     by_index = {t["task"]["index"]: t for t in tasks}
+    for t in tasks:  # the prologue: statistics of the whole batch, kept for the step
+        if t["task"]["part"] == "P":
+            once.update(run_task(t, 0))
     for index, m in pipe["order"]:
         t = by_index[index]
         produced = run_task(t, m)

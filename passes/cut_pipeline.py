@@ -26,12 +26,13 @@ from hloplan.op_rules import rule_for
 from hloplan.passes.label_batch import BatchAnalysis, unit_io, units
 
 BACKWARD_MARK = "transpose("  # jax names ops of the backward pass "transpose(jvp(...))/..."
+PART_ORDER = {"P": 0, "A": 1, "B": 2}  # the prologue, per microbatch, once per step
 
 
 @dataclass
 class Task:
     index: int
-    part: str  # "A": per microbatch, "B": once per step
+    part: str  # "P": once per step before the microbatches, "A": per microbatch, "B": after
     stage: int
     phase: int
     units: list[int] = field(default_factory=list)  # top-level op indices, program order
@@ -232,6 +233,7 @@ class CutContext:
     invariant: set[int]
     part_a: list[int]
     part_b: list[int]
+    part_p: list[int]  # the prologue: data statistics, once per step before the microbatches
     forward: list[int]
     backward: list[int]
     key: dict[int, int]  # unit -> forward position
@@ -293,8 +295,9 @@ def prepare(graph: Graph, analysis: BatchAnalysis) -> CutContext:
                 arg_key.setdefault(v, key[u])
     for v in graph.arguments:
         arg_key.setdefault(v, 0)
+    part_p = sorted(u for u in analysis.part_p if u not in invariant)
     return CutContext(graph, analysis, all_units, io, producer_unit, invariant, part_a, part_b,
-                      forward, backward, key, arg_key)
+                      part_p, forward, backward, key, arg_key)
 
 
 def layer_starts(ctx: CutContext, parts: int, flop_rate: float | None = None,
@@ -322,7 +325,7 @@ def cut_at(ctx: CutContext, starts: list[int]) -> PipelineCut:
     stage = {u: max(bisect.bisect_right(starts, k) - 1, 0) for u, k in ctx.key.items()}
     stage_of_arg = {v: max(bisect.bisect_right(starts, k) - 1, 0) for v, k in ctx.arg_key.items()}
     tasks = _tasks(ctx.graph, ctx.all_units, ctx.io, ctx.producer_unit, stage, ctx.part_a,
-                   ctx.part_b, ctx.invariant, ctx.analysis, stages)
+                   ctx.part_b, ctx.invariant, ctx.analysis, stages, ctx.part_p)
     stage_cost = [0.0] * stages
     for task in tasks:
         if task.part == "A":
@@ -354,20 +357,22 @@ def _dependent_units(graph, all_units, io, analysis: BatchAnalysis) -> set[int]:
 
 
 def _tasks(graph, all_units, io, producer_unit, stage, part_a, part_b, invariant, analysis,
-           stages) -> list[Task]:
-    phase: dict[int, int] = {}
+           stages, part_p=()) -> list[Task]:
     tasks: dict[tuple[str, int, int], Task] = {}
     batch_values = {graph.arguments[p] for p in analysis.batch_args} | analysis.frontier
-    for part, members in (("A", part_a), ("B", part_b)):
-        phase.update(_phases(members, io, producer_unit, stage, batch_values))
+    # The prologue runs on the first stage, before any microbatch (its units that part A
+    # needs too run there as well, per microbatch).
+    first = {u: 0 for u in part_p}
+    for part, members, where in (("P", part_p, first), ("A", part_a, stage), ("B", part_b, stage)):
+        phase = _phases(members, io, producer_unit, where, batch_values)
         for u in members:
             p = phase[u]
-            key = (part, stage[u], p)
+            key = (part, where[u], p)
             if key not in tasks:
-                tasks[key] = Task(0, part, stage[u], p)
+                tasks[key] = Task(0, part, where[u], p)
             tasks[key].units.append(u)
             tasks[key].cost += unit_cost(graph, all_units[u])
-    ordered = sorted(tasks.values(), key=lambda t: (t.part, t.phase, t.stage))
+    ordered = sorted(tasks.values(), key=lambda t: (PART_ORDER[t.part], t.phase, t.stage))
     for i, task in enumerate(ordered):
         task.index = i
     # Invariant units are cloned into every task that reads them (transitively).
@@ -398,6 +403,8 @@ def _tasks(graph, all_units, io, producer_unit, stage, part_a, part_b, invariant
                if graph.producer(v).parent is None}
         task.outputs = sorted(v for v in own if v in consumers or v in program_outputs
                               or v in analysis.frontier)
+        if task.part == "P":  # per-example values come from part A's own copy of the units
+            task.outputs = [v for v in task.outputs if v not in analysis.label]
     return ordered
 
 

@@ -10,6 +10,11 @@ Splitting the batch into microbatches is exact when the program factors into
 - part B, once per step: everything after the frontier (scaling, the optimizer update),
 and no part-B op reads a batch-labelled value (batch statistics, as in BatchNorm, or a max over
 the batch make it inexact). Where that does not hold, the pass says why, at the op.
+
+A sum over the batch computed from the batch inputs alone (a masked mean's token count,
+`sum(weights)`) is a statistic of the data, not of the model: it is computed once per step on
+the whole batch (part P, the prologue, before the microbatches) and read by every microbatch as
+a constant, so losses normalised by it split exactly.
 """
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ class BatchAnalysis:
     frontier: set[int] = field(default_factory=set)  # value ids: partial sums over the batch
     part_a: set[int] = field(default_factory=set)  # op indices run per microbatch
     part_b: set[int] = field(default_factory=set)  # op indices run once per step
+    # Sums over the batch of the batch inputs alone, and the units computing them once per
+    # step on the whole batch before the microbatches (part P).
+    prologue: set[int] = field(default_factory=set)  # value ids
+    part_p: set[int] = field(default_factory=set)  # op indices
 
     def describe(self, graph: Graph) -> str:
         names = ", ".join(graph.argument_names[i] for i in self.batch_args)
@@ -48,7 +57,54 @@ class BatchAnalysis:
                 f"over microbatches")
 
 
-def propagate(graph: Graph, batch_args: list[int]) -> tuple[dict[int, int], set[int]]:
+def data_statistics(graph: Graph, batch_args: list[int], frontier: set[int]) -> set[int]:
+    """Frontier values computed from the batch inputs and constants alone (no parameter, no
+    other argument): sums over the batch of the data itself, such as a masked mean's count."""
+    batch = {graph.arguments[p] for p in batch_args}
+    others = set(graph.arguments) - batch
+    pure: dict[int, bool] = {}
+
+    def data_only(value_id: int) -> bool:
+        stack = [value_id]
+        while stack:  # the graph outside loops is acyclic: a depth-first walk ends
+            v = stack[-1]
+            if v in pure:
+                stack.pop()
+                continue
+            if v in others or v in batch:
+                pure[v] = v in batch
+                stack.pop()
+                continue
+            op = graph.producer(v)
+            if op.name in UNPLANNED or op.name.startswith("while.") or op.parent is not None:
+                pure[v] = False  # loops and their bodies are not split this way
+                stack.pop()
+                continue
+            waiting = [u for u in op.operands if u not in pure]
+            if waiting:
+                stack.extend(waiting)
+                continue
+            pure[v] = all(pure[u] for u in op.operands)
+            stack.pop()
+        return pure[value_id]
+
+    return {v for v in frontier if data_only(v)}
+
+
+def propagate(graph: Graph, batch_args: list[int]) -> tuple[dict[int, int], set[int], set[int]]:
+    """Labels, frontier and data statistics (computed once per step, see the module's
+    docstring): statistics are found on a first sweep, and the second treats them as
+    constants, so that what reads them with per-example values stays per microbatch."""
+    label, frontier = _propagate_assuming(graph, batch_args, frozenset())
+    statistics = data_statistics(graph, batch_args, frontier)
+    if not statistics:
+        return label, frontier, set()
+    label, frontier = _propagate_assuming(graph, batch_args, frozenset(statistics))
+    return label, frontier, statistics
+
+
+def _propagate_assuming(graph: Graph, batch_args: list[int], prologue: frozenset[int]
+                        ) -> tuple[dict[int, int], set[int]]:
     """Batch labels and frontier values from the given argument positions; BatchError if an op
     mixes or drops the batch in a way microbatching cannot follow.
 
@@ -63,7 +119,7 @@ def propagate(graph: Graph, batch_args: list[int]) -> tuple[dict[int, int], set[
     order = sorted(assumed, key=lambda v: graph.values[v].producer)
     while True:
         try:
-            label, frontier = _propagate(graph, batch_args, assumed)
+            label, frontier = _propagate(graph, batch_args, assumed, prologue)
         except BatchError:
             if not assumed:
                 raise
@@ -78,7 +134,8 @@ def propagate(graph: Graph, batch_args: list[int]) -> tuple[dict[int, int], set[
         assumed.discard(wrong[0])
 
 
-def _propagate(graph: Graph, batch_args: list[int], assumed: set[int]) -> tuple[dict[int, int], set[int]]:
+def _propagate(graph: Graph, batch_args: list[int], assumed: set[int],
+               prologue: frozenset[int] = frozenset()) -> tuple[dict[int, int], set[int]]:
     label: dict[int, int] = {}
     frontier: set[int] = set(assumed)
     for position in batch_args:
@@ -118,7 +175,7 @@ def _propagate(graph: Graph, batch_args: list[int], assumed: set[int]) -> tuple[
                 new, summed = _through(graph, op, rule, labelled, label, free)
                 if summed:
                     for result in op.results:
-                        if result not in frontier:
+                        if result not in frontier and result not in prologue:
                             frontier.add(result)
                             changed = True
             for value_id, dim in new.items():
@@ -304,17 +361,41 @@ def unit_io(graph: Graph, members: list[Op]) -> tuple[set[int], set[int]]:
     return reads - produced, produced
 
 
-def split_parts(graph: Graph, label: dict[int, int], frontier: set[int]) -> tuple[set[int], set[int]]:
+def prologue_units(graph: Graph, statistics: set[int]) -> set[int]:
+    """Top-level units computing the data statistics (all of them top-level ops: see
+    data_statistics), back to the batch inputs."""
+    arguments = set(graph.arguments)
+    out: set[int] = set()
+    stack = list(statistics)
+    seen: set[int] = set()
+    while stack:
+        v = stack.pop()
+        if v in seen or v in arguments:
+            continue
+        seen.add(v)
+        op = graph.producer(v)
+        out.add(op.index)
+        stack.extend(op.operands)
+    return out
+
+
+def split_parts(graph: Graph, label: dict[int, int], frontier: set[int],
+                part_p: set[int] = frozenset()) -> tuple[set[int], set[int]]:
     """Top-level unit indices of part A (per microbatch) and part B (once per step).
 
     A unit is in part B when it reads a frontier value or a part-B value; in part A when it
     reads a batch-labelled value or produces one (or a frontier value); units that depend on
-    neither are invariant and go where they are used (both parts when both use them)."""
+    neither are invariant and go where they are used (both parts when both use them). The
+    prologue's units (`part_p`) are neither, but also run per microbatch where part A reads
+    their per-example values."""
     kinds: dict[int, str] = {}
     value_kind: dict[int, str] = {}
     all_units = units(graph)
     for index, members in all_units.items():
         reads, produced = unit_io(graph, members)
+        if index in part_p:
+            kinds[index] = "P"
+            continue
         # Partial sums feed part B, unless the unit maps them linearly to partial sums (then
         # it runs per microbatch and its results are summed instead).
         reads_partial = bool(reads & frontier) and not (produced and produced <= frontier)
@@ -343,6 +424,12 @@ def split_parts(graph: Graph, label: dict[int, int], frontier: set[int]) -> tupl
         user_units[index] = users
     placement: dict[int, set[str]] = {}
     for index in sorted(all_units, reverse=True):
+        if kinds[index] == "P":  # and in part A too when a microbatch reads its per-example
+            _, produced = unit_io(graph, all_units[index])  # values (not the statistics)
+            placement[index] = {"P"} | ({"A"} if any(
+                "A" in placement.get(unit_of_op.get(user), ()) for v in produced if v in label
+                for user in graph.values[v].users) else set())
+            continue
         if kinds[index] != "I":
             placement[index] = {kinds[index]}
             continue
@@ -407,12 +494,14 @@ def analyse(graph: Graph, batch_args: list[int] | None = None) -> BatchAnalysis:
         if len(sizes_) != 1:
             continue
         try:
-            label, frontier = propagate(graph, args)
-            part_a, part_b = split_parts(graph, label, frontier)
+            label, frontier, statistics = propagate(graph, args)
+            part_p = prologue_units(graph, statistics)
+            part_a, part_b = split_parts(graph, label, frontier, part_p)
         except BatchError as exc:
             first_error = first_error or exc
             continue
-        return BatchAnalysis(list(args), sizes_.pop(), label, frontier, part_a, part_b)
+        return BatchAnalysis(list(args), sizes_.pop(), label, frontier, part_a, part_b,
+                             statistics, part_p)
     raise first_error or BatchError(None, "no consistent batch input found")
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -47,6 +48,7 @@ from hloplan.mesh import MeshSpec
 from hloplan.op_rules import folded_transposes, fused_values, hbm_traffic, rule_for
 from hloplan.passes.build_sharding_problem import BuildShardingProblem
 from hloplan.passes.cut_pipeline import (
+    PART_ORDER,
     CutContext,
     PipelineCut,
     cut_at,
@@ -190,7 +192,7 @@ def _plan_order(tasks: list) -> list:
     """A stage's tasks in the order they are planned: as the data flows (its per-microbatch
     tasks in phase order, then its once-per-step tasks), each adapting to the layouts fixed
     before it."""
-    return sorted(tasks, key=lambda t: (t.part, t.index))
+    return sorted(tasks, key=lambda t: (PART_ORDER[t.part], t.index))
 
 
 def _boundary(graph, analysis: BatchAnalysis, task, earlier: list, next_of: dict[int, int],
@@ -205,6 +207,8 @@ def _boundary(graph, analysis: BatchAnalysis, task, earlier: list, next_of: dict
     for the step); a part-B task hands a parameter's next value back in that layout."""
     once = 1.0 / microbatches if task.part == "A" else 1.0
     made = {v: figure.out_specs[k] for t, figure in earlier for k, v in enumerate(t.outputs)}
+    # What the prologue makes arrives once per step, like a parameter.
+    per_step = {v for t, _ in earlier if t.part == "P" for v in t.outputs}
     batch_args = {graph.arguments[p] for p in analysis.batch_args}
     args = set(graph.arguments) - batch_args
     home: dict[int, tuple] = {}
@@ -215,7 +219,7 @@ def _boundary(graph, analysis: BatchAnalysis, task, earlier: list, next_of: dict
     incoming = []
     for k, v in enumerate(task.inputs):
         if v in made:
-            incoming.append((k, made[v], 1.0))
+            incoming.append((k, made[v], once if v in per_step else 1.0))
         elif v in home:
             incoming.append((k, home[v], once))
     outgoing = [(k, home[next_of[v]], 1.0) for k, v in enumerate(task.outputs)
@@ -349,7 +353,8 @@ def _stage_cost(graph, analysis: BatchAnalysis, cut_: PipelineCut, stage: int,
     - per microbatch: its part-A tasks (with the resharding at their boundaries, priced in them:
       PriceBoundaryLayouts); receiving what they read from other stages (each device its own
       share, over `link`);
-    - once per step: its part-B tasks; adding up the partial sums of the M microbatches;
+    - once per step: its part-B tasks and its prologue (part P); adding up the partial sums
+      of the M microbatches;
     - memory: its largest task peak with what the loader holds beside that task (_held_bytes),
       and the activations it keeps between its forward and backward per microbatch in flight.
     Returns the cost and its parts (seconds)."""
@@ -375,7 +380,7 @@ def _stage_cost(graph, analysis: BatchAnalysis, cut_: PipelineCut, stage: int,
                     local = local_bytes(type_.shape, type_.itemsize, figures[t.index].out_specs[k],
                                         comm.mesh)
                     accumulate += (microbatches - 1) * 3 * local / hbm  # read 2, write 1
-    b_time = sum(figures[t.index].seconds for t in tasks if t.part == "B")
+    b_time = sum(figures[t.index].seconds for t in tasks if t.part != "A")
     held = _held_bytes(graph, analysis, tasks, figures, microbatches, comm.mesh)
     peak = max((figures[t.index].peak + held[t.index] for t in tasks), default=0.0)
     residual = 0.0
@@ -419,12 +424,19 @@ def _held_bytes(graph, analysis: BatchAnalysis, tasks: list, figures: dict[int, 
                         type_ = graph.type_of(v)
                         sums += local_bytes(type_.shape, type_.itemsize,
                                             figures[t.index].out_specs[k], mesh)
+    kept = 0.0  # what the prologue hands the microbatches, kept for the step
+    for t in tasks:
+        if t.part == "P":
+            for k, v in enumerate(t.outputs):
+                type_ = graph.type_of(v)
+                kept += local_bytes(type_.shape, type_.itemsize, figures[t.index].out_specs[k],
+                                    mesh)
     held = {}
     for t in tasks:
         own = {(v, figures[t.index].in_specs[k]) for k, v in enumerate(t.inputs)
                if v in whole}
         held[t.index] = sum(b for key, b in copies.items() if key not in own) + (
-            sums if t.part == "A" else 0.0)
+            sums if t.part == "A" else 0.0) + (kept if t.part != "P" else 0.0)
     return held
 
 
@@ -448,6 +460,8 @@ def _estimate(state, cut_: PipelineCut, plan_tasks: list[TaskPlan], analysis, mi
     for tp in plan_tasks:
         if tp.task.part == "B":
             by_phase.setdefault(tp.task.phase, [0.0] * stages)[tp.task.stage] += tp.seconds
+    # The prologue's tasks before the microbatches, one after another.
+    prologue = sum(tp.seconds for tp in plan_tasks if tp.task.part == "P")
     phases = sorted(by_phase)
     for s in range(stages):
         extra = parts[s]["accumulate_s"]
@@ -455,7 +469,7 @@ def _estimate(state, cut_: PipelineCut, plan_tasks: list[TaskPlan], analysis, mi
             by_phase[phases[0]][s] += extra
         else:
             by_phase.setdefault(-1, [0.0] * stages)[s] += extra
-    once = sum(max(times) for times in by_phase.values())
+    once = sum(max(times) for times in by_phase.values()) + prologue
     in_flight = [inter_op.in_flight(schedule_kind, microbatches, stages - s)
                  for s in range(stages)]
     memory = [costs[s].memory(in_flight[s]) for s in range(stages)]
@@ -899,6 +913,27 @@ class NoPipeline:
                 "chosen": "single stage: no pipeline beats it under the cost model"}
 
 
+def _microbatch_blocks(plan: PipelinePlan, graph) -> int:
+    """How many blocks the loader takes each microbatch from (pipeline_loader.microbatch): the
+    shards the per-microbatch tasks split the batch inputs' batch dim into (their greatest
+    common divisor where they differ), so that a batch passed in that layout is cut into
+    microbatches without moving a row; 1 (contiguous microbatches) when they do not divide
+    the batch evenly."""
+    batch_args = {graph.arguments[p] for p in plan.analysis.batch_args}
+    blocks = 0
+    for tp in plan.tasks:
+        if tp.task.part != "A" or tp.figure is None:
+            continue
+        sizes = plan.submeshes[tp.task.stage]["axis_sizes"]
+        for k, v in enumerate(tp.task.inputs):
+            if v in batch_args:
+                spec = tp.figure.in_specs[k]
+                blocks = math.gcd(blocks, math.prod(sizes[a] for a in spec[0]) if spec else 1)
+    batch = plan.analysis.batch_size
+    return max((d for d in range(1, max(blocks, 1) + 1)
+                if blocks % d == 0 and batch % (d * plan.microbatches) == 0), default=1)
+
+
 def describe(plan: PipelinePlan, state: CompileState) -> dict:
     """The plan.json section the loader runs and explain shows."""
     graph = state.graph
@@ -932,6 +967,7 @@ def describe(plan: PipelinePlan, state: CompileState) -> dict:
     return {
         "stages": plan.stages,
         "microbatches": plan.microbatches,
+        "microbatch_blocks": _microbatch_blocks(plan, graph),
         "schedule": plan.schedule_kind,
         "batch_arguments": [graph.argument_names[p] for p in analysis.batch_args],
         "batch_size": analysis.batch_size,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -112,3 +113,63 @@ def test_cli_says_it_accumulates_and_the_plan_runs(wide_vocab_gpt, tmp_path):
     check = CliRunner().invoke(main, ["run", str(tmp_path / "plan"), "--check"],
                                catch_exceptions=False)
     assert check.exit_code == 0, check.output
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 4])
+def test_blocked_microbatches_put_back_in_order(blocks):
+    from hloplan.emit.pipeline_loader import microbatch, unmicrobatch
+
+    x = np.arange(2 * 16 * 3).reshape(2, 16, 3)
+    parts = [np.asarray(microbatch(x, 1, m, 4, blocks)) for m in range(4)]
+    # Microbatch m holds rows m*b..(m+1)*b-1 of each of the blocks (b = 16 / (blocks * 4)).
+    inner = 16 // (blocks * 4)
+    want = [r for k in range(blocks) for r in range(k * 16 // blocks + 1 * inner,
+                                                     k * 16 // blocks + 2 * inner)]
+    np.testing.assert_array_equal(parts[1], x[:, want])
+    joined = np.concatenate(parts, axis=1)
+    np.testing.assert_array_equal(np.asarray(unmicrobatch(joined, 1, 4, blocks)), x)
+
+
+def test_microbatches_are_cut_where_the_batch_lies(wide_vocab_gpt, tmp_path):
+    """Planned for the H100 the microbatch task splits the batch 8 ways: each microbatch is
+    taken from the 8 blocks of a batch laid out so, and the step still equals the
+    single-device one."""
+    path, args, expected = wide_vocab_gpt
+    result = hloplan.compile(path, "8", output=tmp_path / "plan", device="h100",
+                             pipeline=PipelineOptions(stages=1, microbatches=4))
+    assert result.plan["pipeline"]["microbatch_blocks"] == 8
+    got = hloplan.load(tmp_path / "plan")(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+
+
+def masked_mean_step(params, x, targets, weights):
+    """A loss normalised by a sum over the batch of the data alone (the masked token count):
+    exact with microbatches only if every microbatch divides by the whole batch's count."""
+    def loss(params):
+        h = jnp.tanh(x @ params["w1"]) @ params["w2"]
+        nll = jnp.sum((h - targets) ** 2, axis=-1)
+        return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+    value, grads = jax.value_and_grad(loss)(params)
+    return value, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_loss_normalised_by_the_batch_runs_the_count_once_per_step(tmp_path, stages):
+    key = jax.random.split(jax.random.key(0), 4)
+    params = {"w1": jax.random.normal(key[0], (16, 32)), "w2": jax.random.normal(key[1], (32, 8))}
+    x = jax.random.normal(key[2], (32, 16))
+    targets = jax.random.normal(key[3], (32, 8))
+    weights = (jnp.arange(32) % 3 != 0).astype(jnp.float32)  # a different count per microbatch
+    args = (params, x, targets, weights)
+    exported = export.export(jax.jit(masked_mean_step))(*args)
+    result = hloplan.compile(exported.serialize(), "8", output=tmp_path / "plan", device="toy",
+                             pipeline=PipelineOptions(stages=stages, microbatches=4))
+    pipe = result.plan["pipeline"]
+    prologue = [t for t in pipe["tasks"] if t["part"] == "P"]
+    assert len(prologue) == 1 and prologue[0]["stage"] == 0
+    got = hloplan.load(tmp_path / "plan")(*args)
+    want = jax.jit(masked_mean_step)(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)

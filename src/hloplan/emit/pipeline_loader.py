@@ -27,6 +27,7 @@ into numpy in every process (a collective as well).
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -78,6 +79,7 @@ class PipelineRunner:
                 "call": jax.jit(exported.call, out_shardings=exported.out_shardings_jax(mesh)),
             })
         self.microbatches = self.pipe["microbatches"]
+        self.blocks = self.pipe.get("microbatch_blocks", 1)
         self.batch_dims = {int(k): v for k, v in self.pipe["argument_batch_dims"].items()}
         self.frontier = set(self.pipe["frontier"])
         self._add = jax.jit(lambda a, b: a + b)
@@ -101,10 +103,7 @@ class PipelineRunner:
         dim = self.batch_dims.get(value_id)
         if dim is None:
             return array
-        size = array.shape[dim] // self.microbatches
-        index = [slice(None)] * array.ndim
-        index[dim] = slice(m * size, (m + 1) * size)
-        return array[tuple(index)]
+        return microbatch(array, dim, m, self.microbatches, self.blocks)
 
     # ------------------------------------------------------------------ moving values
 
@@ -320,6 +319,13 @@ class PipelineRunner:
         late |= {o["value"] for o in self.pipe["outputs"] if o["from"] == "task"}
         left = [dict(readers) for _ in range(self.microbatches)]
         last = self.microbatches - 1
+        # The prologue first: statistics of the whole batch (a masked mean's count) that every
+        # microbatch reads as a constant.
+        pre: dict[int, object] = {}
+        for task in self.tasks:
+            if task["part"] == "P":
+                pre.update(self._run_task(task, lambda v: pre[v] if v in pre else arguments[v],
+                                          held))
         for task_index, m in self.pipe["order"]:
             task = self.tasks[task_index]
             env = per_micro[m]
@@ -327,6 +333,8 @@ class PipelineRunner:
             def lookup(v, env=env, m=m):
                 if v in env:
                     return env[v]
+                if v in pre:
+                    return pre[v]
                 return self._microbatch(v, arguments[v], m)
 
             produced = self._run_task(task, lookup, held)
@@ -353,6 +361,8 @@ class PipelineRunner:
                     return once[v]
                 if v in sums:
                     return sums[v]
+                if v in pre:
+                    return pre[v]
                 if v in arguments:
                     return arguments[v]
                 # A per-microbatch value that does not depend on the batch (a loop carrying
@@ -372,12 +382,13 @@ class PipelineRunner:
                     # One task made every part, on one submesh: concatenate there.
                     first = concat[v][0].sharding
                     parts = [self._move(p, first) for p in concat[v]]
-                    results.append(jnp.concatenate(parts, axis=entry["dim"]))
                 else:
                     parts = [jax.device_put(p, jax.devices()[0]) for p in concat[v]]
-                    results.append(jnp.concatenate(parts, axis=entry["dim"]))
+                results.append(unmicrobatch(jnp.concatenate(parts, axis=entry["dim"]),
+                                            entry["dim"], self.microbatches, self.blocks))
             else:
-                results.append(once[v] if v in once else per_micro[-1][v])
+                results.append(once[v] if v in once else pre[v] if v in pre
+                               else per_micro[-1][v])
         return jax.tree.unflatten(self.reference.out_tree, results)
 
     def fetch(self, outputs):
@@ -405,6 +416,43 @@ class PipelineRunner:
             raise RuntimeError("this process holds no device of the plan's stages")
 
         return jax.tree.map(gather, outputs)
+
+
+def microbatch(array, dim: int, m: int, microbatches: int, blocks: int = 1):
+    """Microbatch m of M of `array`'s batch dim `dim`, taken from each of `blocks` equal blocks
+    of the batch: with the batch split over `blocks` devices (block k on device k), each
+    device's share of every microbatch is already its own, and no row moves. The sum over
+    microbatches is the same whichever rows a microbatch holds; `unmicrobatch` puts results
+    that keep the batch back in order."""
+    return _taker(tuple(array.shape), dim, m, microbatches, blocks)(array)
+
+
+@functools.lru_cache(maxsize=1024)
+def _taker(shape: tuple, dim: int, m: int, microbatches: int, blocks: int):
+    import jax
+
+    inner = shape[dim] // (blocks * microbatches)
+    split = shape[:dim] + (blocks, microbatches, inner) + shape[dim + 1:]
+
+    def take(x):
+        picked = jax.lax.index_in_dim(x.reshape(split), m, axis=dim + 1, keepdims=False)
+        return picked.reshape(shape[:dim] + (blocks * inner,) + shape[dim + 1:])
+
+    return jax.jit(take)
+
+
+def unmicrobatch(joined, dim: int, microbatches: int, blocks: int = 1):
+    """The microbatches' results concatenated along `dim` (microbatch by microbatch) back in
+    the batch's order: the inverse of taking them with `microbatch`."""
+    if blocks == 1:
+        return joined
+    import jax.numpy as jnp
+
+    size = joined.shape[dim]
+    inner = size // (blocks * microbatches)
+    split = joined.reshape(joined.shape[:dim] + (microbatches, blocks, inner)
+                           + joined.shape[dim + 1:])
+    return jnp.swapaxes(split, dim, dim + 1).reshape(joined.shape)
 
 
 def _shard_shapes(sharding, shape) -> set:
