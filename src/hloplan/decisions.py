@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hloplan.solver.evaluate import MEMORY_RTOL, Evaluation, evaluate
-from hloplan.solver.problem import ShardingProblem, Solution
+from hloplan.solver.problem import ShardingProblem, Solution, first_live_points
 from hloplan.state import CompileState
 from hloplan.strategies import OpStrategy, spec_names
 from hloplan.units import format_bytes, format_seconds
@@ -98,6 +98,7 @@ class DecisionIndex:
             for member in picks:
                 self.launches_of[member].append(k)
         self.memory = np.asarray(self.evaluation.memory, dtype=float)
+        self.first_live = first_live_points(problem)
         budget = problem.memory_budget
         self.limit = budget + MEMORY_RTOL * abs(budget)
         self.over = {p for p in range(len(self.memory)) if not self.memory[p] <= self.limit}
@@ -177,6 +178,10 @@ class DecisionIndex:
             rows = [position[p] for p in self.points_of[g]]
             if rows:
                 delta[rows] += row
+            first = self.first_live.get(g)
+            if first is not None and first in position:  # its transient bytes there
+                flash = strategies[self.choice[g]].transient
+                delta[position[first]] += np.array([s.transient - flash for s in strategies])
         loads = self.memory[touched][:, None] + delta
         peaks = loads.max(axis=0) if touched else np.full(count, -np.inf)
         fits = (loads <= self.limit).all(axis=0) if touched else np.ones(count, dtype=bool)

@@ -17,7 +17,7 @@
 // CHECK-NOT:  sdy.
 // CHECK:      return
 
-// PERIOD2:      tie-repeated-layers.mlir: remark: tie-repeated-layers: 12 ops in 4 repeated groups tied; decisions 13 -> 9; memory checks 12 -> 7{{$}}
+// PERIOD2:      tie-repeated-layers.mlir: remark: tie-repeated-layers: 12 ops in 4 repeated groups tied; decisions 13 -> 9; memory checks 12 -> 8{{$}}
 // PERIOD2-NEXT: module @jit_stack {
 
 module @jit_stack {

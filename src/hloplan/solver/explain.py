@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from hloplan.solver.evaluate import Evaluation, evaluate, memory_fits
-from hloplan.solver.problem import ShardingProblem, Solution, Strategy
+from hloplan.solver.problem import ShardingProblem, Solution, Strategy, first_live_points
 from hloplan.units import format_bytes, format_seconds
 
 __all__ = ["Reason", "compare", "format_bytes", "format_seconds", "next_best"]
@@ -102,12 +102,15 @@ def _launch_deltas(
 
 
 def _switched_peak(
-    problem: ShardingProblem, base: Evaluation, node: int, memory_delta: float
+    problem: ShardingProblem, base: Evaluation, node: int, memory_delta: float,
+    transient_delta: float = 0.0,
 ) -> float:
-    """Peak memory of `base` with one node's footprint changed by `memory_delta`."""
+    """Peak memory of `base` with one node's footprint changed by `memory_delta` (and its
+    transient bytes, at its first live point, by `transient_delta`)."""
     where = next((r for r in problem.live_ranges if r.node == node), None)
+    first = first_live_points(problem).get(node) if transient_delta else None
     loads = [
-        used + memory_delta
+        used + memory_delta + (transient_delta if p == first else 0.0)
         if node in point.nodes or (where is not None and where.first <= p <= where.last)
         else used
         for p, (point, used) in enumerate(zip(problem.live_points, base.memory, strict=True))
@@ -130,7 +133,8 @@ def compare(problem: ShardingProblem, chosen: Solution, alternative: Solution) -
         if i == j:
             continue
         mine, other = node.strategies[i], node.strategies[j]
-        switched = _switched_peak(problem, base, index, other.memory - mine.memory)
+        switched = _switched_peak(problem, base, index, other.memory - mine.memory,
+                                  other.transient - mine.transient)
         reason = Reason(
             node=index,
             name=node.name,
