@@ -262,19 +262,16 @@ def check_simulation(workdir: str, microbatches: int = 4) -> dict:
 
     import hloplan
     from hloplan.compiler import PipelineOptions
+    from hloplan.emit.pipeline_loader import live_bytes_on
 
     sys.path.insert(0, str(HERE.parent))
     from fixtures import models as small
-
-    def step(params, tokens, targets):
-        loss, grads = jax.value_and_grad(small.gpt_loss)(params, tokens, targets)
-        return loss, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
 
     plan_dir = Path(workdir) / "check_simulation"
     made = small.gpt_train_step_args(seed=0, batch=64, seq=32, vocab=512, d_model=32,
                                      n_layers=2)
     args = (made[0], made[2], made[3])
-    hloplan.compile(export.export(jax.jit(step))(*args).serialize(), "8", output=str(plan_dir),
+    hloplan.compile(export.export(jax.jit(small.gpt_sgd_step))(*args).serialize(), "8", output=str(plan_dir),
                     device="toy", pipeline=PipelineOptions(stages=1, microbatches=microbatches))
     simulated = [live for _, _, live in measure_accumulated(plan_dir, "8")["live_at_calls"]]
     runner = hloplan.load(plan_dir)
@@ -294,12 +291,7 @@ def check_simulation(workdir: str, microbatches: int = 4) -> dict:
     measured = []
     for task in runner.tasks:
         def counted(*inputs, call=task["call"]):
-            buffers = {}
-            for array in jax.live_arrays():
-                for shard in array.addressable_shards:
-                    if shard.device == device:
-                        buffers[shard.data.unsafe_buffer_pointer()] = shard.data.nbytes
-            measured.append(sum(buffers.values()))
+            measured.append(live_bytes_on(device))
             return call(*inputs)
         task["call"] = counted
     runner(*call_args, **call_kwargs)

@@ -369,19 +369,15 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
     for p, point in enumerate(points):
         live = set(point.nodes) if point.nodes or previous else previous
         change: dict[int, int] = {}
-        for sign, moved in ((1, [*(live - previous), *enter.get(p, ())]),
-                            (-1, [*(previous - live), *leave.get(p, ())])):
+        for sign, moved, classes, constant_bytes in (
+                (1, [*(live - previous), *enter.get(p, ())], class_list, constant_list),
+                (-1, [*(previous - live), *leave.get(p, ())], class_list, constant_list),
+                (1, flash_in.get(p, ()), flash_class, flash_constant),
+                (-1, flash_out.get(p, ()), flash_class, flash_constant)):
             for index in moved:
-                c = class_list[index]
+                c = classes[index]
                 if c < 0:
-                    constant_sum += sign * constant_list[index]
-                else:
-                    change[c] = change.get(c, 0) + sign
-        for sign, flashed in ((1, flash_in.get(p, ())), (-1, flash_out.get(p, ()))):
-            for index in flashed:
-                c = flash_class[index]
-                if c < 0:
-                    constant_sum += sign * flash_constant[index]
+                    constant_sum += sign * constant_bytes[index]
                 else:
                     change[c] = change.get(c, 0) + sign
         previous = live

@@ -121,6 +121,12 @@ def _compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pa
         pipe_start = time.perf_counter()
         pipelined = _plan_pipeline(data, filename, options, pipeline, state)
         timings["pipeline"] = time.perf_counter() - pipe_start
+    return _emitted(state, data, original_text, pipelined, timings)
+
+
+def _emitted(state: CompileState, data: bytes, original_text: str | None, pipelined,
+             timings: dict) -> CompileResult:
+    """The plan's files rendered, with the emit and solver times added to `timings`."""
     emit_start = time.perf_counter()
     files = render(state, data, original_text, pipelined)
     timings["emit"] = time.perf_counter() - emit_start
@@ -197,12 +203,7 @@ def _accumulated(data: bytes, filename: str, options: CompileOptions,
                "sharded.jaxexport; hloplan.load runs the accumulated plan",))
     timings = {"parse": parse_time, **state.timings,
                "pipeline": time.perf_counter() - started}
-    emit_start = time.perf_counter()
-    files = render(state, data, original_text, pipelined)
-    timings["emit"] = time.perf_counter() - emit_start
-    if state.stats is not None:
-        timings["solver_seconds"] = state.stats.seconds
-    return CompileResult(state, files, timings)
+    return _emitted(state, data, original_text, pipelined, timings)
 
 
 def compile(path_or_bytes, mesh: str | MeshSpec, output: str | None = None, **kwargs) -> CompileResult:

@@ -19,14 +19,10 @@ from fixtures import models
 from hloplan.cli import main
 from hloplan.compiler import PipelineOptions
 from hloplan.diagnostics import HloplanError
+from hloplan.emit.pipeline_loader import live_bytes_on
 from hloplan.units import parse_bytes
 
 pytestmark = pytest.mark.usefixtures("devices8")
-
-
-def sgd_step(params, tokens, targets):
-    loss, grads = jax.value_and_grad(models.gpt_loss)(params, tokens, targets)
-    return loss, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +31,10 @@ def wide_vocab_gpt(tmp_path_factory):
     in language models at realistic batch sizes: microbatches shrink its peak."""
     params, _, tokens, targets = models.gpt_train_step_args(seed=0, batch=64, seq=32, vocab=512,
                                                             d_model=32, n_layers=2)
-    exported = export.export(jax.jit(sgd_step))(params, tokens, targets)
+    exported = export.export(jax.jit(models.gpt_sgd_step))(params, tokens, targets)
     path = tmp_path_factory.mktemp("accumulate") / "gpt.jaxexport"
     path.write_bytes(exported.serialize())
-    return path, (params, tokens, targets), jax.jit(sgd_step)(params, tokens, targets)
+    return path, (params, tokens, targets), jax.jit(models.gpt_sgd_step)(params, tokens, targets)
 
 
 def _smallest_single_peak(path) -> float:
@@ -75,12 +71,7 @@ def _live_bytes_per_call(plan_dir, args) -> list[int]:
         call = task["call"]
 
         def counted(*inputs, call=call):
-            buffers = {}  # by address: a shard's .data is an array of its own, on one buffer
-            for array in jax.live_arrays():
-                for shard in array.addressable_shards:
-                    if shard.device == device:
-                        buffers[shard.data.unsafe_buffer_pointer()] = shard.data.nbytes
-            seen.append(sum(buffers.values()))
+            seen.append(live_bytes_on(device))
             return call(*inputs)
 
         task["call"] = counted

@@ -28,19 +28,14 @@ from hloplan.pipeline import compile_pipeline, run_pipeline
 pytestmark = pytest.mark.usefixtures("devices8")
 
 
-def gpt_sgd_step(params, tokens, targets):
-    loss, grads = jax.value_and_grad(models.gpt_loss)(params, tokens, targets)
-    return loss, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
-
-
 @pytest.fixture(scope="module")
 def gpt4(tmp_path_factory):
     """A 4-layer GPT-style train step (SGD) and its inputs."""
     params, _, tokens, targets = models.gpt_train_step_args(seed=0, batch=16, n_layers=4)
-    exported = export.export(jax.jit(gpt_sgd_step))(params, tokens, targets)
+    exported = export.export(jax.jit(models.gpt_sgd_step))(params, tokens, targets)
     path = tmp_path_factory.mktemp("gpt4") / "gpt4.jaxexport"
     path.write_bytes(exported.serialize())
-    expected = jax.jit(gpt_sgd_step)(params, tokens, targets)
+    expected = jax.jit(models.gpt_sgd_step)(params, tokens, targets)
     return path, (params, tokens, targets), expected
 
 

@@ -418,6 +418,19 @@ class PipelineRunner:
         return jax.tree.map(gather, outputs)
 
 
+def live_bytes_on(device) -> int:
+    """Bytes of the live jax arrays on `device`, each buffer once (a shard's `.data` is an
+    array of its own on the same buffer): what the loader holds there at a moment."""
+    import jax
+
+    buffers = {}
+    for array in jax.live_arrays():
+        for shard in array.addressable_shards:
+            if shard.device == device:
+                buffers[shard.data.unsafe_buffer_pointer()] = shard.data.nbytes
+    return sum(buffers.values())
+
+
 def microbatch(array, dim: int, m: int, microbatches: int, blocks: int = 1):
     """Microbatch m of M of `array`'s batch dim `dim`, taken from each of `blocks` equal blocks
     of the batch: with the batch split over `blocks` devices (block k on device k), each
