@@ -30,7 +30,11 @@ class SolveSharding:
                 decompose=options.decompose, links=links,
                 gap=options.gap)
         except InfeasibleError as exc:
-            raise HloplanError(_infeasible_diagnostic(state, exc)) from None
+            error = HloplanError(_infeasible_diagnostic(state, exc))
+            details = getattr(exc, "details", None)
+            # Callers that plan parts of a program (pipeline stages) report the smallest peak.
+            error.min_peak = getattr(details, "min_peak", None)
+            raise error from None
         if state.stats.status == "decomposed":
             steps = state.stats.extra.get("steps", [])
             state.log.remark(

@@ -185,6 +185,13 @@ def _accumulated(data: bytes, filename: str, options: CompileOptions,
                 best = min(plan_.candidates, key=lambda c: c["peak_bytes"])
                 what += (f" (smallest estimated peak {format_bytes(best['peak_bytes'])}, with "
                          f"{best['microbatches']})")
+            elif plan_.search.get("unfit_task_peaks"):
+                unfit = plan_.search["unfit_task_peaks"]
+                least = min(unfit, key=lambda t: (t["part"] != "A", t["bytes"]))
+                what += (f" (smallest peak of the "
+                         f"{'per-microbatch' if least['part'] == 'A' else 'once-per-step'} task: "
+                         f"{format_bytes(least['bytes'])}, with {least['microbatches']} "
+                         "microbatches)")
         raise HloplanError(list(error.diagnostics) + [
             Diagnostic("note", f"no plan fits {what}", None)])
     unbounded = dataclasses.replace(options, memory_budget=float("inf"))

@@ -248,6 +248,7 @@ class TaskPlanner:
         self.pinned: dict[tuple, CompileState] = {}  # the states of the best solution's tasks
         self.plans: dict[tuple, TaskPlan] = {}  # full key -> final TaskPlan
         self.solves = 0
+        self.min_peaks: list[tuple] = []  # (bytes, part, M) of tasks no plan of fits
 
     def pin(self, keys: list[tuple]) -> None:
         """Keep the solved states of these tasks (the best solution so far: likely the final
@@ -261,8 +262,9 @@ class TaskPlanner:
         while len(self.solved) > KEPT_STATES:
             self.solved.popitem(last=False)
 
-    def key(self, task, microbatches: int, sub: MeshSpec, boundary: tuple = ((), ())) -> tuple:
-        return (self._module(task, microbatches)[1], sub, boundary)
+    def key(self, task, microbatches: int, sub: MeshSpec, boundary: tuple = ((), ()),
+            reserve: int = 0) -> tuple:
+        return (self._module(task, microbatches)[1], sub, boundary, reserve)
 
     def _module(self, task, microbatches: int):
         identity = (task.part, tuple(task.units), tuple(task.inputs), tuple(task.outputs),
@@ -278,47 +280,55 @@ class TaskPlanner:
             self.modules[identity] = (module, full, struct)
         return self.modules[identity]
 
-    def _solve(self, task, module, sub: MeshSpec, boundary: tuple) -> CompileState:
+    def _solve(self, task, module, sub: MeshSpec, boundary: tuple,
+               reserve: int = 0) -> CompileState:
+        """The task's ILP on `sub`, its budget less `reserve` bytes (what the loader holds
+        beside it whatever the plan: _reserve)."""
         program = ir.load_program(ir.module_text(module).encode(),
                                   f"{self.state.filename}#{task.name}")
+        budget = self.options.budget - reserve if reserve else self.options.memory_budget
         sub_options = dataclasses.replace(self.options, mesh=sub,
                                           hosts=_sub_hosts(self.options, sub),
-                                          time_limit=self.options.time_limit * STAGE_TIME_FRACTION)
+                                          time_limit=self.options.time_limit * STAGE_TIME_FRACTION,
+                                          memory_budget=budget)
         self.solves += 1
         return run_pipeline(program, sub_options, [
             ExtractGraph(), BuildShardingProblem(), PriceBoundaryLayouts(*boundary),
             TieRepeatedLayers(), SolveSharding()])
 
     def cost(self, task, microbatches: int, sub: MeshSpec,
-             boundary: tuple = ((), ())) -> TaskFigure | None:
+             boundary: tuple = ((), ()), reserve: int = 0) -> TaskFigure | None:
         """Seconds, peak bytes per device and boundary shardings of the task on `sub`, its
         boundary priced as `boundary` (PriceBoundaryLayouts) says; None if no plan fits."""
         module, full, struct = self._module(task, microbatches)
-        key = (struct, sub, boundary)
+        key = (struct, sub, boundary, reserve)
         if key not in self.costs:
             try:
-                task_state = self._solve(task, module, sub, boundary)
+                task_state = self._solve(task, module, sub, boundary, reserve)
             except HloplanError as error:
                 if "no plan fits" not in str(error):
                     raise
                 self.costs[key] = None
+                smallest = getattr(error, "min_peak", None)
+                if smallest is not None:  # the least any plan of a task needs, for the error
+                    self.min_peaks.append((smallest, task.part, microbatches))
                 return None
             self.costs[key] = _figure(task_state)
-            self.solved[(full, sub, boundary)] = task_state
+            self.solved[(full, sub, boundary, reserve)] = task_state
             while len(self.solved) > KEPT_STATES:
                 self.solved.popitem(last=False)
         return self.costs[key]
 
     def plan(self, task, microbatches: int, sub: MeshSpec,
-             boundary: tuple = ((), ())) -> TaskPlan:
+             boundary: tuple = ((), ()), reserve: int = 0) -> TaskPlan:
         """The task planned, propagated and exported on `sub`."""
         module, full, _ = self._module(task, microbatches)
-        key = (full, sub, boundary)
+        key = (full, sub, boundary, reserve)
         if key in self.plans:
             cached = self.plans[key]
             return dataclasses.replace(cached, task=task)
         task_state = (self.pinned.pop(key, None) or self.solved.pop(key, None)
-                      or self._solve(task, module, sub, boundary))
+                      or self._solve(task, module, sub, boundary, reserve))
         PropagateSharding().apply(task_state)
         figure = _figure(task_state)
         platforms = (tuple(self.state.program.exported.platforms) if self.state.program.exported
@@ -391,6 +401,30 @@ def _stage_cost(graph, analysis: BatchAnalysis, cut_: PipelineCut, stage: int,
     parts = {"compute_s": compute, "transfer_s": transfer, "per_step_s": b_time,
              "accumulate_s": accumulate}
     return StageCost(compute + transfer, b_time + accumulate, peak, residual), parts
+
+
+def _reserve(graph, analysis: BatchAnalysis, tasks: list, task, microbatches: int,
+             devices: int) -> int:
+    """A lower bound on _held_bytes for `task` whatever the stage's plans: what the loader
+    holds beside it, as if split over all `devices` of its submesh (the optimizer state its
+    stage's other tasks read, the rest of the batch, the running sums). Its ILP plans under the
+    budget less this, so that a plan it finds is not one that cannot fit once they are added."""
+    batch_args = {graph.arguments[p] for p in analysis.batch_args}
+    own = set(task.inputs)
+    read = {v for t in tasks for v in t.inputs}
+    held = 0.0
+    for v in read & set(graph.arguments):
+        nbytes = graph.type_of(v).nbytes
+        if v not in batch_args:
+            held += 0 if v in own else nbytes
+        elif v not in own:
+            held += nbytes
+        elif task.part == "A":  # the task reads one microbatch of it
+            held += nbytes * (1 - 1 / microbatches)
+    if task.part == "A" and microbatches > 1:
+        held += sum(graph.type_of(v).nbytes for t in tasks if t.part == "A"
+                    for v in t.outputs if v in analysis.frontier)
+    return int(held // devices)
 
 
 def _held_bytes(graph, analysis: BatchAnalysis, tasks: list, figures: dict[int, TaskFigure],
@@ -647,15 +681,19 @@ class StageSearch:
             cost = None
             earlier: list = []
             keys = []
-            for task in _plan_order([t for t in cut_.tasks if t.stage == stage]):
+            tasks = [t for t in cut_.tasks if t.stage == stage]
+            for task in _plan_order(tasks):
                 boundary = _boundary(self.graph, self.analysis, task, earlier, self.next_of,
                                      microbatches)
-                figure = self.planner.cost(task, microbatches, self.subs[h], boundary)
+                reserve = _reserve(self.graph, self.analysis, tasks, task, microbatches,
+                                   self.subs[h].size)
+                figure = self.planner.cost(task, microbatches, self.subs[h], boundary, reserve)
                 if figure is None:
                     break
                 figures[task.index] = figure
                 earlier.append((task, figure))
-                keys.append(self.planner.key(task, microbatches, self.subs[h], boundary))
+                keys.append(self.planner.key(task, microbatches, self.subs[h], boundary,
+                                             reserve))
             else:
                 cost, _ = _stage_cost(self.graph, self.analysis, cut_, stage, figures,
                                       microbatches, self.comms[h], self.link)
@@ -821,6 +859,9 @@ def plan_pipeline(state: CompileState, options: CompileOptions, popts: PipelineO
                   for (m, stages), value in sorted(seen.items(),
                                                    key=lambda item: (item[1], item[0][0]))]
     stats = {"layers": search.layers, "layer_starts": list(starts),
+             "unfit_task_peaks": [{"bytes": b, "part": part, "microbatches": m}
+                                  for b, part, m in sorted(planner.min_peaks,
+                                                           key=lambda x: (x[2], x[1]))],
              "submesh_shapes": [str(s) for s in shapes],
              "microbatches_stages": {str(m): counts for m, counts in pairs.items()},
              "pairs": search.layers * (search.layers + 1) // 2 * len(shapes) * len(pairs),
@@ -840,10 +881,12 @@ def plan_pipeline(state: CompileState, options: CompileOptions, popts: PipelineO
     planned: dict[int, TaskPlan] = {}
     for s in range(cut_.stages):
         done: list = []
-        for task in _plan_order([t for t in cut_.tasks if t.stage == s]):
+        tasks = [t for t in cut_.tasks if t.stage == s]
+        for task in _plan_order(tasks):
             tp = planner.plan(task, microbatches, subs[s],
                               _boundary(graph, analysis, task, done, search.next_of,
-                                        microbatches))
+                                        microbatches),
+                              _reserve(graph, analysis, tasks, task, microbatches, subs[s].size))
             done.append((task, tp.figure))
             planned[task.index] = tp
     plan_tasks = [planned[task.index] for task in cut_.tasks]
