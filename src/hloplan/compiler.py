@@ -187,11 +187,12 @@ def _accumulated(data: bytes, filename: str, options: CompileOptions,
                          f"{best['microbatches']})")
             elif plan_.search.get("unfit_task_peaks"):
                 unfit = plan_.search["unfit_task_peaks"]
-                least = min(unfit, key=lambda t: (t["part"] != "A", t["bytes"]))
-                what += (f" (smallest peak of the "
-                         f"{'per-microbatch' if least['part'] == 'A' else 'once-per-step'} task: "
-                         f"{format_bytes(least['bytes'])}, with {least['microbatches']} "
-                         "microbatches)")
+                least = min(unfit, key=lambda t: (t["part"] != "A", t["bytes"] + t["held"]))
+                what += (f": the {'per-microbatch' if least['part'] == 'A' else 'once-per-step'}"
+                         f" task needs at least {format_bytes(least['bytes'])} (with "
+                         f"{least['microbatches']} microbatches) beside at least "
+                         f"{format_bytes(least['held'])} the loader holds for the step "
+                         "(optimizer state, gradient sums, the batch)")
         raise HloplanError(list(error.diagnostics) + [
             Diagnostic("note", f"no plan fits {what}", None)])
     unbounded = dataclasses.replace(options, memory_budget=float("inf"))

@@ -248,7 +248,7 @@ class TaskPlanner:
         self.pinned: dict[tuple, CompileState] = {}  # the states of the best solution's tasks
         self.plans: dict[tuple, TaskPlan] = {}  # full key -> final TaskPlan
         self.solves = 0
-        self.min_peaks: list[tuple] = []  # (bytes, part, M) of tasks no plan of fits
+        self.min_peaks: list[tuple] = []  # (bytes, part, M, reserve) of tasks nothing fits
 
     def pin(self, keys: list[tuple]) -> None:
         """Keep the solved states of these tasks (the best solution so far: likely the final
@@ -311,7 +311,7 @@ class TaskPlanner:
                 self.costs[key] = None
                 smallest = getattr(error, "min_peak", None)
                 if smallest is not None:  # the least any plan of a task needs, for the error
-                    self.min_peaks.append((smallest, task.part, microbatches))
+                    self.min_peaks.append((smallest, task.part, microbatches, reserve))
                 return None
             self.costs[key] = _figure(task_state)
             self.solved[(full, sub, boundary, reserve)] = task_state
@@ -859,9 +859,9 @@ def plan_pipeline(state: CompileState, options: CompileOptions, popts: PipelineO
                   for (m, stages), value in sorted(seen.items(),
                                                    key=lambda item: (item[1], item[0][0]))]
     stats = {"layers": search.layers, "layer_starts": list(starts),
-             "unfit_task_peaks": [{"bytes": b, "part": part, "microbatches": m}
-                                  for b, part, m in sorted(planner.min_peaks,
-                                                           key=lambda x: (x[2], x[1]))],
+             "unfit_task_peaks": [{"bytes": b, "part": part, "microbatches": m, "held": held}
+                                  for b, part, m, held in sorted(planner.min_peaks,
+                                                                 key=lambda x: (x[2], x[1]))],
              "submesh_shapes": [str(s) for s in shapes],
              "microbatches_stages": {str(m): counts for m, counts in pairs.items()},
              "pairs": search.layers * (search.layers + 1) // 2 * len(shapes) * len(pairs),
