@@ -401,8 +401,9 @@ def _tasks(graph, all_units, io, producer_unit, stage, part_a, part_b, invariant
         # Only values visible at the top level can leave a task (not those inside loop bodies).
         own = {v for u in task.units if u not in invariant for v in io[u][1]
                if graph.producer(v).parent is None}
-        task.outputs = sorted(v for v in own if v in consumers or v in program_outputs
-                              or v in analysis.frontier)
+        # A partial sum leaves only where another task or the results read it: those inside
+        # a task (a weight gradient before its reshape) are neither summed nor held.
+        task.outputs = sorted(v for v in own if v in consumers or v in program_outputs)
         if task.part == "P":  # per-example values come from part A's own copy of the units
             task.outputs = [v for v in task.outputs if v not in analysis.label]
     return ordered

@@ -397,9 +397,13 @@ def split_parts(graph: Graph, label: dict[int, int], frontier: set[int],
             kinds[index] = "P"
             continue
         # Partial sums feed part B, unless the unit maps them linearly to partial sums (then
-        # it runs per microbatch and its results are summed instead).
+        # it may run per microbatch, its results summed instead). It does only where it must
+        # (a loop that also reads the batch): a linear map of partial sums alone (a gradient's
+        # reshape, Adam's (1 - b1) * g) runs once per step on the sums, so that the
+        # microbatches hand over, and the loader sums and holds, only the first partial sums.
         reads_partial = bool(reads & frontier) and not (produced and produced <= frontier)
-        in_b = any(value_kind.get(v) == "B" for v in reads) or reads_partial
+        after_sums = bool(reads & frontier) and not any(v in label for v in reads | produced)
+        in_b = any(value_kind.get(v) == "B" for v in reads) or reads_partial or after_sums
         in_a = any(v in label for v in reads | produced) or bool(produced & frontier)
         if in_b and any(v in label for v in reads):
             top = graph.ops[index]
