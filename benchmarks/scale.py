@@ -375,6 +375,12 @@ def run_case(case: Case, profile: str | None = None) -> dict:
         "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "maxrss_before_compile_mib": rss_before / 1024,
         "target_s": case.target_s,
+        # Where no single program fits, hloplan accumulates gradients: the plan it runs.
+        "accumulated": ({key: plan["pipeline"][key] for key in ("stages", "microbatches")}
+                        | {"step_time_s": plan["pipeline"]["estimate"]["step_time_s"],
+                           "peak_memory_bytes": max(
+                               plan["pipeline"]["estimate"]["memory_per_stage_bytes"])}
+                        if plan.get("pipeline", {}).get("tasks") else None),
     }
 
 
