@@ -172,6 +172,11 @@ def _accumulated(data: bytes, filename: str, options: CompileOptions,
             Diagnostic("note", "nor can it accumulate gradients over microbatches: "
                        + why.diagnostics[0].format(filename), None)]) from None
     plan_, _ = pipelined
+    if isinstance(plan_, PipelinePlan) and max(
+            plan_.estimate["memory_per_stage_bytes"]) > options.budget:
+        raise HloplanError(list(error.diagnostics) + [Diagnostic(
+            "note", "no plan fits with the given --stages/--microbatches either (estimated "
+            f"peak {format_bytes(max(plan_.estimate['memory_per_stage_bytes']))})", None)])
     if not isinstance(plan_, PipelinePlan):
         if pipeline is not None:
             what = "with the given --stages/--microbatches either"
@@ -184,7 +189,7 @@ def _accumulated(data: bytes, filename: str, options: CompileOptions,
             if plan_.candidates:
                 best = min(plan_.candidates, key=lambda c: c["peak_bytes"])
                 what += (f" (smallest estimated peak {format_bytes(best['peak_bytes'])}, with "
-                         f"{best['microbatches']})")
+                         f"{best['microbatches']} microbatches)")
             elif plan_.search.get("unfit_task_peaks"):
                 unfit = plan_.search["unfit_task_peaks"]
                 least = min(unfit, key=lambda t: (t["part"] != "A", t["bytes"] + t["held"]))

@@ -188,3 +188,15 @@ def test_task_budgets_reserve_no_more_than_the_loader_holds(wide_vocab_gpt):
     assert any(reserved.values())
     for t in tasks:
         assert reserved[t.index] <= held[t.index]
+
+
+def test_given_microbatches_that_do_not_fit_are_an_error(wide_vocab_gpt, tmp_path):
+    path, _, _ = wide_vocab_gpt
+    two = PipelineOptions(stages=1, microbatches=2)
+    free = hloplan.compile(path, "8", device="toy", pipeline=two).plan["pipeline"]["estimate"]
+    budget = int(0.9 * min(free["memory_per_stage_bytes"][0], _smallest_single_peak(path)))
+    with pytest.raises(HloplanError) as info:
+        hloplan.compile(path, "8", output=tmp_path / "plan", device="toy", memory_budget=budget,
+                        pipeline=two)
+    assert "no plan fits with the given --stages/--microbatches either" in str(info.value)
+    assert not (tmp_path / "plan").exists()
