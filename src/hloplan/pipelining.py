@@ -438,33 +438,23 @@ def _held_bytes(graph, analysis: BatchAnalysis, tasks: list, figures: dict[int, 
       batch (its own result is a second copy, counted in its peak).
     Without these, a stage that accumulates gradients was estimated to fit where its optimizer
     state and accumulators did not."""
-    batch_args = {graph.arguments[p] for p in analysis.batch_args}
-    whole = set(graph.arguments) - batch_args
-    copies: dict[tuple, float] = {}  # (argument, layout) -> bytes per device
-    for t in tasks:
-        for k, v in enumerate(t.inputs):
-            type_ = graph.type_of(v)
-            spec = figures[t.index].in_specs[k]
-            if v in whole:
-                copies[(v, spec)] = local_bytes(type_.shape, type_.itemsize, spec, mesh)
-            elif v in batch_args:  # the program's type: the whole batch, as the task splits it
-                copies[(v, spec)] = local_bytes(type_.shape, type_.itemsize, spec, mesh)
-    sums = 0.0
-    if microbatches > 1:
-        for t in tasks:
-            if t.part == "A":
-                for k, v in enumerate(t.outputs):
-                    if v in analysis.frontier:
-                        type_ = graph.type_of(v)
-                        sums += local_bytes(type_.shape, type_.itemsize,
-                                            figures[t.index].out_specs[k], mesh)
-    kept = 0.0  # what the prologue hands the microbatches, kept for the step
-    for t in tasks:
-        if t.part == "P":
-            for k, v in enumerate(t.outputs):
-                type_ = graph.type_of(v)
-                kept += local_bytes(type_.shape, type_.itemsize, figures[t.index].out_specs[k],
-                                    mesh)
+    arguments = set(graph.arguments)
+    whole = arguments - {graph.arguments[p] for p in analysis.batch_args}
+
+    def local(v, spec) -> float:
+        type_ = graph.type_of(v)
+        return local_bytes(type_.shape, type_.itemsize, spec, mesh)
+
+    # (argument, layout) -> bytes per device; a batch argument has the program's type, the
+    # whole batch, split as the task splits its microbatch.
+    copies = {(v, figures[t.index].in_specs[k]): local(v, figures[t.index].in_specs[k])
+              for t in tasks for k, v in enumerate(t.inputs) if v in arguments}
+    sums = sum(local(v, figures[t.index].out_specs[k]) for t in tasks if t.part == "A"
+               for k, v in enumerate(t.outputs)
+               if v in analysis.frontier) if microbatches > 1 else 0.0
+    # What the prologue hands the microbatches, kept for the step.
+    kept = sum(local(v, figures[t.index].out_specs[k]) for t in tasks if t.part == "P"
+               for k, v in enumerate(t.outputs))
     held = {}
     for t in tasks:
         own = {(v, figures[t.index].in_specs[k]) for k, v in enumerate(t.inputs)
