@@ -118,6 +118,9 @@ def test_blocked_microbatches_put_back_in_order(blocks):
     want = [r for k in range(blocks) for r in range(k * 16 // blocks + 1 * inner,
                                                      k * 16 // blocks + 2 * inner)]
     np.testing.assert_array_equal(parts[1], x[:, want])
+    # A device array is cut by a jitted program, a host array on the host: the same rows.
+    np.testing.assert_array_equal(np.asarray(microbatch(jnp.asarray(x), 1, 1, 4, blocks)),
+                                  parts[1])
     joined = np.concatenate(parts, axis=1)
     np.testing.assert_array_equal(np.asarray(unmicrobatch(joined, 1, 4, blocks)), x)
 

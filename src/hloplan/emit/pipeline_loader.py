@@ -437,21 +437,32 @@ def microbatch(array, dim: int, m: int, microbatches: int, blocks: int = 1):
     device's share of every microbatch is already its own, and no row moves. The sum over
     microbatches is the same whichever rows a microbatch holds; `unmicrobatch` puts results
     that keep the batch back in order."""
-    return _taker(tuple(array.shape), dim, m, microbatches, blocks)(array)
+    import jax
+
+    shape = tuple(array.shape)
+    if not isinstance(array, jax.Array):  # a host array is cut on the host (a view)
+        import numpy as np
+
+        split, index, out = _cut(shape, dim, m, microbatches, blocks)
+        return np.asarray(array).reshape(split)[index].reshape(out)
+    return _taker(shape, dim, m, microbatches, blocks)(array)
+
+
+def _cut(shape: tuple, dim: int, m: int, microbatches: int, blocks: int):
+    """(the batch dim split into (blocks, microbatches, rest), the index of microbatch m
+    there, the microbatch's shape)."""
+    inner = shape[dim] // (blocks * microbatches)
+    split = shape[:dim] + (blocks, microbatches, inner) + shape[dim + 1:]
+    index = (slice(None),) * (dim + 1) + (m,)
+    return split, index, shape[:dim] + (blocks * inner,) + shape[dim + 1:]
 
 
 @functools.lru_cache(maxsize=1024)
 def _taker(shape: tuple, dim: int, m: int, microbatches: int, blocks: int):
     import jax
 
-    inner = shape[dim] // (blocks * microbatches)
-    split = shape[:dim] + (blocks, microbatches, inner) + shape[dim + 1:]
-
-    def take(x):
-        picked = jax.lax.index_in_dim(x.reshape(split), m, axis=dim + 1, keepdims=False)
-        return picked.reshape(shape[:dim] + (blocks * inner,) + shape[dim + 1:])
-
-    return jax.jit(take)
+    split, index, out = _cut(shape, dim, m, microbatches, blocks)
+    return jax.jit(lambda x: x.reshape(split)[index].reshape(out))
 
 
 def unmicrobatch(joined, dim: int, microbatches: int, blocks: int = 1):
