@@ -948,12 +948,13 @@ class NoPipeline:
 
 def _microbatch_blocks(plan: PipelinePlan, graph) -> int:
     """How many blocks the loader takes each microbatch from (pipeline_loader.microbatch): the
-    shards the per-microbatch tasks split the batch inputs' batch dim into (their greatest
-    common divisor where they differ), so that a batch passed in that layout is cut into
-    microbatches without moving a row; 1 (contiguous microbatches) when they do not divide
-    the batch evenly."""
+    least common multiple of the shards the per-microbatch tasks split the batch inputs'
+    batch dim into, so that every device's shard of every batch input holds whole blocks and
+    a batch passed in those layouts is cut into microbatches without moving a row (every
+    input must use the same blocks: a microbatch is the same examples in all of them); the
+    largest divisor of it that splits the batch evenly."""
     batch_args = {graph.arguments[p] for p in plan.analysis.batch_args}
-    blocks = 0
+    blocks = 1
     for tp in plan.tasks:
         if tp.task.part != "A" or tp.figure is None:
             continue
@@ -961,10 +962,10 @@ def _microbatch_blocks(plan: PipelinePlan, graph) -> int:
         for k, v in enumerate(tp.task.inputs):
             if v in batch_args:
                 spec = tp.figure.in_specs[k]
-                blocks = math.gcd(blocks, math.prod(sizes[a] for a in spec[0]) if spec else 1)
+                blocks = math.lcm(blocks, math.prod(sizes[a] for a in spec[0]) if spec else 1)
     batch = plan.analysis.batch_size
-    return max((d for d in range(1, max(blocks, 1) + 1)
-                if blocks % d == 0 and batch % (d * plan.microbatches) == 0), default=1)
+    return max(d for d in range(1, blocks + 1)
+               if blocks % d == 0 and batch % (d * plan.microbatches) == 0)
 
 
 def describe(plan: PipelinePlan, state: CompileState) -> dict:
