@@ -56,9 +56,7 @@ def _state_layouts(runner) -> dict[int, object]:
     ins = jax.tree.unflatten(ref.in_tree, list(range(ref.in_tree.num_leaves)))
     outs = jax.tree.unflatten(ref.out_tree, list(range(ref.out_tree.num_leaves)))
     state_in, state_out = jax.tree.leaves(ins[0][0]), jax.tree.leaves(outs[1])
-    kept = list(ref.module_kept_var_idx)
-    values = runner.pipe["arguments"]
-    value_of = {k: values[len(values) - len(kept) + i] for i, k in enumerate(kept)}
+    value_of = runner.leaf_values()
     made = {}
     for task in runner.tasks:
         made.update(zip(task["outputs"], task["exported"].out_shardings_jax(
@@ -276,9 +274,7 @@ def check_simulation(workdir: str, microbatches: int = 4) -> dict:
     simulated = [live for _, _, live in measure_accumulated(plan_dir, "8")["live_at_calls"]]
     runner = hloplan.load(plan_dir)
     leaves, tree = jax.tree.flatten((args, {}))
-    kept = list(runner.reference.module_kept_var_idx)
-    values = runner.pipe["arguments"]
-    value_of = {k: values[len(values) - len(kept) + i] for i, k in enumerate(kept)}
+    value_of = runner.leaf_values()
     first: dict = dict(_state_layouts(runner))
     for task in runner.tasks:
         for v, sharding in zip(task["inputs"], task["in_shardings"]):

@@ -46,9 +46,8 @@ class BatchAnalysis:
     frontier: set[int] = field(default_factory=set)  # value ids: partial sums over the batch
     part_a: set[int] = field(default_factory=set)  # op indices run per microbatch
     part_b: set[int] = field(default_factory=set)  # op indices run once per step
-    # Sums over the batch of the batch inputs alone, and the units computing them once per
-    # step on the whole batch before the microbatches (part P).
-    prologue: set[int] = field(default_factory=set)  # value ids
+    # The units computing sums over the batch of the batch inputs alone, once per step on the
+    # whole batch before the microbatches (part P).
     part_p: set[int] = field(default_factory=set)  # op indices
 
     def describe(self, graph: Graph) -> str:
@@ -504,8 +503,7 @@ def analyse(graph: Graph, batch_args: list[int] | None = None) -> BatchAnalysis:
         except BatchError as exc:
             first_error = first_error or exc
             continue
-        return BatchAnalysis(list(args), sizes_.pop(), label, frontier, part_a, part_b,
-                             statistics, part_p)
+        return BatchAnalysis(list(args), sizes_.pop(), label, frontier, part_a, part_b, part_p)
     raise first_error or BatchError(None, "no consistent batch input found")
 
 

@@ -300,8 +300,8 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
     """Indices (in order) of the live points no other point dominates under the problem's ties.
 
     A point's bytes are its fixed bytes plus, per decision, the chosen strategy's memory summed
-    over its nodes there (and the transient bytes of those first live there). Nodes of one decision with the same memory per strategy form a class;
-    point P is dominated by Q when Q has at least P's fixed bytes and at least as many nodes of
+    over its nodes there (and the transient bytes of those first live there). Nodes of one
+    decision with the same memory per strategy form a class; point P is dominated by Q when Q has at least P's fixed bytes and at least as many nodes of
     every class: then Q holds at least as many bytes as P whatever the (tie-respecting) choice,
     and checking Q suffices. With repeated layers tied, a forward-pass point is dominated by the
     same point of a later layer, where more activations are live. Exact: the peak over the kept

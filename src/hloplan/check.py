@@ -187,7 +187,7 @@ def _pipeline_report(report: dict, pipelined, pipeline: dict) -> dict:
 
 
 def format_report(report: dict) -> str:
-    from hloplan.units import format_bytes
+    from hloplan.units import format_bytes, stages_text
 
     where = f"{report['devices']} devices"
     if report.get("processes", 1) > 1:
@@ -212,7 +212,7 @@ def format_report(report: dict) -> str:
         lines.append(f"  process {entry['process']} ({entry['local_devices']} devices){verdict}")
     if "pipeline" in report:
         pipe = report["pipeline"]
-        lines.append(f"pipeline: {pipe['stages']} stage{'s' if pipe['stages'] != 1 else ''} x {pipe['microbatches']} microbatches "
+        lines.append(f"pipeline: {stages_text(pipe['stages'], pipe['microbatches'])} "
                      f"({pipe['schedule']}), bubble {pipe['estimate']['bubble_fraction']:.0%}")
     lines.append("collectives      predicted            realised (compiled HLO)")
     kinds = sorted(set(report["predicted"]["collectives"]) | set(report["realised"]["collectives"]))

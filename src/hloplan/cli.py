@@ -228,7 +228,7 @@ def _pipeline_options(stages, microbatches, schedule, batch_args):
 
 
 def _summary(plan: dict, output: str | None) -> None:
-    from hloplan.units import format_bytes, format_seconds
+    from hloplan.units import format_bytes, format_seconds, stages_text
 
     est, solver = plan["estimate"], plan["solver"]
     mesh = ",".join(f"{n}={s}" for n, s in zip(plan["mesh"]["axis_names"], plan["mesh"]["axis_sizes"]))
@@ -249,7 +249,7 @@ def _summary(plan: dict, output: str | None) -> None:
         lines[0] += f", over the budget of {format_bytes(budget)}"
     if pipelined:
         est = pipe["estimate"]
-        lines.append(f"pipeline: {pipe['stages']} stage{'s' if pipe['stages'] != 1 else ''} x {pipe['microbatches']} microbatches "
+        lines.append(f"pipeline: {stages_text(pipe['stages'], pipe['microbatches'])} "
                      f"({pipe['schedule']}), estimated step {format_seconds(est['step_time_s'])}, "
                      f"peak {format_bytes(max(est['memory_per_stage_bytes']))} per device, "
                      f"bubble {est['bubble_fraction']:.0%}")

@@ -24,7 +24,7 @@ from xml.sax.saxutils import escape
 
 from hloplan.decisions import partition_spec_text
 from hloplan.diagnostics import UsageError
-from hloplan.units import format_bytes, format_seconds
+from hloplan.units import format_bytes, format_seconds, stages_text
 
 __all__ = [
     "Chart",
@@ -351,7 +351,7 @@ def render_text(plan: dict, console, top: int = 10) -> None:
         budget_bytes = plan.get("memory_budget_bytes")
         over = (budget_bytes is not None and est.get("peak_memory_bytes", 0) > budget_bytes)
         console.print(Text(
-            f"runs {pipe['stages']} stage{'s' if pipe['stages'] != 1 else ''} x {pipe['microbatches']} microbatches: estimated step "
+            f"runs {stages_text(pipe['stages'], pipe['microbatches'])}: estimated step "
             f"{format_seconds(pest['step_time_s'])}, peak "
             f"{format_bytes(max(pest['memory_per_stage_bytes']))} per device (see Pipeline)"))
         console.print(Text(f"single-program plan (below): {single}"
@@ -505,7 +505,7 @@ def device_ranges(devices: list[int]) -> str:
 
 
 def _candidate_text(c: dict) -> str:
-    text = f"{c['stages']} stage{'s' if c['stages'] != 1 else ''} x {c['microbatches']} microbatches"
+    text = stages_text(c['stages'], c['microbatches'])
     if c.get("submeshes"):
         text += f" on {' + '.join(c['submeshes'])}"
     return text
@@ -544,7 +544,7 @@ def _render_pipeline(plan: dict, console, table, cells) -> None:
         return
     est = pipe["estimate"]
     console.print(Text(
-        f"Pipeline: {pipe['stages']} stage{'s' if pipe['stages'] != 1 else ''} x {pipe['microbatches']} microbatches"
+        f"Pipeline: {stages_text(pipe['stages'], pipe['microbatches'])}"
         + (" on " + " + ".join(f"{s['shape'][0]}x{s['shape'][1]}" for s in pipe["submeshes"])
            if all("shape" in s for s in pipe["submeshes"]) else "")
         + f", {pipe['schedule']}; batch {pipe['batch_size']} in {', '.join(pipe['batch_arguments'])}; "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["format_bytes", "format_seconds", "parse_bytes"]
+__all__ = ["format_bytes", "format_seconds", "parse_bytes", "stages_text"]
 
 _BYTE_UNITS: dict[str, int] = {
     "": 1,
@@ -109,3 +109,8 @@ def format_seconds(s: float) -> str:
         if rounded >= 1:
             return f"{sign}{_three_digits(rounded)} {unit}"
     return f"{sign}{s / 1e-9:.3g} ns"
+
+
+def stages_text(stages: int, microbatches: int) -> str:
+    """'1 stage x 4 microbatches', '2 stages x 8 microbatches'."""
+    return f"{stages} stage{'' if stages == 1 else 's'} x {microbatches} microbatches"

@@ -94,10 +94,15 @@ class PipelineRunner:
         if tree != self.reference.in_tree:
             raise ValueError(f"arguments have structure {tree}, the plan expects "
                              f"{self.reference.in_tree}")
+        return {v: leaves[k] for k, v in self.leaf_values().items()}
+
+    def leaf_values(self) -> dict[int, int]:
+        """Flat argument leaf index -> the value id it is in the plan (the leaves the program
+        keeps; a multi-platform export's platform index comes first among the values)."""
         kept = list(self.reference.module_kept_var_idx)
         values = self.pipe["arguments"]
         offset = len(values) - len(kept)
-        return {values[offset + i]: leaves[k] for i, k in enumerate(kept)}
+        return {k: values[offset + i] for i, k in enumerate(kept)}
 
     def _microbatch(self, value_id: int, array, m: int):
         dim = self.batch_dims.get(value_id)

@@ -103,12 +103,11 @@ def _launch_deltas(
 
 def _switched_peak(
     problem: ShardingProblem, base: Evaluation, node: int, memory_delta: float,
-    transient_delta: float = 0.0,
+    transient_delta: float = 0.0, first: int | None = None,
 ) -> float:
     """Peak memory of `base` with one node's footprint changed by `memory_delta` (and its
-    transient bytes, at its first live point, by `transient_delta`)."""
+    transient bytes, at its first live point `first`, by `transient_delta`)."""
     where = next((r for r in problem.live_ranges if r.node == node), None)
-    first = first_live_points(problem).get(node) if transient_delta else None
     loads = [
         used + memory_delta + (transient_delta if p == first else 0.0)
         if node in point.nodes or (where is not None and where.first <= p <= where.last)
@@ -127,6 +126,7 @@ def compare(problem: ShardingProblem, chosen: Solution, alternative: Solution) -
     evaluate(problem, alternative)  # validates the alternative's shape
     resharding = _resharding_deltas(problem, chosen, alternative)
     launches = _launch_deltas(problem, chosen, alternative)
+    firsts = first_live_points(problem)
     reasons: list[tuple[bool, Reason]] = []
     for index, node in enumerate(problem.nodes):
         i, j = chosen.choice[index], alternative.choice[index]
@@ -134,7 +134,7 @@ def compare(problem: ShardingProblem, chosen: Solution, alternative: Solution) -
             continue
         mine, other = node.strategies[i], node.strategies[j]
         switched = _switched_peak(problem, base, index, other.memory - mine.memory,
-                                  other.transient - mine.transient)
+                                  other.transient - mine.transient, firsts.get(index))
         reason = Reason(
             node=index,
             name=node.name,

@@ -146,8 +146,7 @@ class ShardingProblem:
             first = bisect.bisect_left(kept, r.first)
             last = bisect.bisect_right(kept, r.last) - 1
             if first <= last:
-                ranges.append(LiveRange(r.node, first, last,
-                                        r.made and first < len(kept) and kept[first] == r.first))
+                ranges.append(LiveRange(r.node, first, last, r.made and kept[first] == r.first))
         return replace(self, live_points=tuple(self.live_points[p] for p in kept),
                        live_ranges=tuple(ranges))
 
