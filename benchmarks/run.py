@@ -223,7 +223,7 @@ def compile_hloplan_artifact(plan_dir: Path):
     import jax
     from jax import export
 
-    from hloplan.emit.loader import build_mesh
+    from hloplan.emit.loader import build_mesh, compiler_options
 
     plan_json = json.loads((plan_dir / "plan.json").read_text())
     exported = export.deserialize(bytearray((plan_dir / "sharded.jaxexport").read_bytes()))
@@ -233,7 +233,9 @@ def compile_hloplan_artifact(plan_dir: Path):
             for a, s in zip(exported.in_avals, shardings)]
     args, kwargs = jax.tree.unflatten(exported.in_tree, args)
     with capture_fd2() as log:
-        compiled = jax.jit(exported.call, donate_argnums=(0,)).lower(*args, **kwargs).compile()
+        options = compiler_options(plan_json, mesh.devices.flat[0].platform) or None
+        compiled = jax.jit(exported.call, donate_argnums=(0,), compiler_options=options
+                           ).lower(*args, **kwargs).compile()
     return plan_json, mesh, compiled, log["remats"]
 
 

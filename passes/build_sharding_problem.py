@@ -433,6 +433,12 @@ class _ProblemBuilder:
                 loop_end = region_end.get(loop_of[op.index], op.index)
                 for value_id in (op.attrs["yield"], op.results[0]):
                     last_use[value_id] = max(last_use[value_id], loop_end)
+        # An optimization barrier's result is its operand's buffer: an operand whose last
+        # use is the barrier dies as the result is born, not beside it.
+        for op in graph.ops:
+            if op.name == "barrier.result" and last_use[op.operands[0]] == op.index:
+                operand = op.operands[0]
+                last_use[operand] = max(graph.values[operand].producer, op.index - 1)
         for value_id in graph.arguments + graph.outputs:
             last_use[value_id] = end
         # A value fused into its consumers is computed there: its operands live until then

@@ -244,6 +244,9 @@ def _summary(plan: dict, output: str | None) -> None:
         f"{solver['gap']:.2%}{'' if solver['gap'] != float('inf') else ' (no bound)'}, "
         f"{solver['variables']} variables, {solver['constraints']} constraints",
     ]
+    if plan.get("rematerialized"):
+        lines[0] += (f", recomputing {plan['rematerialized']['values']} activations after the "
+                     "forward pass")
     budget = plan.get("memory_budget_bytes")
     if pipelined and budget is not None and est["peak_memory_bytes"] > budget:
         lines[0] += f", over the budget of {format_bytes(budget)}"

@@ -113,14 +113,58 @@ def _compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pa
     except HloplanError as error:
         if not _nothing_fits(error):
             raise
-        return _accumulated(data, filename, options, pipeline, passes, error, parse_time,
-                            original_text)
+        state, tried = _recomputed(data, filename, options, passes, after_pass)
+        if state is None:
+            if tried is not None:
+                error = HloplanError(list(error.diagnostics) + [tried])
+            return _accumulated(data, filename, options, pipeline, passes, error, parse_time,
+                                original_text)
+        if pipeline is None:
+            return _recomputed_or_accumulated(state, data, filename, options, parse_time,
+                                              original_text)
     timings = {"parse": parse_time, **state.timings}
     pipelined = None
     if pipeline is not None:
         pipe_start = time.perf_counter()
         pipelined = _plan_pipeline(data, filename, options, pipeline, state)
         timings["pipeline"] = time.perf_counter() - pipe_start
+    return _emitted(state, data, original_text, pipelined, timings)
+
+
+def _recomputed_or_accumulated(state: CompileState, data: bytes, filename: str,
+                               options: CompileOptions, parse_time: float,
+                               original_text: str | None) -> CompileResult:
+    """The recomputing plan fits; accumulating gradients (on the program as it stands) may
+    still be faster: it is planned bounded by the recomputing plan's time, and the faster of
+    the two that fits is emitted. A program whose batch cannot be split keeps the first."""
+    from hloplan.pipelining import PipelinePlan
+    from hloplan.solver.evaluate import evaluate
+
+    timings = {"parse": parse_time, **state.timings}
+    pipe_start = time.perf_counter()
+    try:
+        pipelined = _plan_pipeline(data, filename, options,
+                                   PipelineOptions(stages=1, accumulate=True), state)
+    except HloplanError:
+        pipelined = None
+    if pipelined is not None and pipelined[0] is None:
+        pipelined = None
+    timings["pipeline"] = time.perf_counter() - pipe_start
+    done = state.facts["rematerialized"]
+    recomputing = (f"{done['values']} activations are recomputed after the forward pass "
+                   f"({done['ops']} cheap ops cloned; {format_bytes(done['freed_bytes'])} fewer "
+                   "live at the unsharded peak)")
+    if pipelined is not None and isinstance(pipelined[0], PipelinePlan):
+        seconds = evaluate(state.problem, state.solution).total
+        _warn_accumulated(state, pipelined[0], (
+            f"faster than the single program in which {recomputing}, which fits too (step "
+            f"{format_seconds(seconds)}; in module.mlir and sharded.jaxexport); hloplan.load "
+            "runs the accumulated plan"), single_fits=True)
+    else:
+        state.log.warn(
+            f"no plan fits the memory budget of {format_bytes(options.budget)} per device as "
+            f"the program stands: {recomputing}",
+            notes=("module.mlir and sharded.jaxexport hold the recomputing program",))
     return _emitted(state, data, original_text, pipelined, timings)
 
 
@@ -146,6 +190,41 @@ def _plan_pipeline(data: bytes, filename: str, options: CompileOptions,
     state = run_pipeline(program, options, [InlineCalls(), ExtractGraph()])
     single_seconds = None if single is None else evaluate(single.problem, single.solution).total
     return plan_pipeline(state, options, pipeline, single_seconds), state
+
+
+def _recomputed(data: bytes, filename: str, options: CompileOptions, passes, after_pass
+                ) -> tuple[CompileState | None, Diagnostic | None]:
+    """No plan fits the memory budget as the program stands: the plan of the program with its
+    cheap activations recomputed in the backward pass (passes/rematerialize.py). Else None,
+    with a note on what recomputing reached (None when there is nothing to recompute)."""
+    from hloplan.passes.rematerialize import Rematerialize
+    from hloplan.pipeline import compile_pipeline
+
+    steps = [dataclasses.replace(step, enabled=True) if isinstance(step, Rematerialize) else step
+             for step in (passes if passes is not None else compile_pipeline())]
+    program = ir.load_program(data, filename)
+    facts: dict = {}
+
+    def keep_facts(name: str, state: CompileState) -> None:
+        facts.update(state.facts)
+        if after_pass is not None:
+            after_pass(name, state)
+
+    try:
+        state = run_pipeline(program, options, steps, after_pass=keep_facts)
+    except HloplanError as error:
+        if not _nothing_fits(error):
+            raise
+        done = facts.get("rematerialized", {})
+        if not done.get("values"):
+            return None, None
+        smallest = getattr(error, "min_peak", None)
+        return None, Diagnostic(
+            "note", f"nor with {done['values']} activations recomputed after the forward pass"
+            + (f" (smallest peak {format_bytes(smallest)})" if smallest else ""), None)
+    if not state.facts.get("rematerialized", {}).get("values"):
+        return None, None
+    return state, None
 
 
 def _nothing_fits(error: HloplanError) -> bool:
@@ -204,19 +283,25 @@ def _accumulated(data: bytes, filename: str, options: CompileOptions,
     program = ir.load_program(data, filename)
     state = run_pipeline(program, unbounded, passes)
     state.options = options  # plan.json reports the user's budget
-    estimate = plan_.estimate
-    state.log.warn(
-        f"no single-program plan fits the memory budget of {format_bytes(options.budget)} per "
-        f"device; {'accumulating gradients over' if plan_.stages == 1 else 'pipelined with'} "
-        f"{plan_.microbatches} microbatches"
-        + (f" in {plan_.stages} stages" if plan_.stages > 1 else "")
-        + f" (peak {format_bytes(max(estimate['memory_per_stage_bytes']))} per device, "
-        f"step {format_seconds(estimate['step_time_s'])})",
-        notes=("the fastest single-program plan, which does not fit, is in module.mlir and "
-               "sharded.jaxexport; hloplan.load runs the accumulated plan",))
+    _warn_accumulated(state, plan_, "the fastest single-program plan, which does not fit, is "
+                      "in module.mlir and sharded.jaxexport; hloplan.load runs the accumulated "
+                      "plan")
     timings = {"parse": parse_time, **state.timings,
                "pipeline": time.perf_counter() - started}
     return _emitted(state, data, original_text, pipelined, timings)
+
+
+def _warn_accumulated(state: CompileState, plan_, note: str, single_fits: bool = False) -> None:
+    estimate = plan_.estimate
+    lead = ("no plan fits the memory budget of {} per device as the program stands" if single_fits
+            else "no single-program plan fits the memory budget of {} per device")
+    state.log.warn(
+        lead.format(format_bytes(state.options.budget))
+        + f"; {'accumulating gradients over' if plan_.stages == 1 else 'pipelined with'} "
+        f"{plan_.microbatches} microbatches"
+        + (f" in {plan_.stages} stages" if plan_.stages > 1 else "")
+        + f" (peak {format_bytes(max(estimate['memory_per_stage_bytes']))} per device, "
+        f"step {format_seconds(estimate['step_time_s'])})", notes=(note,))
 
 
 def compile(path_or_bytes, mesh: str | MeshSpec, output: str | None = None, **kwargs) -> CompileResult:

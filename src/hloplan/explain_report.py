@@ -346,6 +346,10 @@ def render_text(plan: dict, console, top: int = 10) -> None:
     pipe = plan.get("pipeline") or {}
     single = (f"estimated step {format_seconds(est.get('step_time_s', 0.0))}, "
               f"peak {format_bytes(est.get('peak_memory_bytes', 0))} per device")
+    remat = plan.get("rematerialized")
+    if remat:  # no plan fit the budget without it
+        single += (f"; recomputes {remat['values']} activations after the forward pass "
+                   f"({remat['ops']} cheap ops)")
     if pipe.get("tasks"):  # the loader runs the pipeline; the tables below are the single program
         pest = pipe["estimate"]
         budget_bytes = plan.get("memory_budget_bytes")

@@ -386,6 +386,51 @@ def _defined_in(block) -> set:
     return values
 
 
+def _top_level_op(handles: Handles, index: int):
+    """The MLIR op of graph op `index` (a pseudo op's: the op whose result it stands for)."""
+    found = handles.ops.get(index)
+    return found[0] if found is not None else handles.top_ops[index]
+
+
+def rematerialize(handles: Handles, groups) -> int:
+    """Recompute values late (see passes/rematerialize.py): for each group (a Recompute, in
+    program order), an optimization barrier over its kept values and trigger and clones of its
+    ops are made right before its op `before`, and the group's values' uses from `before` on
+    read the clones. Returns the number of ops cloned."""
+    main = handles.main
+    remade: dict = {}  # original ir.Value -> its clone
+    cloned = 0
+    with main.context:
+        for group in groups:
+            before = _top_level_op(handles, group.before)
+            insertion = ir.InsertionPoint(before)
+            mapping = dict(remade)
+            inputs = [handles.top_values[v] for v in group.kept]
+            if group.trigger is not None:
+                inputs.append(handles.top_values[group.trigger])
+            if group.kept:
+                barrier = stablehlo.OptimizationBarrierOp(
+                    inputs, results=[v.type for v in inputs], loc=before.location, ip=insertion)
+                for value, result in zip(inputs, barrier.results):
+                    mapping[value] = result
+                if group.trigger is not None:
+                    del mapping[inputs[-1]]  # made already: later ops keep reading it
+            for index in group.ops:
+                clone = handles.ops[index][0].operation.clone(insertion)
+                _remap_operands(clone, mapping)
+                for old, new in zip(handles.ops[index][0].operation.results, clone.results):
+                    mapping[old] = remade[old] = new
+                cloned += 1
+            originals = {handles.top_values[v] for v in group.values}
+            for user in group.users:
+                operation = _top_level_op(handles, user).operation
+                for position, operand in enumerate(operation.operands):
+                    if operand in originals:
+                        operation.operands[position] = remade[operand]
+        main.operation.verify()
+    return cloned
+
+
 def run_passes(module: ir.Module, pipeline: str) -> None:
     with module.context:
         passmanager.PassManager.parse(f"builtin.module({pipeline})").run(module.operation)

@@ -11,6 +11,7 @@ from hloplan.passes.build_sharding_problem import BuildShardingProblem
 from hloplan.passes.extract_graph import ExtractGraph
 from hloplan.passes.inline_calls import InlineCalls
 from hloplan.passes.propagate_sharding import PropagateSharding
+from hloplan.passes.rematerialize import Rematerialize
 from hloplan.passes.solve_sharding import SolveSharding
 from hloplan.passes.tie_repeated_layers import TieRepeatedLayers
 from hloplan.state import CompileOptions, CompileState, Pass
@@ -19,6 +20,7 @@ from hloplan.state import CompileOptions, CompileState, Pass
 def compile_pipeline() -> list[Pass]:
     return [
         InlineCalls(),            # private functions -> main, one copy per call site
+        Rematerialize(),          # (when nothing fits) recompute cheap activations after the peak
         ExtractGraph(),           # MLIR -> plain-data graph (shapes, attrs, locations, trip counts)
         BuildShardingProblem(),   # strategies per op, resharding edges, memory points
         TieRepeatedLayers(),      # one decision per repeated layer (ILP grows with width, not depth)

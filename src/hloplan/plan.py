@@ -145,6 +145,9 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
         "decisions": decisions.top_decisions(state, count=10),
         "diagnostics": [d.to_json() for d in state.log.entries],
         "files": files,
+        # What rematerialize recomputed after the forward pass (only when nothing fit without)
+        **({"rematerialized": state.facts["rematerialized"]}
+           if state.facts.get("rematerialized", {}).get("values") else {}),
     }
 
 

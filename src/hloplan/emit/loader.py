@@ -38,6 +38,17 @@ class PlanLoadError(RuntimeError):
     pass
 
 
+def compiler_options(plan: dict, platform: str) -> dict:
+    """XLA options the plan's program needs on `platform`. A plan that recomputes activations
+    (plan.json "rematerialized") orders each recomputation after the forward pass with an
+    optimization barrier. XLA's GPU compiler removes barriers after scheduling; its CPU
+    compiler removes them before, and then schedules the recomputation early, where it saves
+    nothing: on CPU the barriers are kept to the end (they compile to nothing)."""
+    if plan.get("rematerialized") and platform == "cpu":
+        return {"xla_disable_hlo_passes": "cse_barrier_expander"}
+    return {}
+
+
 def read_plan(plan_dir: str | os.PathLike) -> dict:
     path = Path(plan_dir) / PLAN_FILE
     try:
@@ -123,7 +134,9 @@ class Runner:
         self.mesh = build_mesh(self.plan, devices)
         self.in_shardings = self.exported.in_shardings_jax(self.mesh)
         self.out_shardings = self.exported.out_shardings_jax(self.mesh)
-        self._call = jax.jit(self.exported.call)
+        platform = self.mesh.devices.flat[0].platform
+        self._call = jax.jit(self.exported.call,
+                             compiler_options=compiler_options(self.plan, platform) or None)
 
     @property
     def multi_process(self) -> bool:
