@@ -100,6 +100,7 @@ class _ProblemBuilder:
         self.specs_of: dict[int, tuple] = {}
         self.edge_cache: dict = {}  # (type, layouts id, layouts id, multiplier) -> matrix
         self.reshard_cache: dict = {}  # (type, src layout, dst layout) -> seconds
+        self.copies_cache: dict = {}  # (type, layouts id) -> bytes of a copy in each layout
         self.plain_of: dict[int, Strategy] = {}  # id(OpStrategy) -> Strategy (cached ones live)
         self.folded = folded_transposes(graph)  # transposes a GEMM reads through: no kernel
         self.fused = fused_values(graph, self.folded)  # kept inside a fused kernel: no HBM traffic
@@ -348,7 +349,8 @@ class _ProblemBuilder:
         if costs is None:
             return None
         return Edge(self.space.node_of[producer], self.space.node_of[consumer.index], costs,
-                    label=f"%{value_id} -> %{consumer.index}")
+                    label=f"%{value_id} -> %{consumer.index}",
+                    copies=self._copies(value.type, dst_id) if position >= 0 else ())
 
     def _shared_reshards(self) -> dict[tuple[int, int], tuple[int, int]]:
         """(matmul, operand position) -> (the previous matmul reading the same value, its
@@ -385,11 +387,23 @@ class _ProblemBuilder:
         source, source_position = previous
         src_id = self._operand_specs_id(source, source_position)
         dst_id = self._operand_specs_id(consumer.index, position)
-        costs = self._matrix(self.graph.type_of(value_id), src_id, dst_id, consumer.multiplier)
+        type_ = self.graph.type_of(value_id)
+        costs = self._matrix(type_, src_id, dst_id, consumer.multiplier)
         if costs is None:
             return None
         return Edge(self.space.node_of[source], self.space.node_of[consumer.index], costs,
-                    label=f"%{value_id} (as %{source} reads it) -> %{consumer.index}")
+                    label=f"%{value_id} (as %{source} reads it) -> %{consumer.index}",
+                    copies=self._copies(type_, dst_id))
+
+    def _copies(self, type_, dst_id: int) -> tuple[float, ...]:
+        """Bytes per device of a value resharded into each of the layouts `dst_id` lists."""
+        key = (type_, dst_id)
+        found = self.copies_cache.get(key)
+        if found is None:
+            found = tuple(0.0 if dst is None else local_bytes(type_, dst, self.mesh)
+                          for dst in self.specs_of[dst_id])
+            self.copies_cache[key] = found
+        return found
 
     def _edges(self) -> list[Edge]:
         edges = []

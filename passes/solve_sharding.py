@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from hloplan.diagnostics import Diagnostic, HloplanError
 from hloplan.solver import axes
+from hloplan.solver.evaluate import copy_bytes, evaluate
 from hloplan.solver.ilp import InfeasibleError
+from hloplan.solver.problem import ShardingProblem, Solution
 from hloplan.state import CompileState
 from hloplan.units import format_bytes
 
@@ -21,20 +26,50 @@ from hloplan.units import format_bytes
 class SolveSharding:
     name: str = "solve-sharding"
 
+    # The ILP does not see the resharded copies an op reads (an all-gathered operand, made
+    # before the op and freed after it): they depend on two decisions at once. When the plan's
+    # peak with them is over the budget, the ILP is solved again with each reader holding the
+    # copies it would read given its sources' strategies in the plans so far (exact while the
+    # sources keep them), from the third solve on also under a budget lowered by the excess;
+    # at most this many times.
+    max_tightening: int = 3
+
     def apply(self, state: CompileState) -> None:
         options = state.options
         links = tuple(link.name for link in state.comm.links) if state.comm is not None else None
-        try:
-            state.solution, state.stats = axes.solve(
-                state.problem, time_limit=options.time_limit, solver=options.solver,
-                decompose=options.decompose, links=links,
-                gap=options.gap)
-        except InfeasibleError as exc:
-            error = HloplanError(_infeasible_diagnostic(state, exc))
-            details = getattr(exc, "details", None)
-            # Callers that plan parts of a program (pipeline stages) report the smallest peak.
-            error.min_peak = getattr(details, "min_peak", None)
-            raise error from None
+        original = state.problem
+        budget = original.memory_budget
+        problem = original
+        seen: dict[int, np.ndarray] = {}  # edge -> largest copy bytes per reader strategy yet
+        for attempt in range(self.max_tightening + 1):
+            try:
+                state.solution, state.stats = axes.solve(
+                    problem, time_limit=options.time_limit, solver=options.solver,
+                    decompose=options.decompose, links=links, gap=options.gap)
+            except InfeasibleError as exc:
+                error = HloplanError(_infeasible_diagnostic(state, exc, attempt))
+                details = getattr(exc, "details", None)
+                # Callers that plan parts of a program (pipeline stages) report the smallest
+                # peak.
+                error.min_peak = getattr(details, "min_peak", None)
+                raise error from None
+            peak = evaluate(original, state.solution).peak_memory
+            if peak <= budget * (1 + 1e-9):
+                break
+            lowered = problem.memory_budget - (peak - budget) if attempt >= 1 else budget
+            problem = dataclasses.replace(_with_copies_held(original, state.solution, seen),
+                                          memory_budget=lowered)
+        else:
+            error = HloplanError(Diagnostic(
+                "error", f"no plan fits the memory budget of {format_bytes(budget)} per device "
+                f"on mesh {options.mesh}", None,
+                (f"the plans under it need resharded copies of their operands on top (planned "
+                 f"{self.max_tightening + 1} times, counting the copies the previous plans "
+                 f"read; last peak {format_bytes(peak)})",
+                 "raise --memory-budget, use a larger mesh, or shrink the program")))
+            error.min_peak = peak
+            raise error
+        state.facts["memory_tightened"] = attempt
         if state.stats.status == "decomposed":
             steps = state.stats.extra.get("steps", [])
             state.log.remark(
@@ -53,9 +88,38 @@ class SolveSharding:
                 notes=("raise --time-limit for a proven optimum",))
 
 
-def _infeasible_diagnostic(state: CompileState, exc: InfeasibleError) -> Diagnostic:
+def _with_copies_held(problem: ShardingProblem, solution: Solution,
+                      seen: dict[int, np.ndarray]) -> ShardingProblem:
+    """`problem` with each reader's strategies also holding, at its first live point, the
+    resharded copies it would read given its sources' strategies in `solution` (and in the
+    solutions `seen` so far: the largest per edge), as transient bytes the ILP can see."""
+    extra: dict[int, np.ndarray] = {}
+    for e, edge in enumerate(problem.edges):
+        if not edge.copies:
+            continue
+        i = solution.choice[edge.src]
+        row = np.array([copy_bytes(edge, i, j) for j in range(len(edge.copies))])
+        seen[e] = row if e not in seen else np.maximum(seen[e], row)
+    for e, row in seen.items():
+        dst = problem.edges[e].dst
+        extra[dst] = row if dst not in extra else extra[dst] + row
+    nodes = list(problem.nodes)
+    for index, row in extra.items():
+        if row.any():
+            nodes[index] = dataclasses.replace(nodes[index], strategies=tuple(
+                dataclasses.replace(s, transient=s.transient + float(held))
+                for s, held in zip(nodes[index].strategies, row, strict=True)))
+    return dataclasses.replace(problem, nodes=tuple(nodes))
+
+
+def _infeasible_diagnostic(state: CompileState, exc: InfeasibleError, tightened: int = 0
+                           ) -> Diagnostic:
     budget = state.options.budget
     notes = [str(exc)]
+    if tightened:
+        notes.insert(0, f"planned under the budget less the resharded copies the first plans "
+                     f"read (an all-gathered operand is held while its op runs; {tightened} "
+                     "times)")
     details = getattr(exc, "details", None) or {}
     minimum = details.get("min_peak") if isinstance(details, dict) else None
     if minimum is not None:
@@ -71,6 +135,8 @@ def _infeasible_diagnostic(state: CompileState, exc: InfeasibleError) -> Diagnos
 
 def _largest_values(state: CompileState, count: int = 3) -> list[str]:
     graph = state.graph
+    if graph is None:  # a problem given as plain data
+        return []
     sized = sorted(((graph.type_of(v).nbytes, name) for v, name in
                     zip(graph.arguments, graph.argument_names) if graph.type_of(v) is not None),
                    reverse=True)[:count]

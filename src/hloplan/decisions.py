@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hloplan.solver.evaluate import MEMORY_RTOL, Evaluation, evaluate
+from hloplan.solver.evaluate import MEMORY_RTOL, Evaluation, copy_bytes, evaluate
 from hloplan.solver.problem import ShardingProblem, Solution, first_live_points
 from hloplan.state import CompileState
 from hloplan.strategies import OpStrategy, spec_names
@@ -168,9 +168,12 @@ class DecisionIndex:
         """Peak bytes and whether every live point fits, per strategy index of the group."""
         if not len(self.memory):
             return np.zeros(count), np.ones(count, dtype=bool)
-        touched = sorted({p for g in group for p in self.points_of[g]})
+        copies = self._copy_deltas(group, count)
+        touched = sorted({p for g in group for p in self.points_of[g]} | set(copies))
         position = {p: i for i, p in enumerate(touched)}
         delta = np.zeros((len(touched), count))
+        for p, row in copies.items():
+            delta[position[p]] += row
         for g in group:
             strategies = self.problem.nodes[g].strategies
             mine = strategies[self.choice[g]].memory
@@ -192,6 +195,28 @@ class DecisionIndex:
         if self.over - touched_set:
             fits = np.zeros(count, dtype=bool)
         return peaks, fits
+
+    def _copy_deltas(self, group: list[int], count: int) -> dict[int, np.ndarray]:
+        """Per live point, the change in resharded-copy bytes held there, per strategy index of
+        the group (copies sit at their reader's first live point)."""
+        problem, choice = self.problem, self.choice
+        members = set(group)
+        deltas: dict[int, np.ndarray] = {}
+        seen: set[int] = set()
+        for g in group:
+            for e in self.edges_of[g]:
+                edge = problem.edges[e]
+                first = self.first_live.get(edge.dst)
+                if e in seen or not edge.copies or first is None:
+                    continue
+                seen.add(e)
+                base = copy_bytes(edge, choice[edge.src], choice[edge.dst])
+                row = np.array([copy_bytes(edge, k if edge.src in members else choice[edge.src],
+                                           k if edge.dst in members else choice[edge.dst]) - base
+                                for k in range(count)])
+                if row.any():
+                    deltas[first] = deltas.get(first, 0.0) + row
+        return deltas
 
     def next_best(self, node: int) -> Alternative | None:
         """The alternative `solver.explain.next_best` picks: feasible, cheapest, lowest index."""

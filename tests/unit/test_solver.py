@@ -13,6 +13,7 @@ import random
 import pulp
 import pytest
 
+from hloplan.diagnostics import HloplanError
 from hloplan.solver.evaluate import evaluate
 from hloplan.solver.explain import compare, format_bytes, format_seconds, next_best
 from hloplan.solver.ilp import InfeasibleError, SolverError, available_solvers, solve
@@ -548,3 +549,48 @@ def test_formatting_helpers():
     assert format_bytes(14 * GIB) == "14.0 GiB"
     assert format_bytes(3 * 2**20) == "3.00 MiB"
     assert format_bytes(1536) == "1.50 KiB"
+
+
+# -- resharded copies ---------------------------------------------------------------------------
+
+
+def _copy_problem(budget: float) -> ShardingProblem:
+    """A feeds B. A's cheap strategy makes layout X, its dear one Y; B's cheap strategy reads Y
+    (from X: a reshard, 0.5 s, and a 40-byte gathered copy held while B runs), its dear one X."""
+    a = Node("A", (Strategy("x", 0.0, memory=10.0), Strategy("y", 1.0, memory=10.0)))
+    b = Node("B", (Strategy("reads y", 0.0, memory=10.0), Strategy("reads x", 0.6, memory=10.0)))
+    edge = Edge(0, 1, ((0.5, 0.0), (0.0, 0.5)), copies=(40.0, 40.0))
+    points = (LivePoint((0,)), LivePoint((0, 1)))
+    return ShardingProblem((a, b), (edge,), points, budget)
+
+
+def test_evaluate_holds_a_resharded_copy_at_its_readers_first_point():
+    problem = _copy_problem(float("inf"))
+    resharded = evaluate(problem, Solution((0, 0)))
+    assert resharded.memory == (10.0, 60.0)
+    assert evaluate(problem, Solution((0, 0)), copies=False).memory == (10.0, 20.0)
+    assert evaluate(problem, Solution((0, 1))).memory == (10.0, 20.0)  # no reshard, no copy
+    assert evaluate(problem, Solution((1, 0))).memory == (10.0, 20.0)
+
+
+def test_solve_sharding_plans_again_when_resharded_copies_break_the_budget():
+    from hloplan.compiler import make_options
+    from hloplan.passes.solve_sharding import SolveSharding
+    from hloplan.state import CompileState
+
+    problem = _copy_problem(30.0)
+    # The ILP alone picks the cheapest plan (0.5 s), whose copy makes its peak 60 bytes.
+    assert solve(problem)[0].choice == (0, 0)
+    state = CompileState(program=None, options=make_options("8", device="toy"), problem=problem)
+    SolveSharding().apply(state)
+    assert state.solution.choice == (0, 1)  # B reads A's layout: no copy, 20 bytes
+    assert evaluate(problem, state.solution).feasible
+    assert state.facts["memory_tightened"] == 1
+    # A copy no plan avoids: no plan fits, and the error says why.
+    forced = ShardingProblem(
+        (Node("A", (Strategy("x", memory=10.0),)), Node("B", (Strategy("reads y", memory=10.0),))),
+        (Edge(0, 1, ((0.5,),), copies=(40.0,)),), (LivePoint((0,)), LivePoint((0, 1))), 30.0)
+    state = CompileState(program=None, options=make_options("8", device="toy"), problem=forced)
+    with pytest.raises(HloplanError, match="no plan fits the memory budget") as info:
+        SolveSharding().apply(state)
+    assert "resharded copies" in str(info.value)

@@ -65,18 +65,33 @@ def _check_solution(problem: ShardingProblem, solution: Solution) -> None:
             )
 
 
-def live_point_bytes(problem: ShardingProblem, solution: Solution) -> tuple[float, ...]:
-    """Bytes at each live point: its fixed bytes plus the chosen strategies' memory.
+def copy_bytes(edge, i: int, j: int) -> float:
+    """Bytes of the resharded copy `edge`'s destination reads under strategies i (source) and
+    j (destination), held at the destination's first live point; 0 when no reshard."""
+    return edge.copies[j] if edge.copies and edge.costs[i][j] > 0 else 0.0
+
+
+def live_point_bytes(problem: ShardingProblem, solution: Solution, copies: bool = True
+                     ) -> tuple[float, ...]:
+    """Bytes at each live point: its fixed bytes plus the chosen strategies' memory (and, at a
+    node's first live point, its transient bytes and, with `copies`, the resharded copies it
+    reads: the ILP's model leaves those out, see passes/solve_sharding.py).
 
     A node listed twice at one point is counted once: a value is either live there or not.
     """
     picked = [node.strategies[pick] for node, pick in zip(problem.nodes, solution.choice)]
     chosen = [s.memory for s in picked]
     points, ranges = problem.live_points, problem.live_ranges
-    # A node's transient bytes at its first live point (partial sums before a reduce-scatter).
+    # A node's transient bytes at its first live point (partial sums before a reduce-scatter),
+    # and the resharded copies of its operands it reads there.
     flash = [0.0] * (len(points) + 1)
-    for index, first in first_live_points(problem).items():
+    firsts = first_live_points(problem)
+    for index, first in firsts.items():
         flash[first] += picked[index].transient
+    for edge in problem.edges if copies else ():
+        if edge.copies and edge.dst in firsts:
+            flash[firsts[edge.dst]] += copy_bytes(edge, solution.choice[edge.src],
+                                                  solution.choice[edge.dst])
     exact = all(float(m).is_integer() and abs(m) < _EXACT for m in chosen + flash) and all(
         float(p.fixed_bytes).is_integer() and abs(p.fixed_bytes) < _EXACT for p in points)
     totals = []
@@ -144,7 +159,7 @@ def _memory_violations(problem: ShardingProblem, memory: tuple[float, ...]) -> l
     return messages
 
 
-def evaluate(problem: ShardingProblem, solution: Solution) -> Evaluation:
+def evaluate(problem: ShardingProblem, solution: Solution, copies: bool = True) -> Evaluation:
     """Cost, memory and feasibility of `solution`, by plain arithmetic.
 
     Raises ValueError when the solution has the wrong length or picks a strategy that does not
@@ -167,7 +182,7 @@ def evaluate(problem: ShardingProblem, solution: Solution) -> Evaluation:
                      if launch.active(solution.choice))
     communication = sum(s.communication_cost for s in chosen) + sum(c for _, c in launches)
     resharding = sum(resharding_in)
-    memory = live_point_bytes(problem, solution)
+    memory = live_point_bytes(problem, solution, copies)
     peak_point = max(range(len(memory)), key=memory.__getitem__) if memory else None
     peak = memory[peak_point] if peak_point is not None else 0.0
     violations = _memory_violations(problem, memory) + _tie_violations(problem, solution)

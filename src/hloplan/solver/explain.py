@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hloplan.solver.evaluate import Evaluation, evaluate, memory_fits
+from hloplan.solver.evaluate import Evaluation, copy_bytes, evaluate, memory_fits
 from hloplan.solver.problem import ShardingProblem, Solution, Strategy, first_live_points
 from hloplan.units import format_bytes, format_seconds
 
@@ -104,17 +104,37 @@ def _launch_deltas(
 def _switched_peak(
     problem: ShardingProblem, base: Evaluation, node: int, memory_delta: float,
     transient_delta: float = 0.0, first: int | None = None,
+    at_points: dict[int, float] | None = None,
 ) -> float:
-    """Peak memory of `base` with one node's footprint changed by `memory_delta` (and its
-    transient bytes, at its first live point `first`, by `transient_delta`)."""
+    """Peak memory of `base` with one node's footprint changed by `memory_delta` (its
+    transient bytes, at its first live point `first`, by `transient_delta`; and bytes held at
+    given points, resharded copies, by `at_points`)."""
     where = next((r for r in problem.live_ranges if r.node == node), None)
+    at_points = at_points or {}
     loads = [
-        used + memory_delta + (transient_delta if p == first else 0.0)
-        if node in point.nodes or (where is not None and where.first <= p <= where.last)
-        else used
+        (used + memory_delta + (transient_delta if p == first else 0.0)
+         if node in point.nodes or (where is not None and where.first <= p <= where.last)
+         else used) + at_points.get(p, 0.0)
         for p, (point, used) in enumerate(zip(problem.live_points, base.memory, strict=True))
     ]
     return max(loads, default=0.0)
+
+
+def _copy_deltas(problem: ShardingProblem, choice: tuple[int, ...], node: int, k: int,
+                 firsts: dict[int, int], edges_of: dict[int, list[int]]) -> dict[int, float]:
+    """Change in resharded-copy bytes per live point when `node` alone switches to strategy k
+    (`edges_of`: node -> indices of the edges with copies that touch it)."""
+    deltas: dict[int, float] = {}
+    for e in edges_of.get(node, ()):
+        edge = problem.edges[e]
+        if edge.dst not in firsts:
+            continue
+        i, j = choice[edge.src], choice[edge.dst]
+        new = copy_bytes(edge, k if edge.src == node else i, k if edge.dst == node else j)
+        delta = new - copy_bytes(edge, i, j)
+        if delta:
+            deltas[firsts[edge.dst]] = deltas.get(firsts[edge.dst], 0.0) + delta
+    return deltas
 
 
 def compare(problem: ShardingProblem, chosen: Solution, alternative: Solution) -> list[Reason]:
@@ -127,6 +147,11 @@ def compare(problem: ShardingProblem, chosen: Solution, alternative: Solution) -
     resharding = _resharding_deltas(problem, chosen, alternative)
     launches = _launch_deltas(problem, chosen, alternative)
     firsts = first_live_points(problem)
+    edges_of: dict[int, list[int]] = {}
+    for e, edge in enumerate(problem.edges):
+        if edge.copies:
+            for end in dict.fromkeys((edge.src, edge.dst)):
+                edges_of.setdefault(end, []).append(e)
     reasons: list[tuple[bool, Reason]] = []
     for index, node in enumerate(problem.nodes):
         i, j = chosen.choice[index], alternative.choice[index]
@@ -134,7 +159,9 @@ def compare(problem: ShardingProblem, chosen: Solution, alternative: Solution) -
             continue
         mine, other = node.strategies[i], node.strategies[j]
         switched = _switched_peak(problem, base, index, other.memory - mine.memory,
-                                  other.transient - mine.transient, firsts.get(index))
+                                  other.transient - mine.transient, firsts.get(index),
+                                  _copy_deltas(problem, chosen.choice, index, j, firsts,
+                                               edges_of))
         reason = Reason(
             node=index,
             name=node.name,

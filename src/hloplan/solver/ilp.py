@@ -1240,7 +1240,7 @@ def _infeasible(
     point, fixed, dominant = None, 0.0, ()
     min_peak = lower
     if solution is not None:
-        evaluation = evaluate(problem, solution)
+        evaluation = evaluate(problem, solution, copies=False)
         if proven:
             min_peak = evaluation.peak_memory
         point = evaluation.peak_point
@@ -1303,7 +1303,7 @@ def _stats(
     constraints: int,
     extra: dict,
 ) -> tuple[Solution, SolveStats]:
-    evaluation = evaluate(problem, solution)
+    evaluation = evaluate(problem, solution, copies=False)
     if not evaluation.feasible:
         raise SolverError(f"{solver} returned an infeasible solution: {evaluation.violations}")
     objective = evaluation.total

@@ -61,6 +61,9 @@ class Edge:
     # costs[i][j]: seconds to reshard src's output under strategy i for dst's strategy j.
     costs: tuple[tuple[float, ...], ...]
     label: str = ""
+    # copies[j]: bytes per device of the resharded copy dst's strategy j reads, made where
+    # costs[i][j] > 0 and held while dst runs (an all-gathered operand). Empty: not counted.
+    copies: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
