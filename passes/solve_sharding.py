@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hloplan.diagnostics import Diagnostic, HloplanError
+from hloplan.diagnostics import Diagnostic, NoPlanFits
 from hloplan.solver import axes
 from hloplan.solver.evaluate import copy_bytes, evaluate
 from hloplan.solver.ilp import InfeasibleError
@@ -47,12 +47,11 @@ class SolveSharding:
                     problem, time_limit=options.time_limit, solver=options.solver,
                     decompose=options.decompose, links=links, gap=options.gap)
             except InfeasibleError as exc:
-                error = HloplanError(_infeasible_diagnostic(state, exc, attempt))
-                details = getattr(exc, "details", None)
                 # Callers that plan parts of a program (pipeline stages) report the smallest
                 # peak.
-                error.min_peak = getattr(details, "min_peak", None)
-                raise error from None
+                details = getattr(exc, "details", None)
+                raise NoPlanFits(_infeasible_diagnostic(state, exc, attempt),
+                                 getattr(details, "min_peak", None)) from None
             peak = evaluate(original, state.solution).peak_memory
             if peak <= budget * (1 + 1e-9):
                 break
@@ -60,15 +59,13 @@ class SolveSharding:
             problem = dataclasses.replace(_with_copies_held(original, state.solution, seen),
                                           memory_budget=lowered)
         else:
-            error = HloplanError(Diagnostic(
+            raise NoPlanFits(Diagnostic(
                 "error", f"no plan fits the memory budget of {format_bytes(budget)} per device "
                 f"on mesh {options.mesh}", None,
                 (f"the plans under it need resharded copies of their operands on top (planned "
                  f"{self.max_tightening + 1} times, counting the copies the previous plans "
                  f"read; last peak {format_bytes(peak)})",
-                 "raise --memory-budget, use a larger mesh, or shrink the program")))
-            error.min_peak = peak
-            raise error
+                 "raise --memory-budget, use a larger mesh, or shrink the program")), peak)
         state.facts["memory_tightened"] = attempt
         if state.stats.status == "decomposed":
             steps = state.stats.extra.get("steps", [])

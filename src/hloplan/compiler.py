@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hloplan import ir
 from hloplan.cost_models import DeviceModelError, load_device_model
-from hloplan.diagnostics import Diagnostic, HloplanError, UsageError
+from hloplan.diagnostics import Diagnostic, HloplanError, NoPlanFits, UsageError
 from hloplan.emit.artifact import render, write_plan_dir
 from hloplan.mesh import MeshError, MeshSpec, parse_mesh
 from hloplan.passes.extract_graph import ExtractGraph
@@ -110,13 +110,11 @@ def _compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pa
     original_text = ir.module_text(program.module) if program.exported is None else None
     try:
         state = run_pipeline(program, options, passes, after_pass=after_pass)
-    except HloplanError as error:
-        if not _nothing_fits(error):
-            raise
+    except NoPlanFits as error:
         state, tried = _recomputed(data, filename, options, passes, after_pass)
         if state is None:
             if tried is not None:
-                error = HloplanError(list(error.diagnostics) + [tried])
+                error = NoPlanFits(list(error.diagnostics) + [tried], error.min_peak)
             return _accumulated(data, filename, options, pipeline, passes, error, parse_time,
                                 original_text)
         if pipeline is None:
@@ -212,23 +210,17 @@ def _recomputed(data: bytes, filename: str, options: CompileOptions, passes, aft
 
     try:
         state = run_pipeline(program, options, steps, after_pass=keep_facts)
-    except HloplanError as error:
-        if not _nothing_fits(error):
-            raise
+    except NoPlanFits as error:
         done = facts.get("rematerialized", {})
         if not done.get("values"):
             return None, None
-        smallest = getattr(error, "min_peak", None)
+        smallest = error.min_peak
         return None, Diagnostic(
             "note", f"nor with {done['values']} activations recomputed after the forward pass"
             + (f" (smallest peak {format_bytes(smallest)})" if smallest else ""), None)
     if not state.facts.get("rematerialized", {}).get("values"):
         return None, None
     return state, None
-
-
-def _nothing_fits(error: HloplanError) -> bool:
-    return any(d.message.startswith("no plan fits the memory budget") for d in error.diagnostics)
 
 
 def _accumulated(data: bytes, filename: str, options: CompileOptions,
@@ -247,13 +239,13 @@ def _accumulated(data: bytes, filename: str, options: CompileOptions,
     try:
         pipelined = _plan_pipeline(data, filename, options, popts, None)
     except HloplanError as why:
-        raise HloplanError(list(error.diagnostics) + [
+        raise NoPlanFits(list(error.diagnostics) + [
             Diagnostic("note", "nor can it accumulate gradients over microbatches: "
                        + why.diagnostics[0].format(filename), None)]) from None
     plan_, _ = pipelined
     if isinstance(plan_, PipelinePlan) and max(
             plan_.estimate["memory_per_stage_bytes"]) > options.budget:
-        raise HloplanError(list(error.diagnostics) + [Diagnostic(
+        raise NoPlanFits(list(error.diagnostics) + [Diagnostic(
             "note", "no plan fits with the given --stages/--microbatches either (estimated "
             f"peak {format_bytes(max(plan_.estimate['memory_per_stage_bytes']))})", None)])
     if not isinstance(plan_, PipelinePlan):
@@ -277,7 +269,7 @@ def _accumulated(data: bytes, filename: str, options: CompileOptions,
                          f"{least['microbatches']} microbatches) beside at least "
                          f"{format_bytes(least['held'])} the loader holds for the step "
                          "(optimizer state, gradient sums, the batch)")
-        raise HloplanError(list(error.diagnostics) + [
+        raise NoPlanFits(list(error.diagnostics) + [
             Diagnostic("note", f"no plan fits {what}", None)])
     unbounded = dataclasses.replace(options, memory_budget=float("inf"))
     program = ir.load_program(data, filename)

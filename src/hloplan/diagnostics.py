@@ -64,6 +64,15 @@ class HloplanError(Exception):
         super().__init__("\n".join(d.format() for d in self.diagnostics))
 
 
+class NoPlanFits(HloplanError):
+    """No plan fits the memory budget. `min_peak`: the smallest peak per device any plan was
+    found to need (bytes), when known; callers try other ways (recomputation, microbatches)."""
+
+    def __init__(self, diagnostics, min_peak: float | None = None):
+        super().__init__(diagnostics)
+        self.min_peak = min_peak
+
+
 class UsageError(HloplanError):
     def __init__(self, message: str, notes: tuple[str, ...] = ()):
         super().__init__(Diagnostic("error", message, notes=notes), exit_code=EXIT_USAGE)

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from hloplan import inter_op, ir
 from hloplan.cost_models import CommModel
 from hloplan.cost_models.collectives import local_bytes
-from hloplan.diagnostics import HloplanError, UsageError
+from hloplan.diagnostics import NoPlanFits, UsageError
 from hloplan.inter_op import StageCost, SubmeshShape
 from hloplan.mesh import MeshSpec
 from hloplan.op_rules import folded_transposes, fused_values, hbm_traffic, rule_for
@@ -305,11 +305,9 @@ class TaskPlanner:
         if key not in self.costs:
             try:
                 task_state = self._solve(task, module, sub, boundary, reserve)
-            except HloplanError as error:
-                if "no plan fits" not in str(error):
-                    raise
+            except NoPlanFits as error:
                 self.costs[key] = None
-                smallest = getattr(error, "min_peak", None)
+                smallest = error.min_peak
                 if smallest is not None:  # the least any plan of a task needs, for the error
                     self.min_peaks.append((smallest, task.part, microbatches, reserve))
                 return None

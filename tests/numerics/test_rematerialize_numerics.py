@@ -16,7 +16,7 @@ from jax import export
 
 import hloplan
 from hloplan.cli import main
-from hloplan.diagnostics import HloplanError
+from hloplan.diagnostics import HloplanError, NoPlanFits
 from hloplan.units import parse_bytes
 
 pytestmark = pytest.mark.usefixtures("devices8")
@@ -106,7 +106,7 @@ def test_cli_reports_recomputation_and_the_plan_checks(normalized_mlp, tmp_path)
 
 def test_says_what_recomputation_reached_when_nothing_fits(normalized_mlp):
     path, _, _ = normalized_mlp
-    with pytest.raises(HloplanError) as info:
+    with pytest.raises(NoPlanFits) as info:
         hloplan.compile(path, "8", device="toy", memory_budget=1024)
     text = str(info.value)
     found = re.search(r"nor with (\d+) activations recomputed after the forward pass "

@@ -13,7 +13,7 @@ import random
 import pulp
 import pytest
 
-from hloplan.diagnostics import HloplanError
+from hloplan.diagnostics import NoPlanFits
 from hloplan.solver.evaluate import evaluate
 from hloplan.solver.explain import compare, format_bytes, format_seconds, next_best
 from hloplan.solver.ilp import InfeasibleError, SolverError, available_solvers, solve
@@ -591,6 +591,6 @@ def test_solve_sharding_plans_again_when_resharded_copies_break_the_budget():
         (Node("A", (Strategy("x", memory=10.0),)), Node("B", (Strategy("reads y", memory=10.0),))),
         (Edge(0, 1, ((0.5,),), copies=(40.0,)),), (LivePoint((0,)), LivePoint((0, 1))), 30.0)
     state = CompileState(program=None, options=make_options("8", device="toy"), problem=forced)
-    with pytest.raises(HloplanError, match="no plan fits the memory budget") as info:
+    with pytest.raises(NoPlanFits, match="no plan fits the memory budget") as info:
         SolveSharding().apply(state)
     assert "resharded copies" in str(info.value)
