@@ -77,12 +77,15 @@ class Rematerialize:
     min_gain: float = 0.05
     # At most this many ops are cloned to recompute one value.
     max_chain: int = 64
+    # Recompute only until this fraction of the unsharded peak is freed (cheapest per byte
+    # first): compile asks for what the budget needs first, then for everything that pays.
+    free_fraction: float = 1.0
 
     def apply(self, state: CompileState) -> None:
         if not self.enabled:
             return
         graph, handles = ir.extract_graph(state.program.module, state.filename)
-        plan = plan_recompute(graph, self.min_gain, self.max_chain)
+        plan = plan_recompute(graph, self.min_gain, self.max_chain, self.free_fraction)
         if plan is None or not plan.groups:
             state.facts["rematerialized"] = {"values": 0}
             return
@@ -109,10 +112,11 @@ def _free_values(graph: Graph) -> set[int]:
     return free
 
 
-def plan_recompute(graph: Graph, min_gain: float = 0.05, max_chain: int = 64
-                   ) -> RecomputePlan | None:
-    """Which values to recompute after the peak of unsharded live bytes, and where. None when
-    the program has no top-level op."""
+def plan_recompute(graph: Graph, min_gain: float = 0.05, max_chain: int = 64,
+                   free_fraction: float = 1.0) -> RecomputePlan | None:
+    """Which values to recompute after the peak of unsharded live bytes, and where: the
+    groups that pay, cheapest per byte freed first, until `free_fraction` of the peak is
+    freed (1: all that pay). None when the program has no top-level op."""
     ops, values = graph.ops, graph.values
     if not ops:
         return None
@@ -222,15 +226,25 @@ def plan_recompute(graph: Graph, min_gain: float = 0.05, max_chain: int = 64
     clusters: dict[int, list[int]] = {}
     for v in chains:
         clusters.setdefault(find(v), []).append(v)
-    chosen: list[int] = []
-    freed = 0
+    # Clusters worth recomputing, most bytes freed per byte recomputed first, taken until
+    # they free `free_fraction` of the peak.
+    worth = []
     for members in clusters.values():
         removed = sum(size(v) for v in members)
         added = sum(size(k) for k in set().union(*(chains[v][1] for v in members))
                     if k not in arguments and k not in crossing)
         if removed - added > min_gain * (removed + added):
-            chosen.extend(members)
-            freed += removed - added
+            remade = sum(size(r) for index in set().union(*(chains[v][0] for v in members))
+                         for r in ops[index].results)
+            worth.append(((removed - added) / max(remade, 1), removed - added, sorted(members)))
+    worth.sort(key=lambda item: (-item[0], -item[1], item[2][0]))
+    chosen: list[int] = []
+    freed = 0
+    for _, gain, members in worth:
+        if freed >= free_fraction * peak:
+            break
+        chosen.extend(members)
+        freed += gain
     return RecomputePlan(peak_at, peak, freed,
                          _groups(graph, chosen, chains, late_users, peak_at, free))
 

@@ -113,3 +113,30 @@ def test_says_what_recomputation_reached_when_nothing_fits(normalized_mlp):
                       r"\(smallest peak ([\d.]+ \w+)\)", text)
     assert found and int(found.group(1)) > 0
     assert parse_bytes(found.group(2).replace(" ", "")) < _smallest_peak(path)
+
+
+def test_recomputes_fewer_when_asked_to_free_less(normalized_mlp, tmp_path):
+    """rematerialize.free_fraction (a pass option of compile): recomputing only the cheapest
+    per byte freed until a fifth of the unsharded peak is freed still fits 5% under the
+    smallest peak, with fewer values recomputed than by default (all that pay)."""
+    import dataclasses
+
+    from hloplan.compiler import compile_bytes, make_options
+    from hloplan.passes.rematerialize import Rematerialize
+    from hloplan.pipeline import compile_pipeline
+
+    path, args, expected = normalized_mlp
+    budget = int(0.95 * _smallest_peak(path))
+    options = make_options("8", device="toy", memory_budget=budget)
+    counts = {}
+    for fraction in (0.3, 1.0):
+        passes = [dataclasses.replace(p, free_fraction=fraction)
+                  if isinstance(p, Rematerialize) else p for p in compile_pipeline()]
+        result = compile_bytes(path.read_bytes(), str(path), options, passes=passes)
+        assert result.plan["estimate"]["peak_memory_bytes"] <= budget
+        counts[fraction] = result.plan["rematerialized"]["values"]
+        result.write(tmp_path / str(fraction))
+        got = hloplan.load(tmp_path / str(fraction))(*args)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+    assert 0 < counts[0.3] < counts[1.0]

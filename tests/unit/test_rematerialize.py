@@ -136,3 +136,14 @@ def test_a_chain_longer_than_the_limit_is_kept():
     recomputed = {value for group in plan_recompute(g, max_chain=2).groups
                   for value in group.values}
     assert recomputed == {v["dz"]}  # one op; c1 and r1 need three
+
+
+def test_recomputes_the_cheapest_per_byte_first_until_enough_is_freed():
+    """dz frees its 64 KiB by recomputing one broadcast; c1 and r1 free 64 KiB (less the
+    mean) by recomputing three tensors: asked for a sliver of the peak, only dz is recomputed."""
+    g, v = _batch_norm_relu_step()
+    plan = plan_recompute(g, free_fraction=1e-6)
+    assert [group.values for group in plan.groups] == [(v["dz"],)]
+    assert plan.freed_bytes == ACT.nbytes
+    everything = plan_recompute(g, free_fraction=1.0)
+    assert everything.freed_bytes == 2 * ACT.nbytes - STAT.nbytes
