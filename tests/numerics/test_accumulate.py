@@ -96,7 +96,7 @@ def test_loader_holds_one_microbatch_at_a_time(wide_vocab_gpt, tmp_path):
     assert peaks[8] <= peaks[2]
 
 
-def test_accumulating_beats_recomputing_where_both_fit(wide_vocab_gpt, tmp_path):
+def test_accumulating_beats_recomputing_where_both_fit(wide_vocab_gpt, tmp_path, helpers):
     """Under 0.8 of the smallest single-program peak both fit: the single program with its
     activations recomputed, and accumulation over microbatches. The estimate prefers
     accumulating here (the logits, recomputed, are the step's largest elementwise work);
@@ -115,8 +115,7 @@ def test_accumulating_beats_recomputing_where_both_fit(wide_vocab_gpt, tmp_path)
     assert any("accumulating gradients over" in w and "recomputed after the forward pass"
                in notes[0] for w, notes in warnings)
     got = hloplan.load(tmp_path / "plan")(*args)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+    helpers.assert_trees_close(got, expected)
 
 
 def test_cli_says_it_accumulates_and_the_plan_runs(wide_vocab_gpt, tmp_path):

@@ -9,7 +9,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from click.testing import CliRunner
 from jax import export
@@ -67,7 +66,7 @@ def _compiled_peak(plan_dir, args) -> int:
     return stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
 
 
-def test_recomputes_activations_where_no_plan_fits(normalized_mlp, tmp_path):
+def test_recomputes_activations_where_no_plan_fits(normalized_mlp, tmp_path, helpers):
     path, args, expected = normalized_mlp
     budget = int(0.8 * _smallest_peak(path))
     result = hloplan.compile(path, "8", output=tmp_path / "plan", device="toy",
@@ -79,8 +78,7 @@ def test_recomputes_activations_where_no_plan_fits(normalized_mlp, tmp_path):
     warnings = [d.message for d in result.state.log.warnings]
     assert any("activations are recomputed after the forward pass" in w for w in warnings)
     got = hloplan.load(tmp_path / "plan")(*args)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+    helpers.assert_trees_close(got, expected)
     # XLA keeps the recomputation after the forward pass: the compiled step holds less than
     # the plan without recomputation (compiled the same way, on the same mesh).
     plain = hloplan.compile(path, "8", output=tmp_path / "plain", device="toy")
@@ -115,7 +113,7 @@ def test_says_what_recomputation_reached_when_nothing_fits(normalized_mlp):
     assert parse_bytes(found.group(2).replace(" ", "")) < _smallest_peak(path)
 
 
-def test_recomputes_fewer_when_asked_to_free_less(normalized_mlp, tmp_path):
+def test_recomputes_fewer_when_asked_to_free_less(normalized_mlp, tmp_path, helpers):
     """rematerialize.free_fraction (a pass option of compile): recomputing only the cheapest
     per byte freed until a fifth of the unsharded peak is freed still fits 5% under the
     smallest peak, with fewer values recomputed than by default (all that pay)."""
@@ -137,6 +135,5 @@ def test_recomputes_fewer_when_asked_to_free_less(normalized_mlp, tmp_path):
         counts[fraction] = result.plan["rematerialized"]["values"]
         result.write(tmp_path / str(fraction))
         got = hloplan.load(tmp_path / str(fraction))(*args)
-        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+        helpers.assert_trees_close(got, expected, context=f"free_fraction {fraction}")
     assert 0 < counts[0.3] < counts[1.0]
