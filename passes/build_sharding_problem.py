@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from hloplan.cost_models import CommModel
 from hloplan.graph import Graph, Op
 from hloplan.op_rules import (
+    FREE_IF_INPUTS_FREE,
     OpRule,
     feeding_matmuls,
     folded_transposes,
@@ -45,9 +46,6 @@ from hloplan.strategies import (
 )
 
 UNPLANNED = {"stablehlo.while", "stablehlo.case", "stablehlo.if"}
-# Cheap layout ops that stay free when all their operands are free (scalar splats, ...).
-FREE_IF_INPUTS_FREE = {"stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.convert",
-                       "stablehlo.transpose"}
 
 
 @dataclass(frozen=True)

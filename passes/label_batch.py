@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from hloplan.diagnostics import Diagnostic, HloplanError
 from hloplan.graph import Graph, Op
-from hloplan.op_rules import rule_for
+from hloplan.op_rules import FREE_IF_INPUTS_FREE, free_values, rule_for
 from hloplan.state import CompileState
 
 SUM_OPS = {"stablehlo.dot_general", "stablehlo.convolution", "stablehlo.reduce",
@@ -186,20 +186,6 @@ def _propagate(graph: Graph, batch_args: list[int], assumed: set[int],
         if not changed:
             break
     return label, frontier
-
-
-FREE_IF_INPUTS_FREE = {"stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.convert",
-                       "stablehlo.transpose"}
-
-
-def free_values(graph: Graph) -> set[int]:
-    """Values made from constants alone (splats, iotas): any shape of them is free to make."""
-    free: set[int] = set()
-    for op in graph.ops:
-        if op.name in ("stablehlo.constant", "stablehlo.iota") or (
-                op.name in FREE_IF_INPUTS_FREE and all(v in free for v in op.operands)):
-            free.update(op.results)
-    return free
 
 
 def zero_values(graph: Graph) -> set[int]:

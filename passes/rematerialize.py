@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from hloplan import ir
 from hloplan.graph import Graph
-from hloplan.op_rules import CHLO_ELEMENTWISE, ELEMENTWISE, FREE_OPS
+from hloplan.op_rules import CHLO_ELEMENTWISE, ELEMENTWISE, FREE_OPS, MATMULS, free_values
 from hloplan.state import CompileState
 
 # Ops recomputed after the peak: elementwise math and the layout ops XLA fuses into it.
@@ -31,11 +31,6 @@ RECOMPUTABLE = ({f"stablehlo.{name}" for name in ELEMENTWISE}
                 | {f"chlo.{name}" for name in CHLO_ELEMENTWISE}
                 | {"stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.transpose"}
                 | FREE_OPS)
-_MATMULS = {"stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"}
-# Ops that stay free (no buffer) when all their operands are: splats of scalar constants.
-_FREE_IF_INPUTS_FREE = {"stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.convert",
-                        "stablehlo.transpose"}
-
 
 @dataclass(frozen=True)
 class Recompute:
@@ -103,15 +98,6 @@ def _top_positions(graph: Graph) -> list[int]:
     return top
 
 
-def _free_values(graph: Graph) -> set[int]:
-    free: set[int] = set()
-    for op in graph.ops:
-        if op.name in FREE_OPS or (op.name in _FREE_IF_INPUTS_FREE and op.operands
-                                   and all(v in free for v in op.operands)):
-            free.update(op.results)
-    return free
-
-
 def plan_recompute(graph: Graph, min_gain: float = 0.05, max_chain: int = 64,
                    free_fraction: float = 1.0) -> RecomputePlan | None:
     """Which values to recompute after the peak of unsharded live bytes, and where: the
@@ -121,7 +107,7 @@ def plan_recompute(graph: Graph, min_gain: float = 0.05, max_chain: int = 64,
     if not ops:
         return None
     top = _top_positions(graph)
-    free = _free_values(graph)
+    free = free_values(graph)
     arguments, outputs = set(graph.arguments), set(graph.outputs)
     end = len(ops)
 
@@ -158,7 +144,7 @@ def plan_recompute(graph: Graph, min_gain: float = 0.05, max_chain: int = 64,
                   and all(ops[u].parent is None for u in late_users(v))]
 
     candidate_set = set(candidates)
-    matmul_inputs = {x for op in ops if op.name in _MATMULS for x in op.operands}
+    matmul_inputs = {x for op in ops if op.name in MATMULS for x in op.operands}
 
     def boundary(x: int) -> bool:
         """Kept as is by any recomputation that reads it: arguments, what is costly to make,

@@ -58,6 +58,9 @@ TRANSCENDENTAL = {"exponential", "exponential_minus_one", "log", "log_plus_one",
                   "tanh", "sine", "cosine", "tan", "rsqrt", "sqrt", "cbrt", "power", "atan2", "erf",
                   "erf_inv", "lgamma", "digamma"}
 FREE_OPS = {"stablehlo.constant", "stablehlo.iota", "sdy.constant"}
+# Cheap layout ops that stay free when all their operands are free (scalar splats, ...).
+FREE_IF_INPUTS_FREE = {"stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.convert",
+                       "stablehlo.transpose"}
 IDENTITY_PSEUDO = {"barrier.result", "while.carry"}
 
 _COMBINERS = {"stablehlo.add": "sum", "stablehlo.maximum": "max", "stablehlo.minimum": "min",
@@ -495,6 +498,16 @@ def fused_values(graph: Graph, folded: set[int] | None = None) -> set[int]:
     return fused
 
 
+def free_values(graph: Graph) -> set[int]:
+    """Values made from constants alone (splats, iotas): any shape of them is free to make."""
+    free: set[int] = set()
+    for op in graph.ops:
+        if op.name in FREE_OPS or (op.name in FREE_IF_INPUTS_FREE and op.operands
+                                   and all(v in free for v in op.operands)):
+            free.update(op.results)
+    return free
+
+
 def unmaterialized_values(graph: Graph, fused: set[int]) -> set[int]:
     """Fused values that take no memory: broadcasts whose consumers are all fused kernels. XLA
     recomputes a broadcast inside every kernel that reads it, so it is never written out,
@@ -506,7 +519,7 @@ def unmaterialized_values(graph: Graph, fused: set[int]) -> set[int]:
             if graph.ops[graph.values[v].producer].name == "stablehlo.broadcast_in_dim"}
 
 
-_MATMULS = {"stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"}
+MATMULS = {"stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"}
 
 
 def feeding_matmuls(graph: Graph) -> set[int]:
@@ -515,7 +528,7 @@ def feeding_matmuls(graph: Graph) -> set[int]:
     all-reduced before the next layer's matmul, batch-norm statistics. XLA cannot merge such
     collectives with others, unlike gradient all-reduces, which feed only the optimizer update."""
     found: set[int] = set()
-    stack = [op.index for op in graph.ops if op.name in _MATMULS]
+    stack = [op.index for op in graph.ops if op.name in MATMULS]
     while stack:
         op = graph.ops[stack.pop()]
         inputs = list(op.operands)
