@@ -99,8 +99,8 @@ def test_loader_holds_one_microbatch_at_a_time(wide_vocab_gpt, tmp_path):
 def test_accumulating_beats_recomputing_where_both_fit(wide_vocab_gpt, tmp_path, helpers):
     """Under 0.8 of the smallest single-program peak both fit: the single program with its
     activations recomputed, and accumulation over microbatches. The estimate prefers
-    accumulating here (the logits, recomputed, are the step's largest elementwise work);
-    the plan directory's single program is the recomputing one, which fits too."""
+    accumulating here; the plan directory's single program is the recomputing one, which
+    fits too."""
     path, args, expected = wide_vocab_gpt
     budget = int(0.8 * _smallest_single_peak(path))
     result = hloplan.compile(path, "8", output=tmp_path / "plan", device="toy",
