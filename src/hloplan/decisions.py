@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hloplan.solver.evaluate import MEMORY_RTOL, Evaluation, copy_bytes, evaluate
+from hloplan.solver.evaluate import MEMORY_RTOL, Evaluation, copy_delta, evaluate
 from hloplan.solver.problem import ShardingProblem, Solution, first_live_points
 from hloplan.state import CompileState
 from hloplan.strategies import OpStrategy, spec_names
@@ -210,10 +210,7 @@ class DecisionIndex:
                 if e in seen or not edge.copies or first is None:
                     continue
                 seen.add(e)
-                base = copy_bytes(edge, choice[edge.src], choice[edge.dst])
-                row = np.array([copy_bytes(edge, k if edge.src in members else choice[edge.src],
-                                           k if edge.dst in members else choice[edge.dst]) - base
-                                for k in range(count)])
+                row = np.array([copy_delta(edge, choice, members, k) for k in range(count)])
                 if row.any():
                     deltas[first] = deltas.get(first, 0.0) + row
         return deltas

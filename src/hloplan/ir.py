@@ -405,20 +405,19 @@ def rematerialize(handles: Handles, groups) -> int:
             before = _top_level_op(handles, group.before)
             insertion = ir.InsertionPoint(before)
             mapping = dict(remade)
-            inputs = [handles.top_values[v] for v in group.kept]
-            if group.trigger is not None:
-                inputs.append(handles.top_values[group.trigger])
             if group.kept:
+                kept = [handles.top_values[v] for v in group.kept]
+                # The trigger is made already: later ops keep reading it, not the barrier's.
+                waits = [] if group.trigger is None else [handles.top_values[group.trigger]]
                 barrier = stablehlo.OptimizationBarrierOp(
-                    inputs, results=[v.type for v in inputs], loc=before.location, ip=insertion)
-                for value, result in zip(inputs, barrier.results):
-                    mapping[value] = result
-                if group.trigger is not None:
-                    del mapping[inputs[-1]]  # made already: later ops keep reading it
+                    kept + waits, results=[v.type for v in kept + waits], loc=before.location,
+                    ip=insertion)
+                mapping.update(zip(kept, barrier.results))
             for index in group.ops:
-                clone = handles.ops[index][0].operation.clone(insertion)
+                original = handles.ops[index][0].operation
+                clone = original.clone(insertion)
                 _remap_operands(clone, mapping)
-                for old, new in zip(handles.ops[index][0].operation.results, clone.results):
+                for old, new in zip(original.results, clone.results):
                     mapping[old] = remade[old] = new
                 cloned += 1
             originals = {handles.top_values[v] for v in group.values}

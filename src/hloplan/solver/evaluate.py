@@ -71,6 +71,14 @@ def copy_bytes(edge, i: int, j: int) -> float:
     return edge.copies[j] if edge.copies and edge.costs[i][j] > 0 else 0.0
 
 
+def copy_delta(edge, choice, moved, k: int) -> float:
+    """Change in `edge`'s resharded-copy bytes when the nodes in `moved` switch to strategy k
+    and the others keep `choice`."""
+    i, j = choice[edge.src], choice[edge.dst]
+    return (copy_bytes(edge, k if edge.src in moved else i, k if edge.dst in moved else j)
+            - copy_bytes(edge, i, j))
+
+
 def live_point_bytes(problem: ShardingProblem, solution: Solution, copies: bool = True
                      ) -> tuple[float, ...]:
     """Bytes at each live point: its fixed bytes plus the chosen strategies' memory (and, at a

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hloplan.solver.evaluate import Evaluation, copy_bytes, evaluate, memory_fits
+from hloplan.solver.evaluate import Evaluation, copy_delta, evaluate, memory_fits
 from hloplan.solver.problem import ShardingProblem, Solution, Strategy, first_live_points
 from hloplan.units import format_bytes, format_seconds
 
@@ -129,9 +129,7 @@ def _copy_deltas(problem: ShardingProblem, choice: tuple[int, ...], node: int, k
         edge = problem.edges[e]
         if edge.dst not in firsts:
             continue
-        i, j = choice[edge.src], choice[edge.dst]
-        new = copy_bytes(edge, k if edge.src == node else i, k if edge.dst == node else j)
-        delta = new - copy_bytes(edge, i, j)
+        delta = copy_delta(edge, choice, (node,), k)
         if delta:
             deltas[firsts[edge.dst]] = deltas.get(firsts[edge.dst], 0.0) + delta
     return deltas
