@@ -296,7 +296,7 @@ def check_simulation(workdir: str, microbatches: int = 4) -> dict:
 
 
 def tight_case(model_name: str, mesh: str, budget: float, best_hand_step_s: float,
-               workdir: str) -> dict:
+               workdir: str, verify_memory: bool = False) -> dict:
     import models
 
     import hloplan
@@ -315,7 +315,8 @@ def tight_case(model_name: str, mesh: str, budget: float, best_hand_step_s: floa
     t0 = time.perf_counter()
     try:
         hloplan.compile(str(path), mesh, output=str(plan_dir), device=run.DEVICE,
-                        hosts=run.hosts_for(devices), memory_budget=int(budget))
+                        hosts=run.hosts_for(devices), memory_budget=int(budget),
+                        verify_memory=verify_memory)
     except HloplanError as exc:
         text = str(exc)
         out["outcome"] = "no plan fits"
@@ -328,6 +329,8 @@ def tight_case(model_name: str, mesh: str, budget: float, best_hand_step_s: floa
         return out
     out["plan_s"] = time.perf_counter() - t0
     plan_json = json.loads((plan_dir / "plan.json").read_text())
+    if "memory_check" in plan_json:
+        out["memory_check"] = plan_json["memory_check"]
     if plan_json.get("pipeline", {}).get("tasks"):  # no single program fits: accumulated
         measured = measure_accumulated(plan_dir, mesh)
         out["microbatches"] = measured["microbatches"]
@@ -394,6 +397,8 @@ def main(argv=None) -> int:
     parser.add_argument("--results", default=str(HERE / "results.json"),
                         help="run.py's results (hand-plan peaks and steps)")
     parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--verify-memory", action="store_true",
+                        help="plan with hloplan compile --verify-memory")
     args = parser.parse_args(argv)
 
     quality = json.loads(Path(args.results).read_text())["plan_quality"]
@@ -415,7 +420,8 @@ def main(argv=None) -> int:
             ProcessPoolExecutor(max_workers=args.workers) as pool:
         check = pool.submit(check_simulation, workdir).result()  # jax in workers only
         print(f"loader simulation vs the loader run on 8 devices: {check}", flush=True)
-        futures = [(job, pool.submit(tight_case_safe, *job[0], job[1], job[2], workdir))
+        futures = [(job, pool.submit(tight_case_safe, *job[0], job[1], job[2], workdir,
+                                     args.verify_memory))
                    for job in jobs]
         for (key, _, _, smallest, smallest_peak), future in futures:
             row = future.result()
@@ -425,7 +431,7 @@ def main(argv=None) -> int:
             print(f"{key[0]} {key[1]}: {row['outcome']}", flush=True)
     counts = {k: sum(r["outcome"] == k for r in rows)
               for k in ("fits", "no plan fits", "OVER", "error")}
-    result = {"fraction": args.fraction, "counts": counts, "cases": rows, "simulation_check": check,
+    result = {"fraction": args.fraction, "verify_memory": args.verify_memory, "counts": counts, "cases": rows, "simulation_check": check,
               "wall_s": time.perf_counter() - started, "git": run.git_state()}
     Path(args.out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     print("\n".join(table(rows)))

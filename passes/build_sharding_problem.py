@@ -68,7 +68,7 @@ class BuildShardingProblem:
                          combine=options.device.combiner)
         state.comm = comm
         builder = _ProblemBuilder(graph, comm, self.follow_pointwise, state, self.min_launch_s)
-        state.space, state.problem = builder.build(options.budget)
+        state.space, state.problem = builder.build(options.plan_budget)
         state.facts["nodes"] = len(state.problem.nodes)
         state.facts["edges"] = len(state.problem.edges)
         state.facts["live_points"] = len(state.problem.live_points)

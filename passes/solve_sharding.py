@@ -111,8 +111,13 @@ def _with_copies_held(problem: ShardingProblem, solution: Solution,
 
 def _infeasible_diagnostic(state: CompileState, exc: InfeasibleError, tightened: int = 0
                            ) -> Diagnostic:
-    budget = state.options.budget
+    options = state.options
+    budget = options.plan_budget
     notes = [str(exc)]
+    if options.memory_reserve:
+        notes.insert(0, f"planned under {format_bytes(budget)}: the budget less "
+                     f"{format_bytes(options.memory_reserve)} that XLA's compiled program "
+                     "needed beyond the estimate (--verify-memory)")
     if tightened:
         notes.insert(0, f"planned under the budget less the resharded copies the first plans "
                      f"read (an all-gathered operand is held while its op runs; {tightened} "
@@ -126,8 +131,8 @@ def _infeasible_diagnostic(state: CompileState, exc: InfeasibleError, tightened:
     if dominant:
         notes.append("largest tensors: " + ", ".join(dominant))
     notes.append("raise --memory-budget, use a larger mesh, or shrink the program")
-    return Diagnostic("error", f"no plan fits the memory budget of {format_bytes(budget)} per device "
-                      f"on mesh {state.options.mesh}", None, tuple(notes))
+    return Diagnostic("error", f"no plan fits the memory budget of {format_bytes(options.budget)} "
+                      f"per device on mesh {options.mesh}", None, tuple(notes))
 
 
 def _largest_values(state: CompileState, count: int = 3) -> list[str]:

@@ -104,10 +104,13 @@ def main() -> None:
 @click.option("--pass-option", "pass_options", multiple=True, metavar="PASS.FIELD=VALUE",
               help="set a pass option (repeatable), e.g. tie-repeated-layers.compare_untied=true "
                    "to also solve the untied ILP and report the price of tying")
+@click.option("--verify-memory", is_flag=True,
+              help="compile the plan with XLA (simulated CPU devices) and plan again while its "
+                   "allocation per device is over the budget")
 @click.option("-q", "--quiet", is_flag=True, help="print errors only")
 def compile_command(input_path, mesh, output, device, memory_budget, time_limit, solver, hosts,
                     decompose, gap, fmt, print_after, time_passes, reproducer, stages, microbatches, schedule,
-                    batch_args, pass_options, quiet):
+                    batch_args, pass_options, verify_memory, quiet):
     """Plan INPUT (StableHLO .mlir, bytecode, portable artifact or serialized Exported; '-' for
     stdin) for a device mesh and write the plan directory."""
     from hloplan import ir
@@ -124,7 +127,7 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
                              notes=("passes: " + ", ".join(PASS_NAMES),))
         options = make_options(mesh, device=device, memory_budget=memory_budget,
                                time_limit=time_limit, solver=solver, hosts=hosts,
-                               decompose=decompose, gap=gap)
+                               decompose=decompose, gap=gap, verify_memory=verify_memory)
 
         progress = _Progress(enabled=fmt == "text" and not quiet and sys.stderr.isatty())
 
@@ -258,6 +261,15 @@ def _summary(plan: dict, output: str | None) -> None:
                      f"bubble {est['bubble_fraction']:.0%}")
     elif pipe:
         lines.append("pipeline: none (one stage is estimated fastest)")
+    check = plan.get("memory_check")
+    if check:
+        last = check["tries"][check["kept"]]
+        lines.append(f"memory checked with XLA ({check['platform']}): compiles to "
+                     f"{format_bytes(last['peak_bytes'])} per device (estimated "
+                     f"{format_bytes(last['estimated_bytes'])})"
+                     + (f", planned with {format_bytes(last['reserve_bytes'])} kept free "
+                        f"(the fastest of {len(check['tries'])} plans tried that fits)"
+                        if len(check["tries"]) > 1 else ""))
     if output:
         lines.append(f"wrote {output}/")
     for line in lines:

@@ -12,7 +12,7 @@ from pathlib import Path
 from hloplan import ir
 from hloplan.cost_models import DeviceModelError, load_device_model
 from hloplan.diagnostics import Diagnostic, HloplanError, NoPlanFits, UsageError
-from hloplan.emit.artifact import render, write_plan_dir
+from hloplan.emit.artifact import PLAN_FILE, render, write_plan_dir
 from hloplan.mesh import MeshError, MeshSpec, parse_mesh
 from hloplan.passes.extract_graph import ExtractGraph
 from hloplan.passes.inline_calls import InlineCalls
@@ -43,7 +43,8 @@ class CompileResult:
 
 def make_options(mesh: str | MeshSpec, device: str = "h100", memory_budget: str | int | None = None,
                  time_limit: float = 60.0, solver: str = "auto", hosts: int | None = None,
-                 decompose: str = "auto", gap: float = 0.01) -> CompileOptions:
+                 decompose: str = "auto", gap: float = 0.01, verify_memory: bool = False
+                 ) -> CompileOptions:
     try:
         mesh_spec = parse_mesh(mesh) if isinstance(mesh, str) else mesh
     except MeshError as exc:
@@ -71,7 +72,7 @@ def make_options(mesh: str | MeshSpec, device: str = "h100", memory_budget: str 
         raise UsageError(f"--hosts {hosts} does not divide the {mesh_spec.size} devices of the mesh")
     return CompileOptions(mesh=mesh_spec, device=model, memory_budget=budget,
                           time_limit=time_limit, solver=solver, hosts=hosts, decompose=decompose,
-                          gap=gap)
+                          gap=gap, verify_memory=verify_memory)
 
 
 @contextlib.contextmanager
@@ -97,7 +98,93 @@ def compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pas
     microbatches, keeping whichever plan the cost model prefers. `passes`: the compile
     pipeline with some passes' options changed (default: pipeline.compile_pipeline())."""
     with _cyclic_gc_paused():
-        return _compile_bytes(data, filename, options, after_pass, pipeline, passes)
+        result = _compile_bytes(data, filename, options, after_pass, pipeline, passes)
+    if options.verify_memory:
+        result = _verified(result, data, filename, options, after_pass, pipeline, passes)
+    return result
+
+
+# Plans compiled by XLA (verify_memory) at most, the first one included.
+VERIFY_PLANS = 4
+
+
+def _step_seconds(plan: dict) -> float:
+    pipe = plan.get("pipeline", {})
+    return (pipe["estimate"] if pipe.get("tasks") else plan["estimate"])["step_time_s"]
+
+
+def _verified(result: CompileResult, data: bytes, filename: str, options: CompileOptions,
+              after_pass, pipeline, passes) -> CompileResult:
+    """Compile the plan's programs with XLA (verify.py). While no plan's allocation is within
+    the budget, plan again keeping free (CompileOptions.memory_reserve) what the last one was
+    over by plus 1% of the budget; once one fits, halve the gap between the largest reserve
+    found too small and the smallest that fits (a plan of another kind, found under a smaller
+    reserve, may fit and be faster), up to VERIFY_PLANS plans in all. The fastest plan that
+    fits is kept; plan.json "memory_check" records every try."""
+    from hloplan.plan import dumps
+    from hloplan.verify import checked_peak, measure_files
+
+    budget = options.budget
+    tries: list[dict] = []
+    best: CompileResult | None = None
+    kept = None  # index in tries of best
+    verify_seconds = 0.0
+    too_small = 0.0  # the largest reserve whose plan compiled over the budget
+    fits_at = None  # the smallest reserve whose plan fit (or could not be planned)
+    reserve = 0.0
+    for attempt in range(VERIFY_PLANS):
+        if attempt:
+            try:
+                with _cyclic_gc_paused():
+                    result = _compile_bytes(data, filename, dataclasses.replace(
+                        options, memory_reserve=reserve), after_pass, pipeline, passes)
+            except NoPlanFits as error:
+                tries.append({"reserve_bytes": reserve, "no_plan": True})
+                if best is None and fits_at is None and attempt == VERIFY_PLANS - 1:
+                    raise _unverified(error, tries, budget) from None
+                fits_at = reserve
+                reserve = (too_small + reserve) / 2
+                continue
+        started = time.perf_counter()
+        check = checked_peak(result.plan, measure_files(result.files, options.mesh.size))
+        check["reserve_bytes"] = reserve
+        check["step_time_s"] = _step_seconds(result.plan)
+        tries.append(check)
+        verify_seconds += time.perf_counter() - started
+        if check["peak_bytes"] <= budget:
+            if best is None or check["step_time_s"] < _step_seconds(best.plan):
+                best, kept = result, len(tries) - 1
+            fits_at = reserve
+        else:
+            too_small = max(too_small, reserve)
+        if fits_at is None:  # nothing fits yet: keep free what this one was over by
+            reserve += check["peak_bytes"] - budget + 0.01 * budget
+        else:
+            if fits_at - too_small < 0.02 * budget:
+                break
+            reserve = (too_small + fits_at) / 2
+    if best is None:
+        raise _unverified(None, tries, budget)
+    best.timings["verify"] = verify_seconds  # all tries' XLA compiles
+    plan = best.plan
+    plan["memory_check"] = {"platform": "cpu", "tries": tries, "kept": kept}
+    best.files[PLAN_FILE] = dumps(plan).encode()
+    return best
+
+
+def _unverified(error: NoPlanFits | None, tries: list[dict], budget: float) -> NoPlanFits:
+    """No plan whose compiled allocation is within the budget: what each try compiled to."""
+    notes = tuple(
+        f"plan {i + 1}, with {format_bytes(t['reserve_bytes'])} kept free: "
+        + ("no plan fits" if t.get("no_plan") else
+           f"estimated {format_bytes(t['estimated_bytes'])}, XLA compiles it to "
+           f"{format_bytes(t['peak_bytes'])}")
+        for i, t in enumerate(tries))
+    return NoPlanFits([Diagnostic(
+        "error", f"no plan that XLA compiles within the memory budget of {format_bytes(budget)} "
+        "per device (--verify-memory)", None,
+        notes + ("raise --memory-budget or use a larger mesh",))],
+        error.min_peak if error is not None else None)
 
 
 def _compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pass,
@@ -251,7 +338,7 @@ def _accumulated(data: bytes, filename: str, options: CompileOptions,
                        + why.diagnostics[0].format(filename), None)]) from None
     plan_, _ = pipelined
     if isinstance(plan_, PipelinePlan) and max(
-            plan_.estimate["memory_per_stage_bytes"]) > options.budget:
+            plan_.estimate["memory_per_stage_bytes"]) > options.plan_budget:
         raise NoPlanFits(list(error.diagnostics) + [Diagnostic(
             "note", "no plan fits with the given --stages/--microbatches either (estimated "
             f"peak {format_bytes(max(plan_.estimate['memory_per_stage_bytes']))})", None)])

@@ -286,11 +286,11 @@ class TaskPlanner:
         beside it whatever the plan: _reserve)."""
         program = ir.load_program(ir.module_text(module).encode(),
                                   f"{self.state.filename}#{task.name}")
-        budget = self.options.budget - reserve if reserve else self.options.memory_budget
         sub_options = dataclasses.replace(self.options, mesh=sub,
                                           hosts=_sub_hosts(self.options, sub),
                                           time_limit=self.options.time_limit * STAGE_TIME_FRACTION,
-                                          memory_budget=budget)
+                                          memory_budget=self.options.plan_budget - reserve,
+                                          memory_reserve=0.0)
         self.solves += 1
         return run_pipeline(program, sub_options, [
             ExtractGraph(), BuildShardingProblem(), PriceBoundaryLayouts(*boundary),
@@ -835,7 +835,7 @@ def plan_pipeline(state: CompileState, options: CompileOptions, popts: PipelineO
     explicit = (popts.stages is not None or popts.microbatches is not None) and not popts.accumulate
     bound = single_stage_seconds if (single_stage_seconds is not None and not explicit) \
         else float("inf")
-    budget = options.budget
+    budget = options.plan_budget
     found, seen, optimal = _search(search, pairs, popts.schedule, budget, bound,
                                    popts.max_solves, popts.gap)
     if found is None and explicit:

@@ -27,10 +27,22 @@ class CompileOptions:
     # Planning stops once the plan is proven within this fraction of the optimum (the cost
     # model is no more accurate than ~1%); plan.json reports the gap actually reached.
     gap: float = 0.01
+    # Bytes per device kept free below the budget for what the memory estimate misses: compile
+    # with verify_memory sets it from XLA's compiled allocation of an earlier plan.
+    memory_reserve: float = 0.0
+    # Compile the plan's programs with XLA and plan again (with a reserve) while the compiled
+    # allocation is over the budget (verify.py).
+    verify_memory: bool = False
 
     @property
     def budget(self) -> float:
+        """The user's budget (bytes per device): what plans are checked and reported against."""
         return float(self.memory_budget if self.memory_budget is not None else self.device.memory_bytes)
+
+    @property
+    def plan_budget(self) -> float:
+        """The budget the planner's estimates must meet: the user's less the reserve."""
+        return self.budget - self.memory_reserve
 
 
 @dataclass
