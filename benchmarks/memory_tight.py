@@ -15,7 +15,12 @@ artifact is compiled (never run) and its compiled peak compared with the budget:
 Hand-plan peaks come from `benchmarks/results.json` (run `run.py` first); the programs are the
 same realistic-size exports. Writes benchmarks/memory_tight_results.json and prints a table.
 
+With --verify-memory hloplan compiles each plan with XLA before handing it over and plans again
+while the compiled allocation is over the budget (`hloplan compile --verify-memory`); results in
+benchmarks/memory_tight_verify_results.json, each case with the plans tried.
+
     .venv/bin/python benchmarks/memory_tight.py [--models gpt,moe] [--meshes 8,4x8] [--workers 2]
+                                                [--verify-memory]
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import run  # sets XLA_FLAGS (32 simulated CPU devices) before jax is imported
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "memory_tight_results.json"
+OUT_VERIFIED = HERE / "memory_tight_verify_results.json"  # with --verify-memory
 
 
 def hand_peaks(case: dict) -> dict[str, float]:
@@ -396,7 +402,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--results", default=str(HERE / "results.json"),
                         help="run.py's results (hand-plan peaks and steps)")
-    parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--out", default=None,
+                        help=f"default {OUT.name}, or {OUT_VERIFIED.name} with --verify-memory")
     parser.add_argument("--verify-memory", action="store_true",
                         help="plan with hloplan compile --verify-memory")
     args = parser.parse_args(argv)
@@ -433,7 +440,8 @@ def main(argv=None) -> int:
               for k in ("fits", "no plan fits", "OVER", "error")}
     result = {"fraction": args.fraction, "verify_memory": args.verify_memory, "counts": counts, "cases": rows, "simulation_check": check,
               "wall_s": time.perf_counter() - started, "git": run.git_state()}
-    Path(args.out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    out = args.out or (OUT_VERIFIED if args.verify_memory else OUT)
+    Path(out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     print("\n".join(table(rows)))
     print(f"\n{counts} in {result['wall_s'] / 60:.1f} min")
     return 1 if counts["OVER"] or counts["error"] or not check["equal"] else 0

@@ -278,6 +278,25 @@ def charts(plan: dict) -> list[Chart]:
 _EIGHTHS = " ▏▎▍▌▋▊▉"
 
 
+def memory_check_lines(plan: dict) -> list[str]:
+    """What `compile --verify-memory` measured: each plan tried, the one kept marked."""
+    check = plan.get("memory_check")
+    if not check:
+        return []
+    lines = [f"checked with XLA ({check['platform']}, allocation per device: arguments, results "
+             "and temporaries):"]
+    for i, t in enumerate(check["tries"]):
+        lead = "  * " if i == check["kept"] else "    "
+        free = f"{format_bytes(t['reserve_bytes'])} kept free"
+        if t.get("no_plan"):
+            lines.append(f"{lead}plan {i + 1} ({free}): no plan fits")
+        else:
+            lines.append(f"{lead}plan {i + 1} ({free}): estimated {format_bytes(t['estimated_bytes'])}"
+                         f", compiled {format_bytes(t['peak_bytes'])}, step "
+                         f"{format_seconds(t['step_time_s'])}")
+    return lines
+
+
 def text_bar(fraction: float, width: int = 30) -> str:
     """A unicode bar `width` cells wide at most, in eighths of a cell; a sliver for tiny values."""
     eighths = round(min(max(fraction, 0.0), 1.0) * width * 8)
@@ -314,6 +333,7 @@ def summary(plan: dict, top: int = 10) -> dict:
         "decisions": plan.get("decisions", []),
         "pipeline": plan.get("pipeline"),
         "solver": plan.get("solver"),
+        "memory_check": plan.get("memory_check"),
         "diagnostics": plan.get("diagnostics", []),
     }
 
@@ -407,6 +427,8 @@ def render_text(plan: dict, console, top: int = 10) -> None:
                    else f"OVER the budget by {format_bytes(-headroom)}")
         console.print(Text(f"peak {format_bytes(memory['peak_bytes'])} of "
                            f"{format_bytes(memory['budget_bytes'])} per device: {verdict}"))
+        for line in memory_check_lines(plan):
+            console.print(Text(line))
         console.print()
 
     ops = top_ops(plan, top)

@@ -59,6 +59,9 @@ def test_verified_plan_fits_and_equals_single_device(tmp_path):
     # What the plan directory holds is what was measured.
     files = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert checked_peak(plan, measure_files(files, 8))["peak_bytes"] == kept["peak_bytes"]
+    explained = CliRunner().invoke(main, ["explain", str(out)])
+    assert explained.exit_code == 0, explained.output
+    assert f"  * plan {check['kept'] + 1} (" in explained.output
     report = check_plan(str(out))
     assert report["match"], report
 
