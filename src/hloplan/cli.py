@@ -168,7 +168,8 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
     if fmt == "json":
         click.echo(json.dumps({"ok": True, "output": output, "estimate": plan["estimate"],
                                "solver": plan["solver"], "arguments": plan["arguments"],
-                               "results": plan["results"], "diagnostics": plan["diagnostics"]},
+                               "results": plan["results"], "diagnostics": plan["diagnostics"],
+                               "memory_check": plan.get("memory_check")},
                               indent=1, sort_keys=True))
     else:
         if not quiet:

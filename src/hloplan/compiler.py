@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 from hloplan import ir
 from hloplan.cost_models import DeviceModelError, load_device_model
 from hloplan.diagnostics import Diagnostic, HloplanError, NoPlanFits, UsageError
-from hloplan.emit.artifact import PLAN_FILE, render, write_plan_dir
+from hloplan.emit.artifact import PLAN_FILE, REFERENCE_FILE, render, write_plan_dir
 from hloplan.mesh import MeshError, MeshSpec, parse_mesh
 from hloplan.passes.extract_graph import ExtractGraph
 from hloplan.passes.inline_calls import InlineCalls
@@ -128,6 +129,7 @@ def _verified(result: CompileResult, data: bytes, filename: str, options: Compil
     tries: list[dict] = []
     best: CompileResult | None = None
     kept = None  # index in tries of best
+    seen: dict[str, tuple] = {}  # hash of a plan's programs -> (first try, their allocations)
     verify_seconds = 0.0
     too_small = 0.0  # the largest reserve whose plan compiled over the budget
     fits_at = None  # the smallest reserve whose plan fit (or could not be planned)
@@ -146,13 +148,23 @@ def _verified(result: CompileResult, data: bytes, filename: str, options: Compil
                 reserve = (too_small + reserve) / 2
                 continue
         started = time.perf_counter()
-        check = checked_peak(result.plan, measure_files(result.files, options.mesh.size))
-        check["reserve_bytes"] = reserve
+        # The programs XLA compiles (the single program, or the pipeline's tasks); the same
+        # programs again are not compiled again.
+        key = hashlib.sha256(b"".join(
+            name.encode() + b"\0" + body for name, body in sorted(result.files.items())
+            if name.endswith(".jaxexport") and name != REFERENCE_FILE)).hexdigest()
+        if key not in seen:
+            seen[key] = (len(tries), measure_files(result.files, options.mesh.size))
+        first, measured = seen[key]
+        check = checked_peak(result.plan, measured)
         check["step_time_s"] = _step_seconds(result.plan)
+        if first != len(tries):
+            check["same_as"] = first
+        check["reserve_bytes"] = reserve
         tries.append(check)
         verify_seconds += time.perf_counter() - started
         if check["peak_bytes"] <= budget:
-            if best is None or check["step_time_s"] < _step_seconds(best.plan):
+            if best is None or check["step_time_s"] < tries[kept]["step_time_s"]:
                 best, kept = result, len(tries) - 1
             fits_at = reserve
         else:

@@ -293,7 +293,9 @@ def memory_check_lines(plan: dict) -> list[str]:
         else:
             lines.append(f"{lead}plan {i + 1} ({free}): estimated {format_bytes(t['estimated_bytes'])}"
                          f", compiled {format_bytes(t['peak_bytes'])}, step "
-                         f"{format_seconds(t['step_time_s'])}")
+                         f"{format_seconds(t['step_time_s'])}"
+                         + (f" (the same programs as plan {t['same_as'] + 1})" if "same_as" in t
+                            else ""))
     return lines
 
 
