@@ -132,7 +132,7 @@ def _verified(result: CompileResult, data: bytes, filename: str, options: Compil
     seen: dict[str, tuple] = {}  # hash of a plan's programs -> (first try, their allocations)
     verify_seconds = 0.0
     too_small = 0.0  # the largest reserve whose plan compiled over the budget
-    fits_at = None  # the smallest reserve whose plan fit (or could not be planned)
+    fits_at = None  # the smallest reserve whose plan fit, or under which none could be planned
     reserve = 0.0
     for attempt in range(VERIFY_PLANS):
         if attempt:
@@ -140,10 +140,8 @@ def _verified(result: CompileResult, data: bytes, filename: str, options: Compil
                 with _cyclic_gc_paused():
                     result = _compile_bytes(data, filename, dataclasses.replace(
                         options, memory_reserve=reserve), after_pass, pipeline, passes)
-            except NoPlanFits as error:
+            except NoPlanFits:  # a reserve too large to plan under bounds the search too
                 tries.append({"reserve_bytes": reserve, "no_plan": True})
-                if best is None and fits_at is None and attempt == VERIFY_PLANS - 1:
-                    raise _unverified(error, tries, budget) from None
                 fits_at = reserve
                 reserve = (too_small + reserve) / 2
                 continue
@@ -176,7 +174,7 @@ def _verified(result: CompileResult, data: bytes, filename: str, options: Compil
                 break
             reserve = (too_small + fits_at) / 2
     if best is None:
-        raise _unverified(None, tries, budget)
+        raise _unverified(tries, budget)
     best.timings["verify"] = verify_seconds  # all tries' XLA compiles
     plan = best.plan
     plan["memory_check"] = {"platform": "cpu", "tries": tries, "kept": kept}
@@ -184,7 +182,7 @@ def _verified(result: CompileResult, data: bytes, filename: str, options: Compil
     return best
 
 
-def _unverified(error: NoPlanFits | None, tries: list[dict], budget: float) -> NoPlanFits:
+def _unverified(tries: list[dict], budget: float) -> NoPlanFits:
     """No plan whose compiled allocation is within the budget: what each try compiled to."""
     notes = tuple(
         f"plan {i + 1}, with {format_bytes(t['reserve_bytes'])} kept free: "
@@ -196,7 +194,7 @@ def _unverified(error: NoPlanFits | None, tries: list[dict], budget: float) -> N
         "error", f"no plan that XLA compiles within the memory budget of {format_bytes(budget)} "
         "per device (--verify-memory)", None,
         notes + ("raise --memory-budget or use a larger mesh",))],
-        error.min_peak if error is not None else None)
+        min(t["peak_bytes"] for t in tries if "peak_bytes" in t))
 
 
 def _compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pass,
