@@ -219,7 +219,24 @@ def capture_fd2():
             box["remats"] = box["text"].count(REMAT_WARNING)
 
 
-def compile_hloplan_artifact(plan_dir: Path):
+# XLA options that write the optimized HLO and its buffer live ranges (text) into a directory:
+# what live_peak reads.
+def dump_options(directory: str | Path) -> dict:
+    return {"xla_dump_to": str(directory), "xla_dump_hlo_as_text": True}
+
+
+def live_peak(directory: str | Path) -> int | None:
+    """XLA's peak of live bytes (hlo_stats.live_range_peak) of the one program compiled with
+    dump_options(directory)."""
+    from hloplan.hlo_stats import live_range_peak
+
+    found = sorted(Path(directory).glob("*after_optimizations-live-range.txt"))
+    return live_range_peak(found[-1].read_text()) if found else None
+
+
+def compile_hloplan_artifact(plan_dir: Path, dump_dir: str | Path | None = None):
+    """plan_dir's sharded program compiled on this process's devices (as the loader compiles
+    it, the state donated); with `dump_dir`, XLA also writes its HLO and live ranges there."""
     import jax
     from jax import export
 
@@ -233,8 +250,10 @@ def compile_hloplan_artifact(plan_dir: Path):
             for a, s in zip(exported.in_avals, shardings)]
     args, kwargs = jax.tree.unflatten(exported.in_tree, args)
     with capture_fd2() as log:
-        options = compiler_options(plan_json, mesh.devices.flat[0].platform) or None
-        compiled = jax.jit(exported.call, donate_argnums=(0,), compiler_options=options
+        options = compiler_options(plan_json, mesh.devices.flat[0].platform)
+        if dump_dir is not None:
+            options = {**options, **dump_options(dump_dir)}
+        compiled = jax.jit(exported.call, donate_argnums=(0,), compiler_options=options or None
                            ).lower(*args, **kwargs).compile()
     return plan_json, mesh, compiled, log["remats"]
 

@@ -1274,3 +1274,17 @@ def memory_stats(compiled: Any) -> dict[str, int | None]:
         out["peak_bytes"] = None
     out["xla_peak_bytes"] = get("peak_memory_in_bytes")
     return out
+
+
+def live_range_peak(live_range_text: str) -> int | None:
+    """XLA's peak of live bytes from the `*-live-range.txt` file it dumps beside the optimized
+    HLO (`xla_dump_to` with `xla_dump_hlo_as_text`): the bytes of the buffers live at the peak
+    instruction, arguments and results included, before buffer assignment packs the
+    temporaries into one allocation (with gaps: the allocation is `memory_analysis`'s temp
+    bytes). None when the file has no peak section."""
+    found = re.search(r"Stack trace breakdown for peak usage: ([\d ]+) bytes", live_range_text)
+    if found:
+        return int(found.group(1).replace(" ", ""))
+    section = live_range_text.partition("(peak):")[2]
+    sums = re.findall(r"\(cumulative: (\d+) bytes\)", section)
+    return int(sums[-1]) if sums else None

@@ -25,6 +25,7 @@ from hloplan.hlo_stats import (  # noqa: E402
     CollectiveStats,
     collective_stats,
     kernel_stats,
+    live_range_peak,
     memory_stats,
     parse_replica_groups,
     shape_bytes,
@@ -821,3 +822,37 @@ def test_reshard_model_matches_compiled_collectives(mesh, src, dst) -> None:
     predicted = [(kind, tuple(("data", "model")[a] for a in axes), sent)
                  for kind, axes, sent in cost.collectives]
     assert predicted == realised
+
+
+# ---------------------------------------------------------------------------------------------
+# XLA's live-range dump
+
+
+def test_live_range_peak_reads_the_dumped_peak():
+    text = """HloLiveRange (max 3):
+  Live ranges at 2 (peak):
+    a{}: 512 bytes (cumulative: 512 bytes)
+    b{}: 256 bytes (cumulative: 768 bytes)
+  Stack trace breakdown for peak usage: 1 468 028 940 bytes
+"""
+    assert live_range_peak(text) == 1_468_028_940
+    assert live_range_peak(text.rpartition("  Stack")[0]) == 768  # no breakdown: the sum
+    assert live_range_peak("HloLiveRange (max 0):\n") is None
+
+
+def test_live_range_peak_of_a_compiled_program_is_within_its_allocation(tmp_path):
+    """Two temporaries of 1 MiB and 2 MiB live at once beside a 1 MiB argument: XLA's live
+    peak counts them all, and memory_analysis's allocation holds at least that."""
+
+    def f(x):
+        a = jnp.sin(x) @ x  # materialised: read by a matmul and the add below
+        b = jnp.concatenate([jnp.cos(a), a], axis=0) @ x
+        return b.sum() + a.sum()
+
+    x = jnp.ones((512, 512))
+    compiled = jax.jit(f, compiler_options={"xla_dump_to": str(tmp_path),
+                                            "xla_dump_hlo_as_text": True}).lower(x).compile()
+    (dump,) = tmp_path.glob("*after_optimizations-live-range.txt")
+    peak = live_range_peak(dump.read_text())
+    allocation = memory_stats(compiled)["peak_bytes"]
+    assert x.nbytes + 2 * x.nbytes <= peak <= allocation
