@@ -448,7 +448,8 @@ def main(argv=None) -> int:
             print(f"{key[0]} {key[1]}: {row['outcome']}", flush=True)
     counts = {k: sum(r["outcome"] == k for r in rows)
               for k in ("fits", "no plan fits", "OVER", "error")}
-    result = {"fraction": args.fraction, "verify_memory": args.verify_memory, "counts": counts, "cases": rows, "simulation_check": check,
+    result = {"fraction": args.fraction, "verify_memory": args.verify_memory, "counts": counts,
+              "cases": rows, "simulation_check": check,
               "wall_s": time.perf_counter() - started, "git": run.git_state()}
     out = args.out or (OUT_VERIFIED if args.verify_memory else OUT)
     Path(out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
