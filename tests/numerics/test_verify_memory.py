@@ -43,6 +43,14 @@ def test_unverified_plan_compiles_over_the_budget():
     assert check["peak_bytes"] > parse_bytes(BUDGET)
 
 
+def test_estimate_near_the_budget_points_at_verify_memory():
+    result = hloplan.compile(str(FIXTURE), MESH, memory_budget="1.9MiB")
+    remarks = [d.message for d in result.state.log.entries if d.severity == "remark"]
+    assert any("of the memory budget" in m and "--verify-memory" in m for m in remarks), remarks
+    roomy = hloplan.compile(str(FIXTURE), MESH, memory_budget="4MiB")
+    assert not any("--verify-memory" in d.message for d in roomy.state.log.entries)
+
+
 @pytest.mark.usefixtures("devices8")
 def test_verified_plan_fits_and_equals_single_device(tmp_path):
     out = tmp_path / "plan"
