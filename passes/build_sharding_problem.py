@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hloplan.cost_models import CommModel
 from hloplan.graph import Graph, Op
@@ -35,6 +35,7 @@ from hloplan.solver.problem import (
     Node,
     ShardingProblem,
     Strategy,
+    first_live_points,
 )
 from hloplan.state import CompileState, PlanSpace
 from hloplan.strategies import (
@@ -99,6 +100,7 @@ class _ProblemBuilder:
         self.edge_cache: dict = {}  # (type, layouts id, layouts id, multiplier) -> matrix
         self.reshard_cache: dict = {}  # (type, src layout, dst layout) -> seconds
         self.copies_cache: dict = {}  # (type, layouts id) -> bytes of a copy in each layout
+        self.read_edges: dict[tuple[int, int], int] = {}  # (op, operand) -> its edge's index
         self.plain_of: dict[int, Strategy] = {}  # id(OpStrategy) -> Strategy (cached ones live)
         self.folded = folded_transposes(graph)  # transposes a GEMM reads through: no kernel
         self.fused = fused_values(graph, self.folded)  # kept inside a fused kernel: no HBM traffic
@@ -136,6 +138,7 @@ class _ProblemBuilder:
         problem = ShardingProblem(tuple(nodes), tuple(edges), tuple(points), budget,
                                   name=self.graph.name, live_ranges=tuple(ranges),
                                   launches=self._launches(nodes))
+        problem = self._hold_shared_copies(problem)
         problem.validate()
         return self.space, problem
 
@@ -416,12 +419,35 @@ class _ProblemBuilder:
                 else:
                     edge = self._edge(value_id, op, k, op.multiplier)
                 if edge is not None:
+                    self.read_edges[op_index, k] = len(edges)
                     edges.append(edge)
             if op.name == "while.carry" and "yield" in op.attrs:
                 edge = self._edge(op.attrs["yield"], op, -1, op.attrs["yield_multiplier"])
                 if edge is not None:
                     edges.append(edge)
         return edges
+
+    def _hold_shared_copies(self, problem: ShardingProblem) -> ShardingProblem:
+        """Edge.held on every read whose copy later matmuls read too (_shared_reshards): from
+        the reader's first live point to the last of theirs."""
+        following = {previous: key for key, previous in self.space.reads_via.items()}
+        if not following:
+            return problem
+        firsts = first_live_points(problem)
+        node_of = self.space.node_of
+        edges = list(problem.edges)
+        for key, e in self.read_edges.items():
+            edge = edges[e]
+            if not edge.copies or key not in following or edge.dst not in firsts:
+                continue
+            start = last = firsts[edge.dst]
+            reader = key
+            while reader in following:
+                reader = following[reader]
+                last = max(last, firsts.get(node_of[reader[0]], last))
+            if last > start:
+                edges[e] = replace(edge, held=(start, last))
+        return replace(problem, edges=tuple(edges))
 
     # -- memory -------------------------------------------------------------------------------
 

@@ -8,11 +8,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hloplan.diagnostics import Diagnostic, NoPlanFits
+from hloplan.diagnostics import Diagnostic, HloplanError, NoPlanFits
 from hloplan.solver import axes
 from hloplan.solver.evaluate import copy_bytes, evaluate
-from hloplan.solver.ilp import InfeasibleError
-from hloplan.solver.problem import ShardingProblem, Solution
+from hloplan.solver.ilp import InfeasibleError, SolverError
+from hloplan.solver.problem import (
+    LiveRange,
+    Node,
+    ShardingProblem,
+    Solution,
+    Strategy,
+    copy_spans,
+    first_live_points,
+)
 from hloplan.state import CompileState
 from hloplan.units import format_bytes
 
@@ -27,11 +35,11 @@ class SolveSharding:
     name: str = "solve-sharding"
 
     # The ILP does not see the resharded copies an op reads (an all-gathered operand, made
-    # before the op and freed after it): they depend on two decisions at once. When the plan's
-    # peak with them is over the budget, the ILP is solved again with each reader holding the
-    # copies it would read given its sources' strategies in the plans so far (exact while the
-    # sources keep them), from the third solve on also under a budget lowered by the excess;
-    # at most this many times.
+    # before the op and held until the last matmul reading it): they depend on two decisions
+    # at once. When the plan's peak with them is over the budget, the ILP is solved again with
+    # each reader holding, over the copy's span, the copies it would read given its sources'
+    # strategies in the plans so far (exact while the sources keep them), from the third solve
+    # on also under a budget lowered by the excess; at most this many times.
     max_tightening: int = 3
 
     def apply(self, state: CompileState) -> None:
@@ -43,15 +51,23 @@ class SolveSharding:
         seen: dict[int, np.ndarray] = {}  # edge -> largest copy bytes per reader strategy yet
         for attempt in range(self.max_tightening + 1):
             try:
-                state.solution, state.stats = axes.solve(
+                solution, state.stats = axes.solve(
                     problem, time_limit=options.time_limit, solver=options.solver,
                     decompose=options.decompose, links=links, gap=options.gap)
+                # Without the nodes standing for held copies (_with_copies_held).
+                state.solution = Solution(solution.choice[:len(original.nodes)])
             except InfeasibleError as exc:
                 # Callers that plan parts of a program (pipeline stages) report the smallest
                 # peak.
                 details = getattr(exc, "details", None)
                 raise NoPlanFits(_infeasible_diagnostic(state, exc, attempt),
                                  getattr(details, "min_peak", None)) from None
+            except SolverError as exc:  # e.g. no plan found within the time limit
+                raise HloplanError(Diagnostic(
+                    "error", f"no plan found for mesh {options.mesh}", None,
+                    (str(exc),) + ((f"planned {attempt + 1} times: the earlier plans were over "
+                                    "the budget once the resharded copies they read were "
+                                    "counted",) if attempt else ()))) from None
             peak = evaluate(original, state.solution).peak_memory
             if peak <= budget * (1 + 1e-9):
                 break
@@ -87,26 +103,44 @@ class SolveSharding:
 
 def _with_copies_held(problem: ShardingProblem, solution: Solution,
                       seen: dict[int, np.ndarray]) -> ShardingProblem:
-    """`problem` with each reader's strategies also holding, at its first live point, the
-    resharded copies it would read given its sources' strategies in `solution` (and in the
-    solutions `seen` so far: the largest per edge), as transient bytes the ILP can see."""
-    extra: dict[int, np.ndarray] = {}
-    for e, edge in enumerate(problem.edges):
-        if not edge.copies:
-            continue
+    """`problem` with each reader's strategies also holding the resharded copies it would read
+    given its sources' strategies in `solution` (and in the solutions `seen` so far: the
+    largest per edge), in bytes the ILP can see: a copy held only at the reader's first live
+    point as transient bytes there, one held longer as a node tied to the reader (its
+    decision) and live over the copy's span. The added nodes come after the problem's own."""
+    firsts = first_live_points(problem)
+    spans = {e: (start, end) for e, start, end in copy_spans(problem, firsts)}
+    for e in spans:
+        edge = problem.edges[e]
         i = solution.choice[edge.src]
         row = np.array([copy_bytes(edge, i, j) for j in range(len(edge.copies))])
         seen[e] = row if e not in seen else np.maximum(seen[e], row)
+    transient: dict[int, np.ndarray] = {}
+    held: list[tuple[int, tuple[int, int], np.ndarray]] = []
     for e, row in seen.items():
-        dst = problem.edges[e].dst
-        extra[dst] = row if dst not in extra else extra[dst] + row
+        dst, span = problem.edges[e].dst, spans[e]
+        if not row.any():
+            continue
+        if span == (firsts.get(dst), firsts.get(dst)):
+            transient[dst] = row if dst not in transient else transient[dst] + row
+        else:
+            held.append((dst, span, row))
     nodes = list(problem.nodes)
-    for index, row in extra.items():
-        if row.any():
-            nodes[index] = dataclasses.replace(nodes[index], strategies=tuple(
-                dataclasses.replace(s, transient=s.transient + float(held))
-                for s, held in zip(nodes[index].strategies, row, strict=True)))
-    return dataclasses.replace(problem, nodes=tuple(nodes))
+    for index, row in transient.items():
+        nodes[index] = dataclasses.replace(nodes[index], strategies=tuple(
+            dataclasses.replace(s, transient=s.transient + float(extra))
+            for s, extra in zip(nodes[index].strategies, row, strict=True)))
+    ranges = list(problem.live_ranges)
+    fresh = max((n.tie for n in nodes if n.tie is not None), default=-1) + 1
+    for dst, (start, end), row in held:
+        if nodes[dst].tie is None:
+            nodes[dst] = dataclasses.replace(nodes[dst], tie=fresh)
+            fresh += 1
+        ranges.append(LiveRange(len(nodes), start, end))
+        nodes.append(Node(f"copy read by {nodes[dst].name}", tuple(
+            Strategy(s.name, memory=float(extra), axes=s.axes)
+            for s, extra in zip(nodes[dst].strategies, row, strict=True)), tie=nodes[dst].tie))
+    return dataclasses.replace(problem, nodes=tuple(nodes), live_ranges=tuple(ranges))
 
 
 def _infeasible_diagnostic(state: CompileState, exc: InfeasibleError, tightened: int = 0

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 
 from hloplan.graph import Graph
-from hloplan.solver.problem import ShardingProblem, first_live_points
+from hloplan.solver.problem import ShardingProblem, copy_spans, first_live_points
 from hloplan.state import CompileState, PlanSpace
 
 # Attributes that hold op indices or value ids: they differ between copies of a layer.
@@ -300,8 +300,9 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
     """Indices (in order) of the live points no other point dominates under the problem's ties.
 
     A point's bytes are its fixed bytes plus, per decision, the chosen strategy's memory summed
-    over its nodes there (and the transient bytes of those first live there). Nodes of one
-    decision with the same memory per strategy form a class; point P is dominated by Q when Q has at least P's fixed bytes and at least as many nodes of
+    over its nodes there (and the transient bytes of those first live there, and the resharded
+    copies held there). Nodes of one decision with the same memory per strategy form a class;
+    point P is dominated by Q when Q has at least P's fixed bytes and at least as many nodes of
     every class: then Q holds at least as many bytes as P whatever the (tie-respecting) choice,
     and checking Q suffices. With repeated layers tied, a forward-pass point is dominated by the
     same point of a later layer, where more activations are live. Exact: the peak over the kept
@@ -335,7 +336,8 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
     flash_constant: dict[int, float] = {}
     flash_in: dict[int, list[int]] = {}
     flash_out: dict[int, list[int]] = {}
-    for index, first in first_live_points(problem).items():
+    firsts = first_live_points(problem)
+    for index, first in firsts.items():
         transient = tuple(s.transient for s in problem.nodes[index].strategies)
         if not any(transient):
             continue
@@ -350,6 +352,24 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
             class_ids[key] = len(class_ids)
             class_max.append(max(transient))
         flash_class[index] = class_ids[key]
+    # A resharded copy counts over its span as an item of a class keyed by its two decisions
+    # and its tables: copies with equal keys hold equal bytes under any tie-respecting choice.
+    copy_class: dict[int, int] = {}  # edge -> class
+    copy_in: dict[int, list[int]] = {}
+    copy_out: dict[int, list[int]] = {}
+    for e, start, end in copy_spans(problem, firsts):
+        edge = problem.edges[e]
+        if not any(edge.copies):
+            continue
+        key = ("copy", *(("tie", problem.nodes[n].tie) if problem.nodes[n].tie is not None
+                         else ("node", n) for n in (edge.src, edge.dst)),
+               id(edge.costs), edge.copies)
+        if key not in class_ids:
+            class_ids[key] = len(class_ids)
+            class_max.append(max(edge.copies))
+        copy_class[e] = class_ids[key]
+        copy_in.setdefault(start, []).append(e)
+        copy_out.setdefault(end + 1, []).append(e)
     width = max(len(class_ids), 1)
     largest = np.array(class_max + [0.0] * (width - len(class_max)))
     # Walk the points keeping the class counts up to date from the nodes that join and leave
@@ -373,7 +393,9 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
                 (1, [*(live - previous), *enter.get(p, ())], class_list, constant_list),
                 (-1, [*(previous - live), *leave.get(p, ())], class_list, constant_list),
                 (1, flash_in.get(p, ()), flash_class, flash_constant),
-                (-1, flash_out.get(p, ()), flash_class, flash_constant)):
+                (-1, flash_out.get(p, ()), flash_class, flash_constant),
+                (1, copy_in.get(p, ()), copy_class, None),
+                (-1, copy_out.get(p, ()), copy_class, None)):
             for index in moved:
                 c = classes[index]
                 if c < 0:

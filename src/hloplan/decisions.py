@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hloplan.solver.evaluate import MEMORY_RTOL, Evaluation, copy_delta, evaluate
-from hloplan.solver.problem import ShardingProblem, Solution, first_live_points
+from hloplan.solver.problem import ShardingProblem, Solution, copy_spans, first_live_points
 from hloplan.state import CompileState
 from hloplan.strategies import OpStrategy, spec_names
 from hloplan.units import format_bytes, format_seconds
@@ -99,6 +99,8 @@ class DecisionIndex:
                 self.launches_of[member].append(k)
         self.memory = np.asarray(self.evaluation.memory, dtype=float)
         self.first_live = first_live_points(problem)
+        self.copy_span = {e: (start, end) for e, start, end in
+                          copy_spans(problem, self.first_live)}
         budget = problem.memory_budget
         self.limit = budget + MEMORY_RTOL * abs(budget)
         self.over = {p for p in range(len(self.memory)) if not self.memory[p] <= self.limit}
@@ -198,21 +200,22 @@ class DecisionIndex:
 
     def _copy_deltas(self, group: list[int], count: int) -> dict[int, np.ndarray]:
         """Per live point, the change in resharded-copy bytes held there, per strategy index of
-        the group (copies sit at their reader's first live point)."""
+        the group (a copy is held over its span, Edge.held)."""
         problem, choice = self.problem, self.choice
         members = set(group)
         deltas: dict[int, np.ndarray] = {}
         seen: set[int] = set()
         for g in group:
             for e in self.edges_of[g]:
-                edge = problem.edges[e]
-                first = self.first_live.get(edge.dst)
-                if e in seen or not edge.copies or first is None:
+                span = self.copy_span.get(e)
+                if e in seen or span is None:
                     continue
                 seen.add(e)
+                edge = problem.edges[e]
                 row = np.array([copy_delta(edge, choice, members, k) for k in range(count)])
                 if row.any():
-                    deltas[first] = deltas.get(first, 0.0) + row
+                    for p in range(span[0], span[1] + 1):
+                        deltas[p] = deltas[p] + row if p in deltas else row
         return deltas
 
     def next_best(self, node: int) -> Alternative | None:

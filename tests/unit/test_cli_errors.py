@@ -134,13 +134,28 @@ def test_json_errors_are_json():
 
 def test_time_limit_keeps_a_plan_and_exits_zero(tmp_path):
     result = run("compile", FIXTURES / "gpt_train_step.mlir", "--mesh", "2x4", "--device", "toy",
-                 "--memory-budget", "500KiB", "--time-limit", "0.5", "-o", tmp_path / "p")
+                 "--memory-budget", "600KiB", "--time-limit", "0.5", "-o", tmp_path / "p")
     plan = json.loads((tmp_path / "p" / "plan.json").read_text())
     assert result.exit_code == 0
     if plan["solver"]["status"] == "time_limit":
         assert "time limit" in result.output and "gap" in result.output
     else:  # solved to optimality within the limit: nothing to warn about
         assert plan["solver"]["gap"] <= 1e-6
+
+
+def test_no_plan_found_in_time_is_a_diagnostic_not_a_crash(tmp_path, monkeypatch):
+    from hloplan.passes import solve_sharding
+    from hloplan.solver.ilp import SolverError
+
+    def no_plan(*args, **kwargs):
+        raise SolverError("highs found no solution within 0.5 s; raise the time limit")
+
+    monkeypatch.setattr(solve_sharding.axes, "solve", no_plan)
+    result = run("compile", MLP, "--mesh", "2", "-o", tmp_path / "p")
+    assert result.exit_code == 1
+    assert "error: no plan found for mesh" in result.output
+    assert "raise the time limit" in result.output
+    assert not (tmp_path / "p").exists()
 
 
 def test_compile_twice_gives_byte_identical_plans(tmp_path):

@@ -81,9 +81,11 @@ def test_memory_budget_shards_the_weights():
     data = export_mlp(batch=65536, hidden=4096, layers=8)
     free = hloplan.compile(data, "8", device="h100").plan
     replicated_weights = sum(a["bytes"] for a in free["arguments"] if a["name"].startswith("params"))
-    budget = parse_bytes("2GiB")
+    # Each sharded weight's all-gathered copy lives from its forward matmul to its backward
+    # ones (XLA gathers it once), which the estimate counts: 2 GiB no longer fits one program.
+    budget = parse_bytes("2.5GiB")
     assert budget < free["estimate"]["peak_memory_bytes"] + replicated_weights
-    tight = hloplan.compile(data, "8", device="h100", memory_budget="2GiB").plan
+    tight = hloplan.compile(data, "8", device="h100", memory_budget="2.5GiB").plan
     assert tight["estimate"]["peak_memory_bytes"] <= budget
     # Every weight is stored sharded (FSDP/ZeRO-3: gathered once for the forward and backward
     # matmuls, its update done on the shard).

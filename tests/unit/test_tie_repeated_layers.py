@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 from collections import defaultdict
 
@@ -27,7 +28,14 @@ from hloplan.passes.tie_repeated_layers import (
 )
 from hloplan.pipeline import run_pipeline
 from hloplan.solver.evaluate import evaluate
-from hloplan.solver.problem import LivePoint, Node, ShardingProblem, Solution, Strategy
+from hloplan.solver.problem import (
+    Edge,
+    LivePoint,
+    Node,
+    ShardingProblem,
+    Solution,
+    Strategy,
+)
 
 LAYERS = 6
 WIDTH = 64
@@ -146,10 +154,12 @@ def test_ties_only_join_equal_strategy_lists_and_keep_follower_groups(stack_stat
     # Nodes that followed one leader before still share a decision.
     for members in _groups(untied.problem).values():
         assert len({tied.problem.nodes[i].tie for i in members}) == 1
-    # Only ties were added: strategies, edges and live points are unchanged.
+    # Only ties were added: strategies, edges and live points are unchanged (but for the
+    # spans of resharded copies, over the kept points).
     assert [dataclasses.replace(n, tie=None) for n in tied.problem.nodes] == [
         dataclasses.replace(n, tie=None) for n in untied.problem.nodes]
-    assert tied.problem.edges == untied.problem.edges
+    assert [dataclasses.replace(e, held=None, copies=()) for e in tied.problem.edges] == [
+        dataclasses.replace(e, held=None, copies=()) for e in untied.problem.edges]
     # Live points: a subset, in order (the dominated ones are dropped).
     kept = iter(untied.problem.live_points)
     assert all(any(p == q for q in kept) for p in tied.problem.live_points)
@@ -251,7 +261,8 @@ def test_pruned_memory_checks_keep_the_peak_of_every_tied_choice(stack_states):
     assert len(tied.problem.live_points) < len(untied.problem.live_points)
     assert tied.facts["live_points_after_pruning"] == len(tied.problem.live_points)
     full = dataclasses.replace(tied.problem, live_points=untied.problem.live_points,
-                               live_ranges=untied.problem.live_ranges)
+                               live_ranges=untied.problem.live_ranges,
+                               edges=untied.problem.edges)
     assert dominant_live_points(full) == [
         untied.problem.live_points.index(p) for p in tied.problem.live_points]
     rng = random.Random(0)
@@ -280,6 +291,31 @@ def test_dominated_points_are_dropped_exactly():
                                                dataclasses.replace(nodes[2], tie=9), nodes[3]))
     # y and z are one decision with the same memory: x+z is now x+y plus 5 fixed bytes.
     assert dominant_live_points(tied) == [2, 3]
+
+
+def test_points_holding_a_resharded_copy_are_kept_and_spans_follow_the_kept_points():
+    two = (Strategy("a", memory=1.0), Strategy("b", memory=4.0))
+    nodes = (Node("x", two), Node("y", two), Node("w", two))
+    gathered = ((0.0, 1.0), (1.0, 0.0))  # a copy when x and w differ: 10 bytes
+    points = (LivePoint((0, 2)), LivePoint((0, 1, 2)), LivePoint((0, 1, 2)))
+
+    def with_copy(held):
+        return ShardingProblem(nodes, (Edge(2, 0, gathered, copies=(10.0, 10.0), held=held),),
+                               points)
+
+    # Held at the first point only, the copy keeps it: 2 + 10 bytes beat the next's 3.
+    assert dominant_live_points(with_copy((0, 0))) == [0, 2]
+    # Held over all three, the point with one node fewer is dominated again.
+    assert dominant_live_points(with_copy((0, 2))) == [2]
+    for held in ((0, 0), (0, 1), (1, 2), (0, 2)):
+        problem = with_copy(held)
+        kept = dominant_live_points(problem)
+        pruned = problem.with_live_points(kept)
+        pruned.validate()
+        for choice in itertools.product(range(2), repeat=3):
+            full = evaluate(problem, Solution(choice))
+            assert evaluate(pruned, Solution(choice)).peak_memory == full.peak_memory
+            assert evaluate(pruned, Solution(choice)).memory == tuple(full.memory[p] for p in kept)
 
 
 def _square_stack_program() -> ir.Program:

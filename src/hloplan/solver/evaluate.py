@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from numbers import Integral
 
-from hloplan.solver.problem import ShardingProblem, Solution, first_live_points
+from hloplan.solver.problem import ShardingProblem, Solution, copy_spans, first_live_points
 from hloplan.units import format_bytes
 
 __all__ = ["MEMORY_RTOL", "Evaluation", "evaluate", "live_point_bytes", "memory_fits"]
@@ -67,7 +67,7 @@ def _check_solution(problem: ShardingProblem, solution: Solution) -> None:
 
 def copy_bytes(edge, i: int, j: int) -> float:
     """Bytes of the resharded copy `edge`'s destination reads under strategies i (source) and
-    j (destination), held at the destination's first live point; 0 when no reshard."""
+    j (destination), held over the edge's span (copy_spans); 0 when no reshard."""
     return edge.copies[j] if edge.copies and edge.costs[i][j] > 0 else 0.0
 
 
@@ -82,8 +82,8 @@ def copy_delta(edge, choice, moved, k: int) -> float:
 def live_point_bytes(problem: ShardingProblem, solution: Solution, copies: bool = True
                      ) -> tuple[float, ...]:
     """Bytes at each live point: its fixed bytes plus the chosen strategies' memory (and, at a
-    node's first live point, its transient bytes and, with `copies`, the resharded copies it
-    reads: the ILP's model leaves those out, see passes/solve_sharding.py).
+    node's first live point, its transient bytes; with `copies`, the resharded copies over
+    their spans: the ILP's model leaves those out, see passes/solve_sharding.py).
 
     A node listed twice at one point is counted once: a value is either live there or not.
     """
@@ -91,15 +91,22 @@ def live_point_bytes(problem: ShardingProblem, solution: Solution, copies: bool 
     chosen = [s.memory for s in picked]
     points, ranges = problem.live_points, problem.live_ranges
     # A node's transient bytes at its first live point (partial sums before a reduce-scatter),
-    # and the resharded copies of its operands it reads there.
+    # and the resharded copies held at each point.
     flash = [0.0] * (len(points) + 1)
     firsts = first_live_points(problem)
     for index, first in firsts.items():
         flash[first] += picked[index].transient
-    for edge in problem.edges if copies else ():
-        if edge.copies and edge.dst in firsts:
-            flash[firsts[edge.dst]] += copy_bytes(edge, solution.choice[edge.src],
-                                                  solution.choice[edge.dst])
+    # A copy is held over its span (Edge.held): a difference array over the points.
+    held = [0.0] * (len(points) + 1)
+    for e, start, end in copy_spans(problem, firsts) if copies else ():
+        edge = problem.edges[e]
+        made = copy_bytes(edge, solution.choice[edge.src], solution.choice[edge.dst])
+        held[start] += made
+        held[end + 1] -= made
+    running_copies = 0.0
+    for p in range(len(points)):
+        running_copies += held[p]
+        flash[p] += running_copies
     exact = all(float(m).is_integer() and abs(m) < _EXACT for m in chosen + flash) and all(
         float(p.fixed_bytes).is_integer() and abs(p.fixed_bytes) < _EXACT for p in points)
     totals = []

@@ -11,7 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from hloplan.solver.evaluate import Evaluation, copy_delta, evaluate, memory_fits
-from hloplan.solver.problem import ShardingProblem, Solution, Strategy, first_live_points
+from hloplan.solver.problem import (
+    ShardingProblem,
+    Solution,
+    Strategy,
+    copy_spans,
+    first_live_points,
+)
 from hloplan.units import format_bytes, format_seconds
 
 __all__ = ["Reason", "compare", "format_bytes", "format_seconds", "next_best"]
@@ -121,17 +127,18 @@ def _switched_peak(
 
 
 def _copy_deltas(problem: ShardingProblem, choice: tuple[int, ...], node: int, k: int,
-                 firsts: dict[int, int], edges_of: dict[int, list[int]]) -> dict[int, float]:
+                 spans: dict[int, tuple[int, int]], edges_of: dict[int, list[int]]
+                 ) -> dict[int, float]:
     """Change in resharded-copy bytes per live point when `node` alone switches to strategy k
-    (`edges_of`: node -> indices of the edges with copies that touch it)."""
+    (`edges_of`: node -> indices of the edges with copies that touch it; `spans`: edge -> the
+    points holding its copy)."""
     deltas: dict[int, float] = {}
     for e in edges_of.get(node, ()):
-        edge = problem.edges[e]
-        if edge.dst not in firsts:
-            continue
-        delta = copy_delta(edge, choice, (node,), k)
+        delta = copy_delta(problem.edges[e], choice, (node,), k)
         if delta:
-            deltas[firsts[edge.dst]] = deltas.get(firsts[edge.dst], 0.0) + delta
+            start, end = spans[e]
+            for p in range(start, end + 1):
+                deltas[p] = deltas.get(p, 0.0) + delta
     return deltas
 
 
@@ -145,11 +152,12 @@ def compare(problem: ShardingProblem, chosen: Solution, alternative: Solution) -
     resharding = _resharding_deltas(problem, chosen, alternative)
     launches = _launch_deltas(problem, chosen, alternative)
     firsts = first_live_points(problem)
+    spans = {e: (start, end) for e, start, end in copy_spans(problem, firsts)}
     edges_of: dict[int, list[int]] = {}
-    for e, edge in enumerate(problem.edges):
-        if edge.copies:
-            for end in dict.fromkeys((edge.src, edge.dst)):
-                edges_of.setdefault(end, []).append(e)
+    for e in spans:
+        edge = problem.edges[e]
+        for end in dict.fromkeys((edge.src, edge.dst)):
+            edges_of.setdefault(end, []).append(e)
     reasons: list[tuple[bool, Reason]] = []
     for index, node in enumerate(problem.nodes):
         i, j = chosen.choice[index], alternative.choice[index]
@@ -158,7 +166,7 @@ def compare(problem: ShardingProblem, chosen: Solution, alternative: Solution) -
         mine, other = node.strategies[i], node.strategies[j]
         switched = _switched_peak(problem, base, index, other.memory - mine.memory,
                                   other.transient - mine.transient, firsts.get(index),
-                                  _copy_deltas(problem, chosen.choice, index, j, firsts,
+                                  _copy_deltas(problem, chosen.choice, index, j, spans,
                                                edges_of))
         reason = Reason(
             node=index,

@@ -64,6 +64,11 @@ class Edge:
     # copies[j]: bytes per device of the resharded copy dst's strategy j reads, made where
     # costs[i][j] > 0 and held while dst runs (an all-gathered operand). Empty: not counted.
     copies: tuple[float, ...] = ()
+    # (first, last): the live points holding the copy. XLA reshards a value once per layout
+    # for all the matmuls of a region reading it (the forward and backward matmuls of an
+    # FSDP-stored weight share one all-gather) and keeps the copy until the last of them
+    # reads it. None: dst's first live point only (copy_spans).
+    held: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,24 @@ def first_live_points(problem) -> dict[int, int]:
         elif first.get(r.node, -1) >= r.first:  # made at a point no longer checked
             del first[r.node]
     return first
+
+
+def copy_spans(problem, firsts: dict[int, int] | None = None
+               ) -> list[tuple[int, int, int]]:
+    """(edge index, first, last live point) of every resharded copy an edge may make
+    (Edge.copies, Edge.held; `firsts`: first_live_points(problem), when at hand)."""
+    spans = []
+    for e, edge in enumerate(problem.edges):
+        if not edge.copies:
+            continue
+        if edge.held is not None:
+            spans.append((e, *edge.held))
+            continue
+        if firsts is None:
+            firsts = first_live_points(problem)
+        if edge.dst in firsts:
+            spans.append((e, firsts[edge.dst], firsts[edge.dst]))
+    return spans
 
 
 @dataclass(frozen=True)
@@ -150,7 +173,18 @@ class ShardingProblem:
             last = bisect.bisect_right(kept, r.last) - 1
             if first <= last:
                 ranges.append(LiveRange(r.node, first, last, r.made and kept[first] == r.first))
-        return replace(self, live_points=tuple(self.live_points[p] for p in kept),
+        # Copies keep their spans over the kept points; one no kept point holds is dropped.
+        edges = list(self.edges)
+        for e, start, end in copy_spans(self):
+            first = bisect.bisect_left(kept, start)
+            last = bisect.bisect_right(kept, end) - 1
+            edges[e] = (replace(edges[e], held=(first, last)) if first <= last
+                        else replace(edges[e], copies=(), held=None))
+        for e, edge in enumerate(edges):  # a copy whose reader is never live is never held
+            if edge.copies and edge.held is None:
+                edges[e] = replace(edge, copies=())
+        return replace(self, edges=tuple(edges),
+                       live_points=tuple(self.live_points[p] for p in kept),
                        live_ranges=tuple(ranges))
 
     def points_of_nodes(self) -> list[list[int] | range]:
@@ -201,6 +235,11 @@ class ShardingProblem:
                 if not picks or not all(0 <= pick < size for pick in picks):
                     raise ValueError(f"launch {launch.label!r}: node {index} has {size} "
                                      f"strategies, not {picks}")
+        for edge in self.edges:
+            if edge.held is not None and not 0 <= edge.held[0] <= edge.held[1] < len(
+                    self.live_points):
+                raise ValueError(f"edge {edge.label!r} holds its copy over {edge.held}, not "
+                                 f"within the {len(self.live_points)} live points")
         ranged: dict[int, LiveRange] = {}
         for r in self.live_ranges:
             if not 0 <= r.node < len(self.nodes):
