@@ -508,6 +508,12 @@ def free_values(graph: Graph) -> set[int]:
     return free
 
 
+# XLA fuses these into every kernel that reads them, never writing their results out: a
+# broadcast, and a compare (ReLU's mask `x > 0`, made in the forward pass and read by the
+# backward select: XLA keeps x, not the 1-byte mask).
+_RECOMPUTED_IN_CONSUMERS = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.compare"})
+
+
 def unmaterialized_values(graph: Graph, fused: set[int]) -> set[int]:
     """Fused values that take no memory: broadcasts whose consumers are all fused kernels. XLA
     recomputes a broadcast inside every kernel that reads it, so it is never written out,
@@ -516,7 +522,7 @@ def unmaterialized_values(graph: Graph, fused: set[int]) -> set[int]:
     the centred input a batch norm saves for its backward pass), and counting them errs on
     the side of fitting (README, Benchmarks: predicted and compiled peaks)."""
     return {v for v in fused
-            if graph.ops[graph.values[v].producer].name == "stablehlo.broadcast_in_dim"}
+            if graph.ops[graph.values[v].producer].name in _RECOMPUTED_IN_CONSUMERS}
 
 
 MATMULS = {"stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"}
