@@ -8,6 +8,7 @@ from jax import export
 
 import hloplan
 from hloplan.solver.evaluate import evaluate
+from hloplan.solver.problem import first_live_points
 
 
 def _step(ws, x):
@@ -48,6 +49,24 @@ def test_later_matmuls_read_a_weight_from_the_previous_ones_layout():
             if a == b:
                 assert costs[i][j] == 0
     assert max(max(row) for row in costs) > 0
+
+
+def test_a_shared_copy_is_held_until_the_last_matmul_reading_it():
+    """The forward matmul's copy of a weight is the one the backward matmul reads (one gather
+    for both), so it is held from the first one's live point to the second one's."""
+    state = _compiled()
+    graph, space, problem = state.graph, state.space, state.problem
+    w = graph.arguments[1]
+    first, second = (space.node_of[u] for u in dict.fromkeys(graph.values[w].users)
+                     if graph.ops[u].name == "stablehlo.dot_general")
+    arg_node = space.node_of[graph.values[w].producer]
+    firsts = first_live_points(problem)
+    assert firsts[first] < firsts[second]
+    read = [e for e in problem.edges if e.src == arg_node and e.dst == first]
+    assert len(read) == 1 and read[0].held == (firsts[first], firsts[second])
+    # The second read, from the first one's layout, is held only while it runs.
+    again = [e for e in problem.edges if e.src == first and e.dst == second]
+    assert len(again) == 1 and again[0].held is None
 
 
 def test_gradient_matmuls_share_one_reshard_of_the_output_gradient():

@@ -6,6 +6,7 @@ exercised with realistic magnitudes; each test writes out the arithmetic that de
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -571,6 +572,28 @@ def test_evaluate_holds_a_resharded_copy_at_its_readers_first_point():
     assert evaluate(problem, Solution((0, 0)), copies=False).memory == (10.0, 20.0)
     assert evaluate(problem, Solution((0, 1))).memory == (10.0, 20.0)  # no reshard, no copy
     assert evaluate(problem, Solution((1, 0))).memory == (10.0, 20.0)
+
+
+def test_a_copy_held_over_a_span_is_seen_by_the_re_solve():
+    """The copy B reads is held until a later reader at point 2 (Edge.held), where C makes the
+    peak: the re-solve must see it there, not only at B's first point (where it fits)."""
+    from hloplan.compiler import make_options
+    from hloplan.passes.solve_sharding import SolveSharding
+    from hloplan.state import CompileState
+
+    base = _copy_problem(60.0)
+    c = Node("C", (Strategy("c", memory=30.0),))
+    points = (LivePoint((0,)), LivePoint((0, 1)), LivePoint((0, 1, 2)))
+    problem = dataclasses.replace(
+        base, nodes=(*base.nodes, c), live_points=points,
+        edges=(dataclasses.replace(base.edges[0], held=(1, 2)),))
+    problem.validate()
+    assert evaluate(problem, Solution((0, 0, 0))).memory == (10.0, 60.0, 90.0)
+    assert evaluate(problem, Solution((0, 1, 0))).memory == (10.0, 20.0, 50.0)
+    state = CompileState(program=None, options=make_options("8", device="toy"), problem=problem)
+    SolveSharding().apply(state)
+    assert state.solution.choice == (0, 1, 0)
+    assert state.facts["memory_tightened"] == 1
 
 
 def test_solve_sharding_plans_again_when_resharded_copies_break_the_budget():
