@@ -118,9 +118,9 @@ def _verified(result: CompileResult, data: bytes, filename: str, options: Compil
               after_pass, pipeline, passes) -> CompileResult:
     """Compile the plan's programs with XLA (verify.py). While no plan's allocation is within
     the budget, plan again keeping free (CompileOptions.memory_reserve) what the last one
-    needed beyond its estimate plus 1% of the budget; once one fits, halve the gap between the largest reserve
-    found too small and the smallest that fits (a plan of another kind, found under a smaller
-    reserve, may fit and be faster), up to VERIFY_PLANS plans in all. The fastest plan that
+    needed beyond its estimate plus 1% of the budget; once one fits, halve the gap between the
+    largest reserve found too small and the smallest that fits (a plan of another kind, found
+    under a smaller reserve, may fit and be faster), up to VERIFY_PLANS plans in all. The fastest plan that
     fits is kept; plan.json "memory_check" records every try."""
     from hloplan.plan import dumps
     from hloplan.verify import checked_peak, measure_files
@@ -169,10 +169,10 @@ def _verified(result: CompileResult, data: bytes, filename: str, options: Compil
         else:
             too_small = max(too_small, reserve)
         if fits_at is None:
-            # Nothing fits yet: keep free what XLA needed beyond this plan's estimate (a plan
-            # estimated within budget - that would compile within the budget if the excess
-            # stays; more than what it was over by, which a plan estimated under the budget
-            # already had free, so the same plan came back).
+            # Nothing fits yet: keep free what XLA needed beyond this plan's estimate, so that
+            # a plan estimated within the rest compiles within the budget if the excess stays.
+            # (What the plan was over by is less: a plan estimated under the budget had that
+            # free already, and the same plan could come back.)
             reserve = (max(reserve, check["peak_bytes"] - check["estimated_bytes"])
                        + 0.01 * budget)
         else:

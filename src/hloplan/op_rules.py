@@ -515,9 +515,10 @@ _RECOMPUTED_IN_CONSUMERS = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.c
 
 
 def unmaterialized_values(graph: Graph, fused: set[int]) -> set[int]:
-    """Fused values that take no memory: broadcasts whose consumers are all fused kernels. XLA
-    recomputes a broadcast inside every kernel that reads it, so it is never written out,
-    however large (the max of a softmax broadcast over the vocabulary). Other fused values
+    """Fused values that take no memory: broadcasts and compares whose consumers are all fused
+    kernels (_RECOMPUTED_IN_CONSUMERS). XLA recomputes them inside every kernel that reads
+    them, so they are never written out, however large (the max of a softmax broadcast over
+    the vocabulary); their operands live until then instead. Other fused values
     are kept: XLA writes many of them out (an elementwise result read by several kernels,
     the centred input a batch norm saves for its backward pass), and counting them errs on
     the side of fitting (README, Benchmarks: predicted and compiled peaks)."""
