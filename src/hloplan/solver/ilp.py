@@ -1546,9 +1546,8 @@ def _solve_model(
     elif heuristic is not None:
         choice, extra["source"] = heuristic, "heuristic"
     else:
-        raise SolverError(
-            f"{backend} found no solution in time ({extra['raw_status']}); raise the time limit"
-        )
+        # _solve wraps this with the time limit and what to do.
+        raise SolverError(f"status: {extra['raw_status']}")
     proven = status == pulp.LpSolutionOptimal and extra["source"] == "solver"
     if bound is None:
         bound = lp_bound
