@@ -120,8 +120,8 @@ def _verified(result: CompileResult, data: bytes, filename: str, options: Compil
     the budget, plan again keeping free (CompileOptions.memory_reserve) what the last one
     needed beyond its estimate plus 1% of the budget; once one fits, halve the gap between the
     largest reserve found too small and the smallest that fits (a plan of another kind, found
-    under a smaller reserve, may fit and be faster), up to VERIFY_PLANS plans in all. The fastest plan that
-    fits is kept; plan.json "memory_check" records every try."""
+    under a smaller reserve, may fit and be faster), up to VERIFY_PLANS plans in all. The
+    fastest plan that fits is kept; plan.json "memory_check" records every try."""
     from hloplan.plan import dumps
     from hloplan.verify import checked_peak, measure_files
 

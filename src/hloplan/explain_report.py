@@ -291,8 +291,9 @@ def memory_check_lines(plan: dict) -> list[str]:
         if t.get("no_plan"):
             lines.append(f"{lead}plan {i + 1} ({free}): no plan fits")
         else:
-            lines.append(f"{lead}plan {i + 1} ({free}): estimated {format_bytes(t['estimated_bytes'])}"
-                         f", compiled {format_bytes(t['peak_bytes'])}, step "
+            lines.append(f"{lead}plan {i + 1} ({free}): estimated "
+                         f"{format_bytes(t['estimated_bytes'])}, compiled "
+                         f"{format_bytes(t['peak_bytes'])}, step "
                          f"{format_seconds(t['step_time_s'])}"
                          + (f" (the same programs as plan {t['same_as'] + 1})" if "same_as" in t
                             else ""))
