@@ -180,9 +180,6 @@ class ShardingProblem:
             last = bisect.bisect_right(kept, end) - 1
             edges[e] = (replace(edges[e], held=(first, last)) if first <= last
                         else replace(edges[e], copies=(), held=None))
-        for e, edge in enumerate(edges):  # a copy whose reader is never live is never held
-            if edge.copies and edge.held is None:
-                edges[e] = replace(edge, copies=())
         return replace(self, edges=tuple(edges),
                        live_points=tuple(self.live_points[p] for p in kept),
                        live_ranges=tuple(ranges))
