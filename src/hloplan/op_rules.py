@@ -508,22 +508,53 @@ def free_values(graph: Graph) -> set[int]:
     return free
 
 
-# XLA fuses these into every kernel that reads them, never writing their results out: a
-# broadcast, and a compare (ReLU's mask `x > 0`, made in the forward pass and read by the
-# backward select: XLA keeps x, not the 1-byte mask).
-_RECOMPUTED_IN_CONSUMERS = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.compare"})
+# Ops XLA's fusion treats as cheap (InstructionFusion::IsExpensive is false for real element
+# types): it clones them into every kernel that reads them rather than write their results
+# out, when every reader fuses them. A broadcast, ReLU's mask `x > 0` (made in the forward
+# pass for the backward select: XLA keeps x, not the 1-byte mask), GELU's polynomial and
+# 1 - tanh^2, a bias added to a matmul's output. Divides, exponentials, logs, tanh and other
+# transcendentals are expensive: one read by several kernels is written out once.
+_RECOMPUTED_IN_CONSUMERS = frozenset(f"stablehlo.{name}" for name in (
+    "broadcast_in_dim", "compare", "abs", "add", "and", "ceil", "clamp", "convert", "floor",
+    "is_finite", "maximum", "minimum", "multiply", "negate", "not", "or", "xor", "popcnt",
+    "real", "imag", "reduce_precision", "round_nearest_afz", "round_nearest_even", "select",
+    "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "subtract",
+    "sine", "cosine", "count_leading_zeros", "bitcast_convert", "reshape", "transpose",
+    "slice", "concatenate", "pad", "reverse", "dynamic_slice", "iota"))
+
+
+def _recomputed_in_consumers(graph: Graph, op: Op) -> bool:
+    if op.name not in _RECOMPUTED_IN_CONSUMERS:
+        return False
+    if op.name == "stablehlo.convert":
+        # Rounding f32 to bf16 is expensive to XLA (NaN checks); widening is a shift.
+        source, result = (graph.values[v].type for v in (op.operands[0], op.results[0]))
+        return not (result is not None and source is not None
+                    and result.dtype == "bf16" and source.dtype == "f32")
+    return True
 
 
 def unmaterialized_values(graph: Graph, fused: set[int]) -> set[int]:
-    """Fused values that take no memory: broadcasts and compares whose consumers are all fused
-    kernels (_RECOMPUTED_IN_CONSUMERS). XLA recomputes them inside every kernel that reads
-    them, so they are never written out, however large (the max of a softmax broadcast over
-    the vocabulary); their operands live until then instead. Other fused values
-    are kept: XLA writes many of them out (an elementwise result read by several kernels,
-    the centred input a batch norm saves for its backward pass), and counting them errs on
-    the side of fitting (README, Benchmarks: predicted and compiled peaks)."""
+    """Fused values that take no memory: results of cheap ops (_RECOMPUTED_IN_CONSUMERS)
+    read only by elementwise and layout ops. XLA recomputes them inside every kernel that
+    reads them, so they are never written out, however large (the max of a softmax broadcast
+    over the vocabulary, the five elementwise residuals jax saves for GELU's backward pass);
+    their operands live until then instead (chains of them carry through to written-out
+    values). Kept: a value made by an expensive op (exp, tanh, divide, ...), which XLA writes
+    out once rather than recompute in each reader, and one a reduction reads directly or
+    through an op read only by reductions (a batch norm's centred input, squared for the
+    variance): XLA's CPU compiler hands such a reduction to a library kernel that reads that
+    value from memory, and once written out the value is read from there by every kernel (a
+    GPU might fuse it; the estimate errs on the side of fitting)."""
+    def read_by_reduction(v: int) -> bool:
+        users = graph.values[v].users
+        return bool(users) and all(graph.ops[u].name == "stablehlo.reduce" for u in users)
+
     return {v for v in fused
-            if graph.ops[graph.values[v].producer].name in _RECOMPUTED_IN_CONSUMERS}
+            if _recomputed_in_consumers(graph, graph.ops[graph.values[v].producer])
+            and all(fusible_producer(graph.ops[u].name)
+                    and not any(read_by_reduction(r) for r in graph.ops[u].results)
+                    for u in graph.values[v].users)}
 
 
 MATMULS = {"stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"}

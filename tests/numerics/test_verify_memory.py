@@ -44,7 +44,7 @@ def test_unverified_plan_compiles_over_the_budget():
 
 
 def test_estimate_near_the_budget_points_at_verify_memory():
-    result = hloplan.compile(str(FIXTURE), MESH, memory_budget="1.3MiB")
+    result = hloplan.compile(str(FIXTURE), MESH, memory_budget="1MiB")
     remarks = [d.message for d in result.state.log.entries if d.severity == "remark"]
     assert any("of the memory budget" in m and "--verify-memory" in m for m in remarks), remarks
     roomy = hloplan.compile(str(FIXTURE), MESH, memory_budget="4MiB")
@@ -77,8 +77,8 @@ def test_verified_plan_fits_and_equals_single_device(tmp_path):
 def test_no_verified_plan_is_an_error_and_writes_nothing(tmp_path):
     out = tmp_path / "plan"
     run = CliRunner().invoke(main, ["compile", str(FIXTURE), "--mesh", MESH, "-o", str(out),
-                                    "--memory-budget", "400KiB", "--verify-memory"])
+                                    "--memory-budget", "300KiB", "--verify-memory"])
     assert run.exit_code != 0
-    assert "error: no plan that XLA compiles within the memory budget of 400 KiB" in run.output
+    assert "error: no plan that XLA compiles within the memory budget of 300 KiB" in run.output
     assert "XLA compiles it to" in run.output
     assert not out.exists()
