@@ -339,6 +339,8 @@ def tight_case(model_name: str, mesh: str, budget: float, best_hand_step_s: floa
     plan_json = json.loads((plan_dir / "plan.json").read_text())
     if "memory_check" in plan_json:
         out["memory_check"] = plan_json["memory_check"]
+    # Activations the single program recomputes after the forward pass (0: none).
+    out["recomputed_values"] = plan_json.get("rematerialized", {}).get("values", 0)
     if plan_json.get("pipeline", {}).get("tasks"):  # no single program fits: accumulated
         measured = measure_accumulated(plan_dir, mesh)
         out["microbatches"] = measured["microbatches"]
@@ -393,6 +395,8 @@ def table(rows: list[dict]) -> list[str]:
                         f"{smallest / r['smallest_hand_peak_bytes']:.2f} x the leanest hand plan)")
         if r.get("microbatches"):
             outcome += f" ({r['microbatches']} microbatches)"
+        elif r.get("recomputed_values"):
+            outcome += f" (recomputing {r['recomputed_values']} activations)"
         if outcome == "error":
             outcome += f": {r.get('error', '')[:80]}"
         lines.append(
