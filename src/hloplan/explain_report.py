@@ -163,10 +163,28 @@ def step_breakdown(plan: dict) -> list[tuple[str, float]]:
     return rows
 
 
+def _held_name(entry: dict) -> str:
+    """A value held at the peak, as the memory chart names it: op, source line, and what of
+    it is held (plan.json estimate.peak)."""
+    where = entry.get("location") or ""
+    where = f" ({where.rsplit('/', 1)[-1]})" if where else ""
+    name = f"{entry['id']} {entry['op'].split('.', 1)[-1]}{where}"
+    if "copy_of" in entry:
+        name = f"{name}: copy of {entry['copy_of']}"
+    elif entry["held"] == "while it is made":
+        name = f"{name}: while made"
+    return name if len(name) <= _HELD_NAME_WIDTH else name[:_HELD_NAME_WIDTH - 1] + "…"
+
+
+_HELD_NAME_WIDTH = 60
+
+
 def memory_breakdown(plan: dict, largest: int = 5) -> dict:
     """Peak bytes per device, the budget, and what the peak holds: the arguments (the `largest`
-    by bytes per device one by one) and everything else live there."""
-    peak = float(plan["estimate"].get("peak_memory_bytes", 0))
+    by bytes per device one by one), the `largest` other values held there (the estimate's
+    `peak`, from plans that have it) and the rest."""
+    est = plan["estimate"]
+    peak = float(est.get("peak_memory_bytes", 0))
     args = sorted(((a["bytes_per_device"], a["name"]) for a in plan["arguments"]),
                   key=lambda item: (-item[0], item[1]))
     total_args = float(sum(size for size, _ in args))
@@ -174,11 +192,18 @@ def memory_breakdown(plan: dict, largest: int = 5) -> dict:
     rest = sum(size for size, _ in args[largest:])
     if rest:
         parts.append((f"{len(args) - largest} other arguments", float(rest)))
-    parts.append(("activations and temporaries", max(peak - total_args, 0.0)))
+    held = [e for e in (est.get("peak") or {}).get("largest", []) if e["op"] != "arg"]
+    listed = 0.0
+    for entry in held[:largest]:
+        parts.append((_held_name(entry), float(entry["bytes"])))
+        listed += entry["bytes"]
+    others = "other activations and temporaries" if listed else "activations and temporaries"
+    parts.append((others, max(peak - total_args - listed, 0.0)))
     budget = _budget(plan)
     return {"peak_bytes": peak, "budget_bytes": budget,
             "fraction_of_budget": peak / budget if budget else None,
-            "arguments_bytes": total_args, "parts": parts}
+            "arguments_bytes": total_args, "parts": parts,
+            "after": (est.get("peak") or {}).get("after")}
 
 
 def _op_collectives(op: dict) -> list[str]:
@@ -327,7 +352,7 @@ def summary(plan: dict, top: int = 10) -> dict:
         "step_time_breakdown": [{"name": n, "seconds": s} for n, s in step_breakdown(plan)],
         "memory": {"peak_bytes": memory["peak_bytes"], "budget_bytes": memory["budget_bytes"],
                    "fraction_of_budget": memory["fraction_of_budget"],
-                   "arguments_bytes": memory["arguments_bytes"],
+                   "arguments_bytes": memory["arguments_bytes"], "after": memory["after"],
                    "parts": [{"name": n, "bytes": b} for n, b in memory["parts"]]},
         "top_ops": [{key: op[key] for key in ("id", "op", "label", "location", "strategy",
                                               "collectives", "compute_s", "communication_s",
@@ -430,6 +455,8 @@ def render_text(plan: dict, console, top: int = 10) -> None:
                    else f"OVER the budget by {format_bytes(-headroom)}")
         console.print(Text(f"peak {format_bytes(memory['peak_bytes'])} of "
                            f"{format_bytes(memory['budget_bytes'])} per device: {verdict}"))
+        if memory.get("after"):
+            console.print(Text(f"the estimated peak is {memory['after']}"))
         for line in memory_check_lines(plan):
             console.print(Text(line))
         console.print()

@@ -11,7 +11,7 @@ import json
 from importlib import metadata
 
 from hloplan import decisions
-from hloplan.solver.evaluate import evaluate
+from hloplan.solver.evaluate import evaluate, point_contents
 from hloplan.state import CompileState
 from hloplan.strategies import local_bytes, replicated, spec_names
 
@@ -130,6 +130,7 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
             "launches": [{"collective": label, "seconds": _round(seconds)}
                          for label, seconds in evaluation.launches],
             "peak_memory_bytes": int(evaluation.peak_memory),
+            "peak": _peak_contents(state, evaluation.peak_point),
             "collectives": [{**c, "bytes": _round(c["bytes"])} for _, c in sorted(collectives.items())],
         },
         "solver": {
@@ -149,6 +150,53 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
         **({"rematerialized": state.facts["rematerialized"]}
            if state.facts.get("rematerialized", {}).get("values") else {}),
     }
+
+
+# How many of the largest things held at the estimated peak plan.json lists.
+PEAK_ENTRIES = 10
+
+
+def _peak_contents(state: CompileState, point: int | None) -> dict | None:
+    """Where the estimated peak is (the program point after which it is checked) and the
+    largest values, copies and partial sums held there (solver.evaluate.point_contents)."""
+    if point is None:
+        return None
+    problem, graph = state.problem, state.graph
+    names = dict(zip(graph.arguments, graph.argument_names))
+    held = point_contents(problem, state.solution, point)
+    largest = []
+    for item in held[:PEAK_ENTRIES]:
+        node = problem.edges[item.index].dst if item.kind == "copy" else item.index
+        op = graph.ops[state.space.op_of[node]]
+        entry = {"id": f"%{op.index}", "op": op.name, "label": op.label,
+                 "location": str(op.location) if op.location else None,
+                 "bytes": int(item.bytes),
+                 "held": {"value": "its result", "made": "while it is made",
+                          "copy": "a resharded copy of an operand"}[item.kind]}
+        if item.kind == "copy":
+            entry["copy_of"] = _copied_value(state, item.index, op, names)
+        if op.name == "arg":
+            entry["name"] = names.get(op.results[0])
+        largest.append(entry)
+    return {"after": problem.live_points[point].label,
+            "fixed_bytes": int(problem.live_points[point].fixed_bytes),
+            "others_bytes": int(sum(item.bytes for item in held[PEAK_ENTRIES:])),
+            "largest": largest}
+
+
+def _copied_value(state: CompileState, edge_index: int, reader, names: dict) -> str:
+    """The operand of `reader` that edge `edge_index` reshards: an argument's name, else the
+    id of the op that makes it. The edge comes from its producer, or from an earlier reader
+    of the same value whose layout it is read in (a shared copy)."""
+    graph = state.graph
+    source = graph.ops[state.space.op_of[state.problem.edges[edge_index].src]]
+    operands = set(reader.operands)
+    found = [v for v in source.results if v in operands] or [
+        v for v in source.operands if v in operands]
+    if not found:
+        return f"%{source.index}"
+    value = found[0]
+    return names.get(value) or f"%{graph.values[value].producer}"
 
 
 _TYING_FACTS = {

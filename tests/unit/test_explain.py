@@ -82,6 +82,29 @@ def test_json_has_decisions_with_reasons(compiled):
     assert data["top_ops"] and data["top_ops"][0]["total_s"] >= data["top_ops"][-1]["total_s"]
 
 
+def test_the_peak_is_itemised_where_it_is(compiled):
+    """plan.json names the program point of the estimated peak and the largest values held
+    there (adding up, with the rest, to the peak); explain charts the largest activations one
+    by one and says where the peak is."""
+    result, plan_dir = compiled
+    est = result.plan["estimate"]
+    peak = est["peak"]
+    assert peak["after"].startswith("after %")
+    held = sum(e["bytes"] for e in peak["largest"]) + peak["others_bytes"] + peak["fixed_bytes"]
+    assert held == est["peak_memory_bytes"]
+    assert [e["bytes"] for e in peak["largest"]] == sorted(
+        (e["bytes"] for e in peak["largest"]), reverse=True)
+    activations = [e for e in peak["largest"] if e["op"] != "arg"]
+    assert activations and all(e["location"] for e in activations)
+    text = _run(plan_dir).stdout
+    assert f"the estimated peak is {peak['after']}" in text
+    assert activations[0]["id"] + " " in text
+    data = json.loads(_run(plan_dir, "--format", "json").stdout)
+    parts = data["memory"]["parts"]
+    assert math.isclose(sum(p["bytes"] for p in parts), est["peak_memory_bytes"], rel_tol=1e-9)
+    assert data["memory"]["after"] == peak["after"]
+
+
 def test_plan_json_decisions_are_deterministic(compiled):
     result, _ = compiled
     again = json.loads(json.dumps(decisions.top_decisions(result.state, count=10)))

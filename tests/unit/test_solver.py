@@ -617,3 +617,30 @@ def test_solve_sharding_plans_again_when_resharded_copies_break_the_budget():
     with pytest.raises(NoPlanFits, match="no plan fits the memory budget") as info:
         SolveSharding().apply(state)
     assert "resharded copies" in str(info.value)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_point_contents_add_up_to_each_points_bytes(seed):
+    """What explain lists at the peak (values, partial sums where made, resharded copies over
+    their spans) adds up, with the fixed bytes, to the evaluator's bytes at every point."""
+    from hloplan.solver.evaluate import point_contents
+
+    base = random_problem(seed, 10, 3, 12, transients=True)
+    rng = random.Random(seed)
+    listed = {i for point in base.live_points for i in point.nodes}
+    ranges = tuple(LiveRange(i, *sorted(rng.sample(range(len(base.live_points)), 2)))
+                   for i in range(10) if i not in listed and len(base.live_points) > 1)
+    edges = tuple(dataclasses.replace(e, copies=(5.0, 7.0, 0.0),
+                                      held=(0, len(base.live_points) - 1) if i % 2 else None)
+                  for i, e in enumerate(base.edges))
+    problem = dataclasses.replace(base, edges=edges, live_ranges=ranges)
+    problem.validate()
+    solution = Solution(tuple(rng.randrange(3) for _ in problem.nodes))
+    memory = evaluate(problem, solution).memory
+    for p, point in enumerate(problem.live_points):
+        held = point_contents(problem, solution, p)
+        assert sum(h.bytes for h in held) + point.fixed_bytes == pytest.approx(memory[p])
+        assert [h.bytes for h in held] == sorted((h.bytes for h in held), reverse=True)
+        assert {h.kind for h in held} <= {"value", "made", "copy"}
+    assert any(h.kind == "copy" for p in range(len(problem.live_points))
+               for h in point_contents(problem, solution, p))

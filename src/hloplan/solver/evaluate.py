@@ -142,6 +142,33 @@ def live_point_bytes(problem: ShardingProblem, solution: Solution, copies: bool 
     return tuple(totals)
 
 
+@dataclass(frozen=True)
+class Held:
+    """One thing a live point holds under a solution: a node's values ("value"), a node's
+    transient bytes where its values are made ("made"), or the resharded copy an edge's
+    destination reads ("copy"; `index` is then the edge's)."""
+
+    kind: str
+    index: int
+    bytes: float
+
+
+def point_contents(problem: ShardingProblem, solution: Solution, point: int) -> list[Held]:
+    """What live point `point` holds under `solution`, largest first (ties by kind, index):
+    with the point's fixed bytes, these add up to live_point_bytes at that point."""
+    picked = [node.strategies[pick] for node, pick in zip(problem.nodes, solution.choice)]
+    held = [Held("value", n, picked[n].memory) for n in problem.nodes_at(point)]
+    firsts = first_live_points(problem)
+    held += [Held("made", n, picked[n].transient) for n, first in firsts.items()
+             if first == point and picked[n].transient]
+    for e, start, end in copy_spans(problem, firsts):
+        edge = problem.edges[e]
+        made = copy_bytes(edge, solution.choice[edge.src], solution.choice[edge.dst])
+        if start <= point <= end and made:
+            held.append(Held("copy", e, made))
+    return sorted((h for h in held if h.bytes), key=lambda h: (-h.bytes, h.kind, h.index))
+
+
 def _tie_violations(problem: ShardingProblem, solution: Solution) -> list[str]:
     """One message per tie group whose members do not all pick the same strategy index."""
     groups: dict[int, list[int]] = {}
