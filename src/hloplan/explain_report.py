@@ -163,6 +163,9 @@ def step_breakdown(plan: dict) -> list[tuple[str, float]]:
     return rows
 
 
+_HELD_NAME_WIDTH = 60
+
+
 def _held_name(entry: dict) -> str:
     """A value held at the peak, as the memory chart names it: op, source line, and what of
     it is held (plan.json estimate.peak)."""
@@ -171,12 +174,9 @@ def _held_name(entry: dict) -> str:
     name = f"{entry['id']} {entry['op'].split('.', 1)[-1]}{where}"
     if "copy_of" in entry:
         name = f"{name}: copy of {entry['copy_of']}"
-    elif entry["held"] == "while it is made":
+    elif entry["held"] == "made":
         name = f"{name}: while made"
     return name if len(name) <= _HELD_NAME_WIDTH else name[:_HELD_NAME_WIDTH - 1] + "…"
-
-
-_HELD_NAME_WIDTH = 60
 
 
 def memory_breakdown(plan: dict, largest: int = 5) -> dict:

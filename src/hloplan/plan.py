@@ -171,8 +171,9 @@ def _peak_contents(state: CompileState, point: int | None) -> dict | None:
         entry = {"id": f"%{op.index}", "op": op.name, "label": op.label,
                  "location": str(op.location) if op.location else None,
                  "bytes": int(item.bytes),
-                 "held": {"value": "its result", "made": "while it is made",
-                          "copy": "a resharded copy of an operand"}[item.kind]}
+                 # "result": the op's result; "made": its partial sum while it is made;
+                 # "copy": the resharded copy of an operand it reads ("copy_of")
+                 "held": {"value": "result"}.get(item.kind, item.kind)}
         if item.kind == "copy":
             entry["copy_of"] = _copied_value(state, item.index, op, names)
         if op.name == "arg":
