@@ -354,7 +354,8 @@ def _recomputed(data: bytes, filename: str, options: CompileOptions, passes, aft
         smallest = error.min_peak
         return None, Diagnostic(
             "note", f"nor with {done['values']} activations recomputed after the forward pass"
-            + (f" (smallest peak {format_bytes(smallest)})" if smallest else ""), None)
+            + (f" (smallest peak {format_bytes(smallest)} before resharded copies)"
+               if smallest else ""), None)
     if not state.facts.get("rematerialized", {}).get("values"):
         return None, None
     return state, None

@@ -57,7 +57,7 @@ def _smallest_peak(path) -> float:
         hloplan.compile(path, "8", device="toy", memory_budget=1)
     text = str(info.value)
     assert "activations recomputed after the forward pass" in text
-    found = re.search(r"smallest achievable peak is ([\d.]+ \w+)", text)
+    found = re.search(r"smallest achievable peak is (?:at least )?([\d.]+ \w+)", text)
     return parse_bytes(found.group(1).replace(" ", ""))
 
 
@@ -108,7 +108,7 @@ def test_says_what_recomputation_reached_when_nothing_fits(normalized_mlp):
         hloplan.compile(path, "8", device="toy", memory_budget=1024)
     text = str(info.value)
     found = re.search(r"nor with (\d+) activations recomputed after the forward pass "
-                      r"\(smallest peak ([\d.]+ \w+)\)", text)
+                      r"\(smallest peak ([\d.]+ \w+) before resharded copies\)", text)
     assert found and int(found.group(1)) > 0
     assert parse_bytes(found.group(2).replace(" ", "")) < _smallest_peak(path)
 

@@ -195,6 +195,23 @@ def test_infeasible_budget_reports_shortfall():
     assert "1.00 GiB over budget" in str(info.value)
 
 
+def test_infeasible_budget_with_resharded_copies_is_a_lower_bound():
+    """B reads A in another layout whatever both pick (a 40-byte copy on every pairing): the
+    smallest peak the ILP's model finds (20 bytes) leaves the copy out, so the message says
+    "at least" and what the plan reaching it holds with its copy (60 bytes)."""
+    a = Node("A", (Strategy("x", 0.0, memory=10.0), Strategy("y", 1.0, memory=10.0)))
+    b = Node("B", (Strategy("p", 0.0, memory=10.0), Strategy("q", 0.6, memory=10.0)))
+    always = Edge(0, 1, ((0.5, 0.5), (0.5, 0.5)), copies=(40.0, 40.0))
+    problem = ShardingProblem((a, b), (always,), (LivePoint((0,)), LivePoint((0, 1))), 5.0)
+    with pytest.raises(InfeasibleError) as info:
+        solve(problem)
+    details = info.value.details
+    assert details.min_peak == 20.0 and not details.proven
+    assert details.with_copies == 60.0
+    assert "the smallest achievable peak is at least 20 B" in str(info.value)
+    assert "peaks at 60 B with the resharded copies" in str(info.value)
+
+
 def test_fixed_bytes_alone_over_budget():
     # 10 GiB fixed already exceeds 6 GiB; with a's smallest 4 GiB the peak is at least 14 GiB.
     a = node("a", ("R", 1, 0, 8), ("S", 2, 0, 4))

@@ -120,6 +120,9 @@ class InfeasibilityDetails:
     dominant: tuple[tuple[int, str, float], ...]
     # A solution reaching the smallest peak found (None when none was found).
     solution: Solution | None
+    # That solution's peak with the resharded copies its operands need, when they add to it
+    # (min_peak is then a lower bound, proven False).
+    with_copies: float | None = None
 
 
 class InfeasibleError(SolverError):
@@ -1238,12 +1241,19 @@ def _infeasible(
         )
     solution = model.to_choice(choice) if choice is not None else None
     point, fixed, dominant = None, 0.0, ()
-    min_peak = lower
+    min_peak, with_copies = lower, None
     if solution is not None:
         evaluation = evaluate(problem, solution, copies=False)
         if proven:
             min_peak = evaluation.peak_memory
         point = evaluation.peak_point
+        # The smallest peak is found without the resharded copies operands need (the ILP's
+        # model): a lower bound, exact only when the plan reaching it makes no copy there.
+        with_copies = evaluate(problem, solution).peak_memory
+        if with_copies > evaluation.peak_memory * (1 + MEMORY_RTOL):
+            proven = False
+        else:
+            with_copies = None
     if point is None and problem.live_points:
         point = int(np.argmax(memory.min_load))
     label = ""
@@ -1267,6 +1277,7 @@ def _infeasible(
         fixed_bytes=fixed,
         dominant=dominant,
         solution=solution,
+        with_copies=with_copies,
     )
     return InfeasibleError(_infeasible_message(details), details)
 
@@ -1285,6 +1296,9 @@ def _infeasible_message(d: InfeasibilityDetails) -> str:
     if d.dominant:
         largest = ", ".join(f"{name} ({format_bytes(b)})" for _, name, b in d.dominant)
         text += f"; largest there: {largest}"
+    if d.with_copies is not None:
+        text += (f"; the plan reaching it peaks at {format_bytes(d.with_copies)} with the "
+                 "resharded copies its operands need")
     return text
 
 
