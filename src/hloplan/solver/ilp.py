@@ -1246,14 +1246,12 @@ def _infeasible(
         evaluation = evaluate(problem, solution, copies=False)
         if proven:
             min_peak = evaluation.peak_memory
+            # Found without the resharded copies operands need (the ILP's model): a lower
+            # bound, exact only when the plan reaching it makes no copy that adds to it.
+            peak_with_copies = evaluate(problem, solution).peak_memory
+            if peak_with_copies > min_peak * (1 + MEMORY_RTOL):
+                proven, with_copies = False, peak_with_copies
         point = evaluation.peak_point
-        # The smallest peak is found without the resharded copies operands need (the ILP's
-        # model): a lower bound, exact only when the plan reaching it makes no copy there.
-        with_copies = evaluate(problem, solution).peak_memory
-        if with_copies > evaluation.peak_memory * (1 + MEMORY_RTOL):
-            proven = False
-        else:
-            with_copies = None
     if point is None and problem.live_points:
         point = int(np.argmax(memory.min_load))
     label = ""
