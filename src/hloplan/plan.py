@@ -173,7 +173,7 @@ def _peak_contents(state: CompileState, point: int | None) -> dict | None:
                  "bytes": int(item.bytes),
                  # "result": the op's result; "made": its partial sum while it is made;
                  # "copy": the resharded copy of an operand it reads ("copy_of")
-                 "held": {"value": "result"}.get(item.kind, item.kind)}
+                 "held": item.kind}
         if item.kind == "copy":
             entry["copy_of"] = _copied_value(state, item.index, op, names)
         if op.name == "arg":

@@ -658,6 +658,6 @@ def test_point_contents_add_up_to_each_points_bytes(seed):
         held = point_contents(problem, solution, p)
         assert sum(h.bytes for h in held) + point.fixed_bytes == pytest.approx(memory[p])
         assert [h.bytes for h in held] == sorted((h.bytes for h in held), reverse=True)
-        assert {h.kind for h in held} <= {"value", "made", "copy"}
+        assert {h.kind for h in held} <= {"result", "made", "copy"}
     assert any(h.kind == "copy" for p in range(len(problem.live_points))
                for h in point_contents(problem, solution, p))

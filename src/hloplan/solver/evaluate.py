@@ -144,7 +144,7 @@ def live_point_bytes(problem: ShardingProblem, solution: Solution, copies: bool 
 
 @dataclass(frozen=True)
 class Held:
-    """One thing a live point holds under a solution: a node's values ("value"), a node's
+    """One thing a live point holds under a solution: a node's results ("result"), a node's
     transient bytes where its values are made ("made"), or the resharded copy an edge's
     destination reads ("copy"; `index` is then the edge's)."""
 
@@ -157,7 +157,7 @@ def point_contents(problem: ShardingProblem, solution: Solution, point: int) -> 
     """What live point `point` holds under `solution`, largest first (ties by kind, index):
     with the point's fixed bytes, these add up to live_point_bytes at that point."""
     picked = [node.strategies[pick] for node, pick in zip(problem.nodes, solution.choice)]
-    held = [Held("value", n, picked[n].memory) for n in problem.nodes_at(point)]
+    held = [Held("result", n, picked[n].memory) for n in problem.nodes_at(point)]
     firsts = first_live_points(problem)
     held += [Held("made", n, picked[n].transient) for n, first in firsts.items()
              if first == point and picked[n].transient]
