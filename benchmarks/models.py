@@ -700,10 +700,12 @@ MODELS: dict[str, Model] = {
 
 
 def export_step(step, state_spec, batch_spec):
-    """jax.export.Exported of jax.jit(step) on abstract arguments (no memory needed)."""
+    """jax.export.Exported of jax.jit(step) on abstract arguments (no memory needed), the state
+    donated as a training loop jits it (the hand plans donate it too)."""
     from jax import export
 
-    return export.export(jax.jit(step))(abstract(state_spec), abstract(batch_spec))
+    return export.export(jax.jit(step, donate_argnums=(0,)))(abstract(state_spec),
+                                                              abstract(batch_spec))
 
 
 def gpt_search_program(layers: int, hidden: int, heads: int, batch: int = 64, seq: int = 1024,

@@ -235,27 +235,19 @@ def live_peak(directory: str | Path) -> int | None:
 
 
 def compile_hloplan_artifact(plan_dir: Path, dump_dir: str | Path | None = None):
-    """plan_dir's sharded program compiled on this process's devices (as the loader compiles
-    it, the state donated); with `dump_dir`, XLA also writes its HLO and live ranges there."""
-    import jax
-    from jax import export
+    """plan_dir's sharded program compiled on this process's devices, as the loader compiles
+    it (donating what the export donates: the state, see models.export_step); with `dump_dir`,
+    XLA also writes its HLO and live ranges there."""
+    from hloplan.emit.loader import Runner, compiler_options
 
-    from hloplan.emit.loader import build_mesh, compiler_options
-
-    plan_json = json.loads((plan_dir / "plan.json").read_text())
-    exported = export.deserialize(bytearray((plan_dir / "sharded.jaxexport").read_bytes()))
-    mesh = build_mesh(plan_json)
-    shardings = exported.in_shardings_jax(mesh)
-    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-            for a, s in zip(exported.in_avals, shardings)]
-    args, kwargs = jax.tree.unflatten(exported.in_tree, args)
+    runner = Runner(plan_dir)
     with capture_fd2() as log:
-        options = compiler_options(plan_json, mesh.devices.flat[0].platform)
+        options = None
         if dump_dir is not None:
-            options = {**options, **dump_options(dump_dir)}
-        compiled = jax.jit(exported.call, donate_argnums=(0,), compiler_options=options or None
-                           ).lower(*args, **kwargs).compile()
-    return plan_json, mesh, compiled, log["remats"]
+            options = {**compiler_options(runner.plan, runner.mesh.devices.flat[0].platform),
+                       **dump_options(dump_dir)}
+        compiled = runner.compile_abstract(options)
+    return runner.plan, runner.mesh, compiled, log["remats"]
 
 
 def top_ops(plan_json: dict, count: int = 8) -> list[dict]:

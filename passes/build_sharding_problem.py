@@ -511,12 +511,20 @@ class _ProblemBuilder:
         graph, space, mesh = self.graph, self.space, self.mesh
         births, deaths = self._lifetimes()
         end = len(graph.ops)
+        arguments = set(graph.arguments)
+        aliases = graph.output_aliases()
+        # An output written into a donated argument's buffer takes no memory of its own. Any
+        # other output has its own buffer, which XLA allocates for the whole program: it is
+        # held from the start, though made later (where it holds its transient bytes).
+        in_donated = {v for k, v in enumerate(graph.outputs)
+                      if k in aliases and v not in arguments}
+        whole_program = {v for v in graph.outputs if v not in arguments and v not in in_donated}
         # What a live value costs: its producer's node, or bytes no decision changes.
         owner: dict[int, int] = {}
         fixed_of: dict[int, float] = {}
         node_of = space.node_of
         for value in graph.values:
-            if value.type is None or value.id in self.unmaterialized:
+            if value.type is None or value.id in self.unmaterialized or value.id in in_donated:
                 continue
             if value.producer in space.strategies:
                 owner[value.id] = node_of[value.producer]
@@ -532,11 +540,29 @@ class _ProblemBuilder:
         # nodes and bytes are at most the last check's (for any choice), so it cannot bind.
         grew = False
         points: list[LivePoint] = []
+        made: dict[int, int] = {}  # node of a whole-program output -> the check where it is made
+        unmade: set[int] = set()  # such nodes not made yet
+        making: list[int] = []  # of those, the ones made since the last check
+        for value_id in whole_program:
+            node = owner.get(value_id)
+            if node is not None:
+                count[node] = count.get(node, 0) + 1
+                if node not in unmade:
+                    waiting.append(node)
+                    unmade.add(node)
+            elif value_id in fixed_of:
+                fixed += fixed_of[value_id]
+            grew = True
         for t in range(end + 1):
             born = births.get(t, ())
             for value_id in born:
                 node = owner.get(value_id)
-                if node is not None:
+                if value_id in whole_program:
+                    grew = True  # made here: a check where its transient bytes are held
+                    if node in unmade:
+                        unmade.discard(node)
+                        making.append(node)
+                elif node is not None:
                     if node not in count:
                         count[node] = 0
                         waiting.append(node)
@@ -554,6 +580,9 @@ class _ProblemBuilder:
                     if node in count:
                         first[node] = len(points)
                 waiting.clear()
+                for node in making:
+                    made[node] = len(points)
+                making.clear()
                 label = graph.ops[t].label if t < end else "end"
                 points.append(LivePoint((), fixed, label=f"after %{t} {label}"))
             for value_id in dying:
@@ -563,13 +592,20 @@ class _ProblemBuilder:
                     if count[node] == 0:
                         del count[node]
                         if node in first:
-                            ranges.append(LiveRange(node, first.pop(node), len(points) - 1))
+                            ranges.append(_live_range(node, first.pop(node), len(points) - 1,
+                                                      made.get(node)))
                 elif value_id in fixed_of:
                     fixed -= fixed_of[value_id]
-        for node, start in first.items():  # live to the end (arguments, outputs)
-            ranges.append(LiveRange(node, start, len(points) - 1))
+        for node, start in first.items():  # live to the end (arguments)
+            ranges.append(_live_range(node, start, len(points) - 1, made.get(node)))
         ranges.sort(key=lambda r: r.node)
         return points, ranges
+
+
+def _live_range(node: int, first: int, last: int, made: int | None) -> LiveRange:
+    """`made`: the check where the node's values are made, if not its first (an output)."""
+    return LiveRange(node, first, last, made_at=made if made is not None and made != first
+                     else None)
 
 
 def chosen_reshards(state: CompileState):

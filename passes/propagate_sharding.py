@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from hloplan import ir
 from hloplan.state import CompileState
-from hloplan.strategies import replicated, spec_names
+from hloplan.strategies import replicated, spec_names, spec_text
 
 
 @dataclass(frozen=True)
@@ -78,13 +78,44 @@ class PropagateSharding:
         annotator.set_arguments(argument_specs)
         result_specs = {}
         for index, value_id in enumerate(graph.outputs):
-            spec = self._given(state, value_id)
-            if spec is None:
-                spec = replicated(graph.type_of(value_id).rank)
-            result_specs[index] = spec_names(spec, mesh)
+            result_specs[index] = spec_names(self._layout(state, value_id), mesh)
+        self._keep_donated_layouts(state, result_specs)
         annotator.set_results(result_specs)
         state.facts["sharding_constraints"] = 2 * len(pins) + len(operand_constraints) + len(chained)
         state.facts["result_constraints"] = results
+
+    def _layout(self, state: CompileState, value_id: int):
+        spec = self._given(state, value_id)
+        return spec if spec is not None else replicated(state.graph.type_of(value_id).rank)
+
+    def _keep_donated_layouts(self, state: CompileState, result_specs: dict[int, tuple]) -> None:
+        """A result written into a donated argument's buffer must have the argument's layout
+        (XLA aliases buffers of the same shape per device only, and the next step passes the
+        result back in that layout). Where the plan lays one out otherwise, it is resharded
+        there at the end of the program (not priced; said so). Records state.facts["donation"]."""
+        graph, mesh = state.graph, state.options.mesh
+        aliases = graph.output_aliases()
+        resharded = []
+        for index, position in sorted(aliases.items()):
+            stored = self._layout(state, graph.arguments[position])
+            wanted = spec_names(stored, mesh)
+            if result_specs[index] == wanted:
+                continue
+            resharded.append(index)
+            made = spec_text(self._layout(state, graph.outputs[index]), mesh)
+            name, argument = graph.output_names[index], graph.argument_names[position]
+            state.log.warn(
+                f"donated argument {argument} is laid out {spec_text(stored, mesh)}, but the "
+                f"plan makes {name}, which is written into its buffer, as {made}: resharded to "
+                f"{spec_text(stored, mesh)} at the end of the program (not priced)",
+                graph.ops[graph.values[graph.arguments[position]].producer].location,
+                "stablehlo.return")
+            result_specs[index] = wanted
+        state.facts["donation"] = {
+            "arguments": sorted(graph.donated),
+            "aliases": [[position, index] for index, position in sorted(aliases.items())],
+            "resharded_results": resharded,
+        }
 
     @staticmethod
     def _from_earlier(state: CompileState, value_id: int, via: tuple[int, int], given,

@@ -18,11 +18,12 @@ def compile(path_or_bytes, mesh, output=None, **options):
     return _compile(path_or_bytes, mesh, output, **options)
 
 
-def load(plan_dir, devices=None):
-    """A callable running the plan in `plan_dir` on the mesh; takes the original pytrees."""
+def load(plan_dir, devices=None, donate=True):
+    """A callable running the plan in `plan_dir` on the mesh; takes the original pytrees. It
+    donates the arguments the export donates, unless `donate=False`."""
     from hloplan.emit.loader import load as _load
 
-    return _load(plan_dir, devices)
+    return _load(plan_dir, devices, donate=donate)
 
 
 __all__ = ["__version__", "compile", "load"]

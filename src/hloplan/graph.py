@@ -91,6 +91,10 @@ class Graph:
     argument_names: list[str] = field(default_factory=list)
     output_names: list[str] = field(default_factory=list)
     name: str = "main"
+    # Arguments the caller donates (jax.jit(..., donate_argnums=...), recorded by jax.export):
+    # position -> the output index whose buffer it becomes (tf.aliasing_output), or None
+    # (jax.buffer_donor: XLA pairs it with an output of its type).
+    donated: dict[int, int | None] = field(default_factory=dict)
 
     def add_value(self, type_: TensorType | None, producer: int, result_index: int) -> int:
         value = Value(len(self.values), type_, producer, result_index)
@@ -109,6 +113,22 @@ class Graph:
 
     def type_of(self, value_id: int) -> TensorType | None:
         return self.values[value_id].type
+
+    def output_aliases(self) -> dict[int, int]:
+        """Output index -> the donated argument position whose buffer it is written into. A
+        donor without a named output takes the first output of its type not yet taken, in
+        order, as XLA pairs them."""
+        aliases = {out: arg for arg, out in self.donated.items()
+                   if out is not None and 0 <= out < len(self.outputs)}
+        for arg, out in sorted(self.donated.items()):
+            if out is not None or arg >= len(self.arguments):
+                continue
+            type_ = self.type_of(self.arguments[arg])
+            match = next((k for k, v in enumerate(self.outputs)
+                          if k not in aliases and self.type_of(v) == type_), None)
+            if match is not None:
+                aliases[match] = arg
+        return aliases
 
     def producer(self, value_id: int) -> Op:
         return self.ops[self.values[value_id].producer]

@@ -499,6 +499,7 @@ class _Extractor:
             self.handles.top_values[op.results[0]] = arg
             self.graph.arguments.append(op.results[0])
             self.graph.argument_names.append(label or f"arg{index}")
+        self.graph.donated = _donated_arguments(main)
         self.block(block, parent=None, region=0, multiplier=1.0, is_main=True)
         self.handles.value_ids = self.values
         result_attrs = main.operation.attributes["res_attrs"] if "res_attrs" in main.operation.attributes else None
@@ -632,6 +633,21 @@ class _Extractor:
             self.handles.ops[node.index] = (op, (i,))
             results.append(node.index)
         marker.attrs["results"] = results
+
+
+def _donated_arguments(main) -> dict[int, int | None]:
+    """main's donated arguments, as jax.export records jax.jit's donate_argnums: position ->
+    the output index it aliases (`tf.aliasing_output`), or None (`jax.buffer_donor`)."""
+    if "arg_attrs" not in main.operation.attributes:
+        return {}
+    donated: dict[int, int | None] = {}
+    for position, attrs in enumerate(ir.ArrayAttr(main.operation.attributes["arg_attrs"])):
+        attrs = ir.DictAttr(attrs)
+        if "tf.aliasing_output" in attrs:
+            donated[position] = ir.IntegerAttr(attrs["tf.aliasing_output"]).value
+        elif "jax.buffer_donor" in attrs and ir.BoolAttr(attrs["jax.buffer_donor"]).value:
+            donated[position] = None
+    return donated
 
 
 def while_trip_count(op) -> int | None:

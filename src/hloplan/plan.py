@@ -120,6 +120,10 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
         "memory_budget_bytes": int(options.budget) if options.budget != float("inf") else None,
         "arguments": arguments,
         "results": results,
+        # Arguments the export donates, and (argument, result) pairs written in place: the
+        # loader donates these buffers, and the estimate counts such a result in its argument.
+        "donation": state.facts.get("donation", {"arguments": sorted(graph.donated),
+                                                 "aliases": [], "resharded_results": []}),
         "estimate": {
             "step_time_s": _round(evaluation.total),
             "compute_s": _round(evaluation.compute),

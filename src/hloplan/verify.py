@@ -5,7 +5,8 @@ hloplan's memory estimate is its own model of what XLA will allocate; XLA decide
 fusion and the packing of temporaries into one allocation. Where the estimate is low the plan
 runs out of memory on the device, so with this option every program the plan emits is compiled
 (not run) and its allocation per device (arguments + results + temporaries, from
-`memory_analysis`, nothing donated: the loader donates nothing) read back:
+`memory_analysis`, less the donated arguments' buffers that results are written into, as the
+loader runs it) read back:
 
 - a single program: its allocation;
 - an accumulated or pipelined plan: each stage's estimate plus the largest amount by which a
@@ -49,7 +50,6 @@ def _abstract_call(exported, shardings):
 def measure_plan_dir(plan_dir: str | os.PathLike) -> dict:
     """In this process: the compiled allocation per device of the plan's programs, by name
     ("program", or each task's name). jax must see the plan's devices."""
-    import jax
 
     from hloplan.emit.loader import Runner, load, read_plan
     from hloplan.hlo_stats import memory_stats
@@ -65,10 +65,8 @@ def measure_plan_dir(plan_dir: str | os.PathLike) -> dict:
             args = _abstract_call(task["exported"], task["in_shardings"])
             measured[task["name"]] = _allocation(task["call"].lower(*args).compile())
     else:
-        runner = Runner(plan_dir)
-        args = _abstract_call(runner.exported, runner.in_shardings)
-        args, kwargs = jax.tree.unflatten(runner.exported.in_tree, args)
-        measured["program"] = _allocation(runner._call.lower(*args, **kwargs).compile())
+        # Donating what the export donates, as the loader runs it.
+        measured["program"] = _allocation(Runner(plan_dir).compile_abstract())
     return measured
 
 

@@ -85,3 +85,52 @@ def test_a_read_cheaper_from_the_values_own_layout_is_not_chained():
     text = str(state.program.module)
     assert re.search(r'sdy.sharding_constraint %arg0 <@mesh, \[\{\}, \{"x"\}\]>', text), text
     assert re.search(r'sdy.sharding_constraint %arg0 <@mesh, \[\{"x"\}, \{"y"\}\]>', text), text
+
+
+def _scaled(x):
+    return x * 0.5
+
+
+def _donated_state():
+    s = jax.ShapeDtypeStruct
+    exported = export.export(jax.jit(_scaled, donate_argnums=(0,)), platforms=("cpu",))(
+        s((64, 64), jnp.float32))
+    program = ir.load_program(bytes(exported.serialize()), "scaled.jaxexport")
+    return run_pipeline(program, make_options("2x4", device="toy"),
+                        [InlineCalls(), ExtractGraph(), BuildShardingProblem()])
+
+
+def _plan_layouts(state, stored, computed):
+    """Store x as `stored`, compute its new value as `computed`; run propagate-sharding."""
+    graph = state.graph
+    x = graph.arguments[0]
+    scale = graph.values[graph.outputs[0]].producer
+    choice = [0] * len(state.problem.nodes)
+    for op_index, spec in ((graph.values[x].producer, stored), (scale, computed)):
+        choice[state.space.node_of[op_index]] = _pick(state, op_index,
+                                                      lambda s, spec=spec: s.results[0] == spec)
+    state.solution = Solution(tuple(choice))
+    PropagateSharding().apply(state)
+    main = str(state.program.module).split("func.func public @main", 1)[1].split("{\n", 1)[0]
+    return main, state
+
+
+def test_a_donated_arguments_result_keeps_the_arguments_layout():
+    """x * 0.5 is written into donated x's buffer, which XLA does only when the two have one
+    layout (and the next step passes the result back as x): a plan that lays the result out
+    otherwise gets the argument's layout at the end, with a warning."""
+    main, state = _plan_layouts(_donated_state(), stored=(X, Y), computed=(Y, X))
+    assert 'tf.aliasing_output = 0' in main
+    result = main.split("->", 1)[1]
+    assert '[{"x"}, {"y"}]' in result and '[{"y"}, {"x"}]' not in result, main
+    assert state.facts["donation"] == {"arguments": [0], "aliases": [[0, 0]],
+                                       "resharded_results": [0]}
+    (warning,) = state.log.warnings
+    assert "donated argument x" in warning.message and "resharded" in warning.message
+
+
+def test_a_donated_arguments_result_in_its_layout_is_left_alone():
+    main, state = _plan_layouts(_donated_state(), stored=(X, Y), computed=(X, Y))
+    assert '[{"x"}, {"y"}]' in main.split("->", 1)[1]
+    assert state.facts["donation"]["resharded_results"] == []
+    assert not state.log.warnings

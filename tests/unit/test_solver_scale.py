@@ -33,6 +33,7 @@ from hloplan.solver.problem import (
     ShardingProblem,
     Solution,
     Strategy,
+    first_live_points,
 )
 from hloplan.strategies import local_bytes, replicated
 
@@ -42,14 +43,18 @@ GIB = float(2**30)
 
 
 def _explicit(problem: ShardingProblem) -> ShardingProblem:
-    """The same problem with every live node listed at every point (no ranges)."""
+    """The same problem with every live node listed at every point (no ranges; but those of
+    nodes made after their first point, outputs held from the start, which listing cannot
+    say)."""
     live = [set(p.nodes) for p in problem.live_points]
     for r in problem.live_ranges:
-        for p in range(r.first, r.last + 1):
-            live[p].add(r.node)
+        if r.made_at is None:
+            for p in range(r.first, r.last + 1):
+                live[p].add(r.node)
     points = tuple(dataclasses.replace(p, nodes=tuple(sorted(s)))
                    for p, s in zip(problem.live_points, live))
-    return dataclasses.replace(problem, live_points=points, live_ranges=())
+    return dataclasses.replace(problem, live_points=points, live_ranges=tuple(
+        r for r in problem.live_ranges if r.made_at is not None))
 
 
 def _random_choice(problem: ShardingProblem, rng: random.Random) -> Solution:
@@ -73,13 +78,14 @@ def _train_step(params, x, y):
     return value, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
 
 
-@pytest.fixture(scope="module")
-def built_state():
+@pytest.fixture(scope="module", params=["plain", "donated"])
+def built_state(request):
     f32 = jnp.float32
     layer = {"w": jax.ShapeDtypeStruct((64, 64), f32), "b": jax.ShapeDtypeStruct((64,), f32)}
     params = {"layers": [layer] * 4, "head": jax.ShapeDtypeStruct((64, 16), f32)}
     args = (params, jax.ShapeDtypeStruct((32, 64), f32), jax.ShapeDtypeStruct((32, 16), f32))
-    exported = export.export(jax.jit(_train_step), platforms=("cpu",))(*args)
+    donate = (0,) if request.param == "donated" else ()
+    exported = export.export(jax.jit(_train_step, donate_argnums=donate), platforms=("cpu",))(*args)
     program = ir.load_program(bytes(exported.serialize()), "step.jaxexport")
     return run_pipeline(program, make_options("2x4", device="toy"),
                         [InlineCalls(), ExtractGraph(), BuildShardingProblem()])
@@ -87,12 +93,14 @@ def built_state():
 
 def _reference_live(state, t: int) -> tuple[set[int], float]:
     """Nodes and fixed bytes live after op t, from the graph directly (loop-free programs):
-    a value lives from its definition (arguments: from the start) to its last use (arguments
-    and outputs: to the end); a broadcast fused into its consumers takes no memory, and its
-    operand lives until the broadcast's last use (it is computed there)."""
+    a value lives from its definition (arguments and outputs: from the start) to its last use
+    (arguments and outputs: to the end); an output written into a donated argument takes no
+    memory of its own; a broadcast fused into its consumers takes no memory, and its operand
+    lives until the broadcast's last use (it is computed there)."""
     graph, space, mesh = state.graph, state.space, state.options.mesh
     end = len(graph.ops)
     unmaterialized = unmaterialized_values(graph, fused_values(graph))
+    in_place = {graph.outputs[k] for k in graph.output_aliases()} - set(graph.arguments)
 
     def last_use(value) -> int:
         if value.id in graph.arguments or value.id in graph.outputs:
@@ -105,8 +113,8 @@ def _reference_live(state, t: int) -> tuple[set[int], float]:
 
     nodes, fixed = set(), 0.0
     for value in graph.values:
-        born = 0 if value.id in graph.arguments else value.producer
-        if (value.type is None or value.id in unmaterialized
+        born = 0 if value.id in graph.arguments or value.id in graph.outputs else value.producer
+        if (value.type is None or value.id in unmaterialized or value.id in in_place
                 or not born <= t <= last_use(value)):
             continue
         if value.producer in space.strategies:
@@ -128,6 +136,27 @@ def test_live_ranges_list_exactly_the_live_nodes_of_every_check(built_state):
         assert set(problem.nodes_at(p)) == nodes
         assert {n for n, ps in enumerate(points_of) if p in ps} == nodes
         assert point.fixed_bytes == fixed
+
+
+def test_outputs_are_held_from_the_start_and_made_where_produced(built_state):
+    """Without donation, XLA allocates each output's buffer for the whole program: its node is
+    live from the first check, and made (transient bytes, read copies) at its producer. A
+    donated state's new value is written into the argument's buffer: no node for it."""
+    graph, space, problem = built_state.graph, built_state.space, built_state.problem
+    donated = bool(graph.donated)
+    assert len(graph.output_aliases()) == (len(graph.outputs) - 1 if donated else 0)
+    ranges = {r.node: r for r in problem.live_ranges}
+    firsts = first_live_points(problem)
+    update_nodes = [space.node_of[graph.values[v].producer] for v in graph.outputs[1:]]
+    for node in update_nodes:
+        if donated:
+            assert node not in ranges
+            continue
+        r = ranges[node]
+        assert r.first == 0 and r.last == len(problem.live_points) - 1
+        producer = space.op_of[node]
+        made = int(problem.live_points[firsts[node]].label.split()[1][1:])
+        assert made >= producer and firsts[node] > 0
 
 
 def test_skipped_program_points_are_dominated_by_a_check(built_state):
@@ -174,6 +203,7 @@ def test_with_live_points_reindexes_ranges(built_state):
     ((LiveRange(5, 0, 0),), "refers to node 5"),
     ((LiveRange(0, 0, 0), LiveRange(0, 1, 1)), "two live ranges"),
     ((LiveRange(1, 0, 1),), "covers already"),
+    ((LiveRange(0, 0, 0, made_at=1),), "made outside"),
 ])
 def test_validate_rejects_bad_ranges(ranges, message):
     nodes = (Node("a", (Strategy("x"),)), Node("b", (Strategy("x"),)))

@@ -7,6 +7,9 @@ run the plan without hloplan, PuLP or the solver:
     step = loader.load("plan/")
     loss, params = step(params, batch)          # same pytrees as the original function
 
+Arguments the export donates (`jax.jit(step, donate_argnums=...)` before `jax.export`) are
+donated here too: the program writes its new state into their buffers, as the original does.
+
 `hloplan.load` is this same function.
 
 Multi-process (multi-host) jobs: call `jax.distributed.initialize()` first, then load the plan in
@@ -124,7 +127,7 @@ def _take(array, picks):
 class Runner:
     """Calls the sharded program with the original function's pytrees of arguments."""
 
-    def __init__(self, plan_dir: str | os.PathLike, devices=None):
+    def __init__(self, plan_dir: str | os.PathLike, devices=None, donate: bool = True):
         import jax
         from jax import export
 
@@ -135,8 +138,20 @@ class Runner:
         self.in_shardings = self.exported.in_shardings_jax(self.mesh)
         self.out_shardings = self.exported.out_shardings_jax(self.mesh)
         platform = self.mesh.devices.flat[0].platform
-        self._call = jax.jit(self.exported.call,
-                             compiler_options=compiler_options(self.plan, platform) or None)
+        # The arguments the export donates (jax.jit's donate_argnums, kept by jax.export): their
+        # buffers are handed to the program, which writes results into them, as in the
+        # original jax.jit. The program is called on the flat argument list so that single
+        # leaves of a pytree can be donated.
+        self.donated = tuple(self.plan.get("donation", {}).get("arguments", ())) if donate else ()
+        exported = self.exported
+
+        def flat_call(*leaves):
+            args, kwargs = jax.tree.unflatten(exported.in_tree, leaves)
+            return exported.call(*args, **kwargs)
+
+        self._copy = None
+        self._flat_call = jax.jit(flat_call, donate_argnums=self.donated,
+                                  compiler_options=compiler_options(self.plan, platform) or None)
 
     @property
     def multi_process(self) -> bool:
@@ -182,8 +197,23 @@ class Runner:
             placed = [self._place_global(i, leaf, sharding)
                       for i, (leaf, sharding) in enumerate(zip(leaves, self.in_shardings))]
         else:
-            placed = [jax.device_put(leaf, sharding) for leaf, sharding in zip(leaves, self.in_shardings)]
+            placed = [self._place_one(i, leaf, sharding)
+                      for i, (leaf, sharding) in enumerate(zip(leaves, self.in_shardings))]
         return jax.tree.unflatten(tree, placed)
+
+    def _place_one(self, i: int, leaf, sharding):
+        """A donated jax.Array that is not on the mesh in its sharding yet is placed and then
+        copied: jax.device_put reuses the caller's buffer for a shard on the same device
+        (even with may_alias=False, from one device to a replicated sharding), and the
+        donation would free it under the caller."""
+        import jax
+
+        placed = jax.device_put(leaf, sharding)
+        if i not in self.donated or not isinstance(leaf, jax.Array) or leaf.sharding == sharding:
+            return placed
+        if self._copy is None:
+            self._copy = jax.jit(lambda x: x)  # an output never aliases an undonated input
+        return self._copy(placed)
 
     def local_leaves(self, leaves, devices=None) -> list:
         """For each flat argument (full arrays), the part the given devices hold (default: this
@@ -219,7 +249,15 @@ class Runner:
                                     f"{sharding.spec}: {exc}") from None
         return jax.tree.unflatten(tree, placed)
 
+    def _call(self, *args, **kwargs):
+        import jax
+
+        return self._flat_call(*jax.tree.leaves((args, kwargs)))
+
     def __call__(self, *args, **kwargs):
+        """Run the plan. A donated argument's array is consumed when it is already on the mesh
+        in the plan's sharding (as a training loop passes back the last step's state); an
+        argument that had to be placed is copied first and the caller's array is kept."""
         placed_args, placed_kwargs = self.place(*args, **kwargs)
         return self._call(*placed_args, **placed_kwargs)
 
@@ -229,8 +267,22 @@ class Runner:
         return self._call(*placed_args, **placed_kwargs)
 
     def lower(self, *args, **kwargs):
+        """The program lowered for these arguments (placed as `place` does), for jax's AOT
+        API: `.compile().memory_analysis()` and so on."""
+        import jax
+
         placed_args, placed_kwargs = self.place(*args, **kwargs)
-        return self._call.lower(*placed_args, **placed_kwargs)
+        return self._flat_call.lower(*jax.tree.leaves((placed_args, placed_kwargs)))
+
+    def compile_abstract(self, compiler_options: dict | None = None):
+        """The program compiled for arguments of the plan's shapes and shardings, with no data
+        (donating as a call does): for `memory_analysis()` and `as_text()`."""
+        import jax
+
+        args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                for a, s in zip(self.exported.in_avals, self.in_shardings)]
+        lowered = self._flat_call.lower(*args)
+        return lowered.compile(compiler_options) if compiler_options else lowered.compile()
 
     def fetch(self, outputs):
         """The results as numpy arrays in every process (gathered across processes when the
@@ -245,13 +297,15 @@ class Runner:
         return jax.tree.map(np.asarray, multihost_utils.process_allgather(outputs, tiled=True))
 
 
-def load(plan_dir: str | os.PathLike, devices=None):
+def load(plan_dir: str | os.PathLike, devices=None, donate: bool = True):
     """A callable running the plan: the pipelined schedule when the plan has pipeline stages or
-    microbatches, else the single sharded program."""
+    microbatches, else the single sharded program. `donate=False` keeps every argument the
+    caller passes alive (by default the arguments the export donates are handed to the
+    program; a pipelined plan donates nothing)."""
     plan = read_plan(plan_dir)
     if plan.get("pipeline", {}).get("tasks"):
         return _pipeline_loader(plan_dir).load(plan_dir, devices)
-    return Runner(plan_dir, devices)
+    return Runner(plan_dir, devices, donate=donate)
 
 
 def _pipeline_loader(plan_dir):

@@ -87,9 +87,16 @@ class LiveRange:
     node: int
     first: int
     last: int
-    # Whether `first` is where the node's values are made (it holds its transient bytes
-    # there); False once the points before it were dropped (with_live_points).
+    # Whether the node's values are made at a checked point (it holds its transient bytes
+    # there); False once that point was dropped (with_live_points).
     made: bool = True
+    # The point where they are made, when later than `first`: an output's buffer is held
+    # from the program's start (XLA allocates it for the whole run). None: `first`.
+    made_at: int | None = None
+
+    @property
+    def made_point(self) -> int:
+        return self.first if self.made_at is None else self.made_at
 
 
 def first_live_points(problem) -> dict[int, int]:
@@ -101,7 +108,7 @@ def first_live_points(problem) -> dict[int, int]:
             first.setdefault(index, p)
     for r in problem.live_ranges:
         if r.made:
-            first[r.node] = min(first.get(r.node, r.first), r.first)
+            first[r.node] = min(first.get(r.node, r.made_point), r.made_point)
         elif first.get(r.node, -1) >= r.first:  # made at a point no longer checked
             del first[r.node]
     return first
@@ -172,7 +179,10 @@ class ShardingProblem:
             first = bisect.bisect_left(kept, r.first)
             last = bisect.bisect_right(kept, r.last) - 1
             if first <= last:
-                ranges.append(LiveRange(r.node, first, last, r.made and kept[first] == r.first))
+                made = bisect.bisect_left(kept, r.made_point)
+                made_here = r.made and made < len(kept) and kept[made] == r.made_point
+                ranges.append(LiveRange(r.node, first, last, made_here,
+                                        made if made_here and made != first else None))
         # Copies keep their spans over the kept points; one no kept point holds is dropped.
         edges = list(self.edges)
         for e, start, end in copy_spans(self):
@@ -244,6 +254,8 @@ class ShardingProblem:
             if not 0 <= r.first <= r.last < len(self.live_points):
                 raise ValueError(f"live range {r} is not within the {len(self.live_points)} "
                                  "live points")
+            if not r.first <= r.made_point <= r.last:
+                raise ValueError(f"live range {r} is made outside itself")
             if ranged.setdefault(r.node, r) is not r:
                 raise ValueError(f"node {r.node} has two live ranges")
         if ranged:
