@@ -206,6 +206,51 @@ def memory_breakdown(plan: dict, largest: int = 5) -> dict:
             "after": (est.get("peak") or {}).get("after")}
 
 
+def donation(plan: dict) -> dict:
+    """What the export donates (plan.json `donation`) and what donating more would save:
+    results of an argument's shape, dtype and layout (a state's next value) that are not
+    written into a donated argument have buffers of their own, which XLA allocates for the
+    whole program, beside the arguments'."""
+    given = plan.get("donation") or {}
+    donated = set(given.get("arguments", []))
+    in_place = {result for _, result in given.get("aliases", [])}
+
+    def key(entry):
+        return tuple(entry["shape"]), entry["dtype"], _spec_text(entry["spec"])
+
+    free: dict = {}
+    for position, argument in enumerate(plan["arguments"]):
+        if position not in donated:
+            free[key(argument)] = free.get(key(argument), 0) + 1
+    donatable = []
+    for index, result in enumerate(plan["results"]):
+        if index not in in_place and free.get(key(result)):
+            free[key(result)] -= 1
+            donatable.append(index)
+    results = plan["results"]
+    return {"donated_arguments": len(donated), "in_place_results": len(in_place),
+            "in_place_bytes": float(sum(results[k]["bytes_per_device"] for k in in_place)),
+            "donatable_results": len(donatable),
+            "donatable_bytes": float(sum(results[k]["bytes_per_device"] for k in donatable))}
+
+
+def donation_line(plan: dict) -> str | None:
+    """One line on donation for the memory section of `hloplan explain`, if it applies."""
+    found = donation(plan)
+    count = found["donatable_results"]
+    if count and found["donatable_bytes"]:
+        return (f"{count} result{'s' if count != 1 else ''} "
+                f"({format_bytes(found['donatable_bytes'])} per device) "
+                f"{'have buffers of their own' if count != 1 else 'has a buffer of its own'} "
+                "beside arguments of their shape and layout: export the step with "
+                "jax.jit(..., donate_argnums=...) to write them into those arguments' buffers")
+    count = found["in_place_results"]
+    if count:
+        return (f"{count} result{'s are' if count != 1 else ' is'} written into donated "
+                f"arguments' buffers ({format_bytes(found['in_place_bytes'])} per device)")
+    return None
+
+
 def _op_collectives(op: dict) -> list[str]:
     kinds = [f"{k}({a})" for k, a in _COLLECTIVE_IN_NAME.findall(op.get("strategy", ""))]
     if op.get("resharding_in_s"):
@@ -353,6 +398,7 @@ def summary(plan: dict, top: int = 10) -> dict:
         "memory": {"peak_bytes": memory["peak_bytes"], "budget_bytes": memory["budget_bytes"],
                    "fraction_of_budget": memory["fraction_of_budget"],
                    "arguments_bytes": memory["arguments_bytes"], "after": memory["after"],
+                   "donation": donation(plan),
                    "parts": [{"name": n, "bytes": b} for n, b in memory["parts"]]},
         "top_ops": [{key: op[key] for key in ("id", "op", "label", "location", "strategy",
                                               "collectives", "compute_s", "communication_s",
@@ -457,6 +503,9 @@ def render_text(plan: dict, console, top: int = 10) -> None:
                            f"{format_bytes(memory['budget_bytes'])} per device: {verdict}"))
         if memory.get("after"):
             console.print(Text(f"the estimated peak is {memory['after']}"))
+        advice = donation_line(plan)
+        if advice:
+            console.print(Text(advice))
         for line in memory_check_lines(plan):
             console.print(Text(line))
         console.print()

@@ -37,7 +37,7 @@ def _state(rng):
             "count": np.zeros((), np.int32)}
 
 
-def _plan(tmp_path, donate):
+def _plan(tmp_path, donate, extra=()):
     rng = np.random.default_rng(0)
     state = _state(rng)
     x = rng.standard_normal((128, 64), np.float32)
@@ -48,7 +48,7 @@ def _plan(tmp_path, donate):
     path.write_bytes(export.export(jitted, platforms=("cpu",))(*abstract).serialize())
     out = tmp_path / "plan"
     run = CliRunner().invoke(main, ["compile", str(path), "--mesh", "2x4", "--device", "toy",
-                                    "-o", str(out), "-q"])
+                                    "-o", str(out), "-q", *extra])
     assert run.exit_code == 0, run.output
     return out, state, x, y
 
@@ -107,3 +107,23 @@ def test_without_donation_nothing_is_aliased_and_results_have_their_own_buffers(
     assert step.lower(*placed).compile().memory_analysis().alias_size_in_bytes == 0
     step(*placed)
     assert not any(a.is_deleted() for a in jax.tree.leaves(placed))
+
+
+@pytest.mark.usefixtures("devices8")
+def test_an_accumulated_plan_of_a_donated_step_donates_nothing(tmp_path):
+    """The pipeline loader runs tasks whose results get buffers of their own (and the tasks'
+    estimates count them so): plan.json says nothing is written in place, and the caller's
+    placed arrays survive."""
+    out, state, x, y = _plan(tmp_path, donate=True, extra=("--stages", "1", "--microbatches", "2"))
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["pipeline"]["tasks"]
+    assert plan["donation"]["aliases"] == [] and plan["donation"]["arguments"]
+    assert plan["donation"]["loader"] == "pipelined: nothing donated"
+    step = hloplan.load(out)
+    given = jax.tree.map(jnp.asarray, state)
+    got_loss, got_state = step(given, x, y)
+    want_loss, want_state = jax.jit(_step)(state, x, y)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
+    assert not any(a.is_deleted() for a in jax.tree.leaves(given))

@@ -258,3 +258,33 @@ def test_local_next_best_on_a_tight_budget():
     text = decisions._reason("placing a", "P('x')", "P()", alt, 130, "communication",
                              "resharding")
     assert "P() would need 170 B > 130 B budget" in text
+
+
+def test_explain_says_what_donating_the_state_would_save(compiled):
+    """The fixture is exported without donation: its new parameters have buffers of their own
+    beside the old ones, which explain counts and says how to avoid."""
+    result, plan_dir = compiled
+    plan = result.plan
+    assert plan["donation"] == {"arguments": [], "aliases": [], "resharded_results": []}
+    new_params = [r for r in plan["results"] if r["name"] != "result[0]"]
+    data = json.loads(_run(plan_dir, "--format", "json").stdout)
+    assert data["memory"]["donation"] == {
+        "donated_arguments": 0, "in_place_results": 0, "in_place_bytes": 0.0,
+        "donatable_results": len(new_params),
+        "donatable_bytes": float(sum(r["bytes_per_device"] for r in new_params))}
+    assert "donate_argnums" in _run(plan_dir).stdout
+
+
+def test_explain_of_a_donated_step_counts_what_is_written_in_place(tmp_path):
+    def step(w, x):
+        return w - 0.1 * jax.grad(lambda w: jax.numpy.sum(jax.numpy.tanh(x @ w)))(w)
+
+    s = jax.ShapeDtypeStruct((256, 256), jax.numpy.float32)
+    data = jax.export.export(jax.jit(step, donate_argnums=(0,)))(s, s).serialize()
+    result = hloplan.compile(bytes(data), mesh="8", device="toy", output=str(tmp_path / "p"))
+    assert result.plan["donation"]["aliases"] == [[0, 0]]
+    summary = json.loads(_run(tmp_path / "p", "--format", "json").stdout)["memory"]["donation"]
+    assert summary["in_place_results"] == 1 and summary["donatable_results"] == 0
+    text = _run(tmp_path / "p").stdout
+    assert "1 result is written into donated arguments' buffers" in text
+    assert "donate_argnums" not in text

@@ -106,6 +106,11 @@ def render(state: CompileState, input_bytes: bytes, original_module_text: str | 
     plan = build_plan(state, input_bytes, {name: name for name in sorted(files)})
     if pipeline_section is not None:
         plan["pipeline"] = pipeline_section
+        if pipeline_section.get("tasks"):
+            # The pipeline loader donates nothing: each task's results get buffers of their
+            # own, and the tasks' estimates count them so.
+            plan["donation"] = {**plan["donation"], "aliases": [], "resharded_results": [],
+                                "loader": "pipelined: nothing donated"}
     files[PLAN_FILE] = dumps(plan).encode()
     return files
 
