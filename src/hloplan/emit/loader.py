@@ -193,24 +193,29 @@ class Runner:
         import jax
 
         leaves, tree = self._flatten(args, kwargs)
-        if self.multi_process:
-            placed = [self._place_global(i, leaf, sharding)
-                      for i, (leaf, sharding) in enumerate(zip(leaves, self.in_shardings))]
-        else:
-            placed = [self._place_one(i, leaf, sharding)
-                      for i, (leaf, sharding) in enumerate(zip(leaves, self.in_shardings))]
+        place = self._place_global if self.multi_process else self._place_local_leaf
+        placed = [self._own(i, leaf, place(i, leaf, sharding), sharding)
+                  for i, (leaf, sharding) in enumerate(zip(leaves, self.in_shardings))]
         return jax.tree.unflatten(tree, placed)
 
-    def _place_one(self, i: int, leaf, sharding):
-        """A donated jax.Array that is not on the mesh in its sharding yet is placed and then
-        copied: jax.device_put reuses the caller's buffer for a shard on the same device
-        (even with may_alias=False, from one device to a replicated sharding), and the
-        donation would free it under the caller."""
+    @staticmethod
+    def _place_local_leaf(i: int, leaf, sharding):
         import jax
 
-        placed = jax.device_put(leaf, sharding)
+        return jax.device_put(leaf, sharding)
+
+    def _own(self, i: int, leaf, placed, sharding):
+        """A donated jax.Array that was not on the mesh in its sharding is copied once placed:
+        jax.device_put reuses the caller's buffer for a shard on the same device (even with
+        may_alias=False, from one device to a replicated sharding), and the donation would
+        free it under the caller. One already placed so is handed over, as jax.jit's
+        donate_argnums does."""
+        import jax
+
         if i not in self.donated or not isinstance(leaf, jax.Array) or leaf.sharding == sharding:
             return placed
+        if self.multi_process and leaf.is_fully_addressable:
+            return placed  # built from host memory (_place_global): its own buffers
         if self._copy is None:
             self._copy = jax.jit(lambda x: x)  # an output never aliases an undonated input
         return self._copy(placed)
