@@ -127,3 +127,13 @@ def test_an_accumulated_plan_of_a_donated_step_donates_nothing(tmp_path):
     for got, want in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
     assert not any(a.is_deleted() for a in jax.tree.leaves(given))
+
+
+def test_a_donated_step_runs_as_a_two_process_job(tmp_path):
+    """Each process places its shards of the state and hands them to the program."""
+    out, *_ = _plan(tmp_path, donate=True)
+    run = CliRunner().invoke(main, ["run", str(out), "--check", "--processes", "2",
+                                    "--format", "json"], catch_exceptions=False)
+    assert run.exit_code == 0, run.output
+    report = json.loads(run.output)
+    assert report["match"] is True and report["processes"] == 2

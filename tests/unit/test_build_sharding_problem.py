@@ -191,3 +191,34 @@ def test_a_value_a_reduction_reads_is_held():
     state = hloplan.compile(data, "8", device="h100").state
     held = _forward_values_held_into_backward(state, (8192, 2048))
     assert "stablehlo.subtract" in held, held
+
+
+_DONORS = """
+module @jit_step {
+  func.func public @main(%arg0: tensor<64x64xf32> {jax.buffer_donor = true} loc("w"),
+                         %arg1: tensor<64xf32> {tf.aliasing_output = 0 : i32} loc("b"),
+                         %arg2: tensor<64x64xf32> loc("x"))
+      -> (tensor<64xf32>, tensor<f32>, tensor<64x64xf32>, tensor<64x64xf32>) {
+    %0 = stablehlo.add %arg0, %arg2 : tensor<64x64xf32>
+    %1 = stablehlo.multiply %arg0, %arg2 : tensor<64x64xf32>
+    %2 = stablehlo.constant dense<1.0> : tensor<f32>
+    return %arg1, %2, %0, %1 : tensor<64xf32>, tensor<f32>, tensor<64x64xf32>, tensor<64x64xf32>
+  }
+}
+"""
+
+
+def test_donors_are_read_from_the_module_and_paired_with_outputs():
+    """`tf.aliasing_output` names the output a donated argument becomes; a `jax.buffer_donor`
+    takes the first output of its type not taken yet, as XLA pairs them. The estimate writes
+    that output into the argument's buffer: it is never live on its own, while the other
+    output of the same type is held from the program's start."""
+    state = hloplan.compile(_DONORS.encode(), "8", device="toy").state
+    graph, space, problem = state.graph, state.space, state.problem
+    assert graph.donated == {0: None, 1: 0}
+    assert graph.output_aliases() == {0: 1, 2: 0}
+    live = {r.node for r in problem.live_ranges} | {n for p in problem.live_points
+                                                    for n in p.nodes}
+    in_place, own = (space.node_of[graph.values[graph.outputs[k]].producer] for k in (2, 3))
+    assert in_place not in live
+    assert next(r for r in problem.live_ranges if r.node == own).first == 0
