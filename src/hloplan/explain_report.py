@@ -834,6 +834,23 @@ def _namedtuple_types(tree, found: set[str]) -> set[str]:
     return found
 
 
+def _donate_text(plan: dict, args: tuple) -> str:
+    """`, donate_argnums=(...)` for the positional arguments whose leaves the export donates
+    (plan.json `donation`), as the original jax.jit donated them."""
+    import jax
+
+    donated = set((plan.get("donation") or {}).get("arguments", []))
+    positions, start = [], 0
+    for position, arg in enumerate(args):
+        count = len(jax.tree.leaves(arg))
+        if count and all(leaf in donated for leaf in range(start, start + count)):
+            positions.append(position)
+        start += count
+    if not positions:
+        return ""
+    return f", donate_argnums=({', '.join(map(str, positions))}{',' if len(positions) == 1 else ''})"
+
+
 def jax_source(plan: dict, exported) -> str:
     """Python source defining `in_shardings` (the positional arguments' pytree) and
     `out_shardings` (the results' pytree) as PartitionSpecs, with how to use them."""
@@ -883,7 +900,7 @@ def jax_source(plan: dict, exported) -> str:
         "#   named = lambda tree: jax.tree.map(lambda p: NamedSharding(mesh, p), tree,",
         "#                                     is_leaf=lambda x: isinstance(x, P))",
         "#   step = jax.jit(f, in_shardings=named(in_shardings), "
-        "out_shardings=named(out_shardings))",
+        f"out_shardings=named(out_shardings){_donate_text(plan, args)})",
         "# or load the compiled plan itself: step = hloplan.load(PLAN_DIR)",
     ]
     return "\n".join(lines) + "\n"

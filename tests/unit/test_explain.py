@@ -288,3 +288,6 @@ def test_explain_of_a_donated_step_counts_what_is_written_in_place(tmp_path):
     text = _run(tmp_path / "p").stdout
     assert "1 result is written into donated arguments' buffers" in text
     assert "donate_argnums" not in text
+    # The shardings to paste into jax.jit donate what the export donated.
+    source = _run(tmp_path / "p", "--format", "jax").stdout
+    assert "out_shardings=named(out_shardings), donate_argnums=(0,))" in source
