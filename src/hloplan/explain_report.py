@@ -848,7 +848,8 @@ def _donate_text(plan: dict, args: tuple) -> str:
         start += count
     if not positions:
         return ""
-    return f", donate_argnums=({', '.join(map(str, positions))}{',' if len(positions) == 1 else ''})"
+    listed = ", ".join(map(str, positions)) + ("," if len(positions) == 1 else "")
+    return f", donate_argnums=({listed})"
 
 
 def jax_source(plan: dict, exported) -> str:
