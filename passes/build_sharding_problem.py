@@ -513,9 +513,11 @@ class _ProblemBuilder:
         end = len(graph.ops)
         arguments = set(graph.arguments)
         aliases = graph.output_aliases()
-        # An output written into a donated argument's buffer takes no memory of its own. Any
-        # other output has its own buffer, which XLA allocates for the whole program: it is
-        # held from the start, though made later (where it holds its transient bytes).
+        # An output written into a donated argument's buffer takes no memory of its own (XLA
+        # copies the argument if it is still read after the output is made: not modelled;
+        # an update reads it last). Any other output has its own buffer, which XLA allocates
+        # for the whole program: it is held from the start, though made later (where it holds
+        # its transient bytes).
         in_donated = {v for k, v in enumerate(graph.outputs)
                       if k in aliases and v not in arguments}
         whole_program = {v for v in graph.outputs if v not in arguments and v not in in_donated}
