@@ -236,6 +236,10 @@ def donation(plan: dict) -> dict:
 
 def donation_line(plan: dict) -> str | None:
     """One line on donation for the memory section of `hloplan explain`, if it applies."""
+    given = plan.get("donation") or {}
+    if given.get("loader") and given.get("arguments"):
+        return (f"the export donates {len(given['arguments'])} arguments, but the pipeline "
+                "loader donates nothing: each task's results have buffers of their own")
     found = donation(plan)
     count = found["donatable_results"]
     if count and found["donatable_bytes"]:

@@ -119,6 +119,8 @@ def test_an_accumulated_plan_of_a_donated_step_donates_nothing(tmp_path):
     assert plan["pipeline"]["tasks"]
     assert plan["donation"]["aliases"] == [] and plan["donation"]["arguments"]
     assert plan["donation"]["loader"] == "pipelined: nothing donated"
+    explained = CliRunner().invoke(main, ["explain", str(out)]).stdout
+    assert "the pipeline loader donates nothing" in explained
     step = hloplan.load(out)
     given = jax.tree.map(jnp.asarray, state)
     got_loss, got_state = step(given, x, y)
