@@ -238,8 +238,9 @@ def donation_line(plan: dict) -> str | None:
     """One line on donation for the memory section of `hloplan explain`, if it applies."""
     given = plan.get("donation") or {}
     if given.get("loader") and given.get("arguments"):
-        return (f"the export donates {len(given['arguments'])} arguments, but the pipeline "
-                "loader donates nothing: each task's results have buffers of their own")
+        return (f"the export donates {len(given['arguments'])} arguments: the pipeline loader "
+                "hands them to the once-per-step tasks that read them last (the estimate "
+                "counts those tasks' results in buffers of their own)")
     found = donation(plan)
     count = found["donatable_results"]
     if count and found["donatable_bytes"]:

@@ -110,25 +110,41 @@ def test_without_donation_nothing_is_aliased_and_results_have_their_own_buffers(
 
 
 @pytest.mark.usefixtures("devices8")
-def test_an_accumulated_plan_of_a_donated_step_donates_nothing(tmp_path):
-    """The pipeline loader runs tasks whose results get buffers of their own (and the tasks'
-    estimates count them so): plan.json says nothing is written in place, and the caller's
-    placed arrays survive."""
+def test_an_accumulated_plan_hands_the_state_to_the_update_task(tmp_path):
+    """The pipeline loader runs the microbatches' tasks, then the once-per-step update, which
+    reads the state last: the state the caller passes back on the mesh is donated to it, and
+    arrays the loader had to move are not (their buffers may be the caller's). The tasks'
+    estimates count their results in buffers of their own."""
     out, state, x, y = _plan(tmp_path, donate=True, extra=("--stages", "1", "--microbatches", "2"))
     plan = json.loads((out / "plan.json").read_text())
     assert plan["pipeline"]["tasks"]
     assert plan["donation"]["aliases"] == [] and plan["donation"]["arguments"]
-    assert plan["donation"]["loader"] == "pipelined: nothing donated"
+    assert plan["donation"]["loader"] == "pipelined: to the update tasks that read it last"
     explained = CliRunner().invoke(main, ["explain", str(out)]).stdout
-    assert "the pipeline loader donates nothing" in explained
+    assert "hands them to the once-per-step tasks that read them last" in explained
     step = hloplan.load(out)
+    donating = {step.tasks[t]["name"]: picks for t, picks in step._donatable.items()}
+    assert donating and all(step.tasks[t]["part"] == "B" for t in step._donatable)
     given = jax.tree.map(jnp.asarray, state)
-    got_loss, got_state = step(given, x, y)
-    want_loss, want_state = jax.jit(_step)(state, x, y)
-    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
-    assert not any(a.is_deleted() for a in jax.tree.leaves(given))
+    reference = jax.jit(_step)
+    want_state, got_state = state, given
+    for turn in range(3):
+        want_loss, want_state = reference(want_state, x, y)
+        passed = jax.tree.leaves(got_state)
+        got_loss, got_state = step(got_state, x, y)
+        np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+        for got, want in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
+        deleted = sum(a.is_deleted() for a in passed)
+        if turn == 0:
+            assert deleted == 0  # the caller's single-device arrays were moved, not donated
+        else:
+            # The last step's state, on the mesh as the update task takes it: handed over.
+            assert deleted >= sum(len(p) for p in donating.values()) > 0
+    kept = hloplan.load(out, donate=False)
+    passed = jax.tree.leaves(got_state)
+    kept(got_state, x, y)
+    assert not any(a.is_deleted() for a in passed)
 
 
 def test_a_donated_step_runs_as_a_two_process_job(tmp_path):

@@ -107,10 +107,10 @@ def render(state: CompileState, input_bytes: bytes, original_module_text: str | 
     if pipeline_section is not None:
         plan["pipeline"] = pipeline_section
         if pipeline_section.get("tasks"):
-            # The pipeline loader donates nothing: each task's results get buffers of their
-            # own, and the tasks' estimates count them so.
+            # The pipeline loader hands the donated state to the once-per-step tasks that
+            # read it last; the tasks' estimates count their results in buffers of their own.
             plan["donation"] = {**plan["donation"], "aliases": [], "resharded_results": [],
-                                "loader": "pipelined: nothing donated"}
+                                "loader": "pipelined: to the update tasks that read it last"}
     files[PLAN_FILE] = dumps(plan).encode()
     return files
 

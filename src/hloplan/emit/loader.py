@@ -306,10 +306,10 @@ def load(plan_dir: str | os.PathLike, devices=None, donate: bool = True):
     """A callable running the plan: the pipelined schedule when the plan has pipeline stages or
     microbatches, else the single sharded program. `donate=False` keeps every argument the
     caller passes alive (by default the arguments the export donates are handed to the
-    program; a pipelined plan donates nothing)."""
+    program; in a pipelined plan, to the once-per-step tasks that read them last)."""
     plan = read_plan(plan_dir)
     if plan.get("pipeline", {}).get("tasks"):
-        return _pipeline_loader(plan_dir).load(plan_dir, devices)
+        return _pipeline_loader(plan_dir).load(plan_dir, devices, donate=donate)
     return Runner(plan_dir, devices, donate=donate)
 
 

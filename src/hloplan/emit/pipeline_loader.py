@@ -33,7 +33,7 @@ from pathlib import Path
 
 
 class PipelineRunner:
-    def __init__(self, plan_dir, devices=None):
+    def __init__(self, plan_dir, devices=None, donate=True):
         import jax
         import numpy as np
         from jax import export
@@ -75,6 +75,7 @@ class PipelineRunner:
                 **task,
                 "exported": exported,
                 "in_shardings": exported.in_shardings_jax(mesh),
+                "out_shardings": exported.out_shardings_jax(mesh),
                 # out_shardings name the submesh even for a task with no inputs.
                 "call": jax.jit(exported.call, out_shardings=exported.out_shardings_jax(mesh)),
             })
@@ -86,6 +87,42 @@ class PipelineRunner:
         self._transfers: dict = {}  # (source stage, destination stage) -> (mesh, jitted program)
         self._reshards: dict = {}  # sharding -> jitted identity resharding to it
         self._whole_args: set = set()  # argument value ids not split into microbatches
+        self._donating_calls: dict = {}  # (task index, donated inputs) -> jitted task
+        self._donatable = self._last_state_reads() if donate else {}
+
+    def _last_state_reads(self) -> dict[int, tuple[int, ...]]:
+        """Per once-per-step task, the inputs it may donate: arguments the export donates
+        (plan.json "donation") that it reads last in the step (the update tasks run after
+        every microbatch, in order; a result passed through from an argument keeps it), each
+        with a result of its shape, dtype and sharding to be written into."""
+        leaf_value = self.leaf_values()
+        donated = {leaf_value[k] for k in self.plan.get("donation", {}).get("arguments", ())
+                   if k in leaf_value} - set(self.batch_dims)
+        donated -= {o["value"] for o in self.pipe["outputs"] if o["from"] == "argument"}
+        last: dict[int, int] = {}  # value -> index of the last once-per-step task reading it
+        for t, task in enumerate(self.tasks):
+            if task["part"] == "B":
+                for v in task["inputs"]:
+                    if v in donated:
+                        last[v] = t
+        found: dict[int, tuple[int, ...]] = {}
+        for t, task in enumerate(self.tasks):
+            outputs = list(zip(task["exported"].out_avals, task["out_shardings"]))
+            picks = []
+            for k, (v, sharding, aval) in enumerate(zip(task["inputs"], task["in_shardings"],
+                                                        task["exported"].in_avals)):
+                if last.get(v) != t:
+                    continue
+                match = next((o for o, (out, out_sharding) in enumerate(outputs)
+                              if out is not None and out.shape == aval.shape
+                              and out.dtype == aval.dtype
+                              and out_sharding.is_equivalent_to(sharding, len(aval.shape))), None)
+                if match is not None:
+                    outputs[match] = (None, None)
+                    picks.append(k)
+            if picks:
+                found[t] = tuple(picks)
+        return found
 
     def _flat_args(self, args, kwargs) -> dict[int, object]:
         import jax
@@ -284,9 +321,10 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ running
 
-    def _run_task(self, task, env_lookup, held=None):
+    def _run_task(self, task, env_lookup, held=None, index=None, arguments=None):
         """Run one task; `held` keeps the step's copies of whole arguments (parameters) in each
-        sharding a task takes them in, so each is moved once per step, not per microbatch."""
+        sharding a task takes them in, so each is moved once per step, not per microbatch.
+        With `index` and the step's `arguments`: the task donates the state it reads last."""
         avals = task["exported"].in_avals
         inputs = []
         for v, s, a in zip(task["inputs"], task["in_shardings"], avals):
@@ -296,10 +334,42 @@ class PipelineRunner:
                 inputs.append(held[(v, s)])
             else:
                 inputs.append(self._move(env_lookup(v), s, a))
-        outputs = task["call"](*inputs)
+        call = task["call"]
+        if index in self._donatable:
+            call = self._donating_call(index, self._owned(index, inputs, arguments))
+        outputs = call(*inputs)
         if not isinstance(outputs, (list, tuple)):
             outputs = (outputs,)
         return dict(zip(task["outputs"], outputs))
+
+    def _owned(self, index: int, inputs: list, arguments: dict) -> tuple[int, ...]:
+        """Of the inputs task `index` may donate, those whose buffers the step may consume:
+        the caller's own array, already laid out as the task takes it (donated by the export,
+        as jax.jit's donate_argnums consumes it), or one built from host memory. A copy moved
+        from a caller's jax.Array is not donated: jax.device_put may have reused the caller's
+        buffer for one of its shards."""
+        import jax
+
+        task = self.tasks[index]
+        picks = []
+        for k in self._donatable[index]:
+            given = arguments[task["inputs"][k]]
+            if inputs[k] is given or not isinstance(given, jax.Array):
+                picks.append(k)
+        return tuple(picks)
+
+    def _donating_call(self, index: int, donated: tuple[int, ...]):
+        import jax
+
+        if not donated:
+            return self.tasks[index]["call"]
+        key = (index, donated)
+        if key not in self._donating_calls:
+            task = self.tasks[index]
+            self._donating_calls[key] = jax.jit(task["exported"].call,
+                                                out_shardings=task["out_shardings"],
+                                                donate_argnums=donated)
+        return self._donating_calls[key]
 
     def __call__(self, *args, **kwargs):
         import jax
@@ -357,7 +427,7 @@ class PipelineRunner:
                     env[v] = array
             produced = array = None  # no reference outlives its microbatch here
         once: dict[int, object] = {}
-        for task in self.tasks:
+        for index, task in enumerate(self.tasks):
             if task["part"] != "B":
                 continue
 
@@ -374,7 +444,7 @@ class PipelineRunner:
                 # parameters through unchanged): every microbatch computed the same.
                 return per_micro[-1][v]
 
-            once.update(self._run_task(task, lookup_b, held))
+            once.update(self._run_task(task, lookup_b, held, index, arguments))
         results = []
         for entry in self.pipe["outputs"]:
             v = entry["value"]
@@ -490,5 +560,5 @@ def _shard_shapes(sharding, shape) -> set:
             for indices in sharding.devices_indices_map(tuple(shape)).values()}
 
 
-def load(plan_dir, devices=None) -> PipelineRunner:
-    return PipelineRunner(plan_dir, devices)
+def load(plan_dir, devices=None, donate=True) -> PipelineRunner:
+    return PipelineRunner(plan_dir, devices, donate=donate)
