@@ -4,7 +4,9 @@ The plan's "pipeline" section lists tasks (each a sharded Exported on its stage'
 dispatch order of (task, microbatch) pairs (GPipe or 1F1B), which inputs carry the batch, which
 values are summed over microbatches, and where each result comes from. Tasks are dispatched in
 that order with JAX's asynchronous dispatch, so stages on different devices overlap; values move
-between submeshes with jax.device_put (resharding on the way when the two sides differ).
+between submeshes with jax.device_put (resharding on the way when the two sides differ). A
+state argument the export donates is donated to the once-per-step task that reads it last
+(`_last_state_reads`), which writes the new state into its buffer.
 
 In a multi-process `jax.distributed` job (jax.devices() ordered by process, so the stages of the
 leading mesh axis fall on different processes) every process runs the same schedule: it
