@@ -1,20 +1,44 @@
 """extract-graph: read @main into the plain-data Graph (shapes, dtypes, attributes, locations,
-loop trip counts) that the planner works on."""
+loop trip counts) that the planner works on.
+
+`donate` says which arguments the caller hands over, their buffers reused for results: "export"
+those the export donates (jax.jit's donate_argnums, kept by jax.export); "state" also every
+argument the step updates in place (a parameter's or optimizer moment's next value is
+computed from it by elementwise ops of its type: label_batch.state_outputs), for a program
+exported without donation whose caller passes each step's state back; "none" no argument."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from hloplan import ir
+from hloplan.diagnostics import UsageError
 from hloplan.state import CompileState
+
+DONATE_CHOICES = ("export", "state", "none")
 
 
 @dataclass(frozen=True)
 class ExtractGraph:
     name: str = "extract-graph"
+    donate: str = "export"
 
     def apply(self, state: CompileState) -> None:
+        if self.donate not in DONATE_CHOICES:
+            raise UsageError(f"donate={self.donate!r}: expected one of {', '.join(DONATE_CHOICES)}")
         state.graph, state.handles = ir.extract_graph(state.program.module, state.filename)
+        graph = state.graph
+        if self.donate == "none":
+            graph.donated = {}
+        elif self.donate == "state":
+            from hloplan.passes.label_batch import state_outputs
+
+            index_of = {v: k for k, v in reversed(list(enumerate(graph.outputs)))}
+            taken = {out for out in graph.donated.values() if out is not None}
+            for position, value in sorted(state_outputs(graph).items()):
+                if position not in graph.donated and index_of[value] not in taken:
+                    graph.donated[position] = index_of[value]
+                    taken.add(index_of[value])
         for op in state.graph.ops:
             if op.name == "stablehlo.while" and op.attrs.get("trip_count") is None:
                 state.log.warn("loop trip count not recognised: its body is costed as running once",

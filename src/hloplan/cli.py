@@ -107,10 +107,14 @@ def main() -> None:
 @click.option("--verify-memory", is_flag=True,
               help="compile the plan with XLA (simulated CPU devices) and plan again while its "
                    "allocation per device is over the budget")
+@click.option("--donate", type=click.Choice(["export", "state", "none"]), default="export",
+              show_default=True,
+              help="arguments whose buffers the results reuse: those the export donates, also "
+                   "the state the step updates in place, or none (extract-graph.donate)")
 @click.option("-q", "--quiet", is_flag=True, help="print errors only")
 def compile_command(input_path, mesh, output, device, memory_budget, time_limit, solver, hosts,
                     decompose, gap, fmt, print_after, time_passes, reproducer, stages, microbatches, schedule,
-                    batch_args, pass_options, verify_memory, quiet):
+                    batch_args, pass_options, verify_memory, donate, quiet):
     """Plan INPUT (StableHLO .mlir, bytecode, portable artifact or serialized Exported; '-' for
     stdin) for a device mesh and write the plan directory."""
     from hloplan import ir
@@ -138,6 +142,8 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
                 click.echo(ir.module_text(state.program.module), err=True)
 
         passes = None
+        if donate != "export":
+            pass_options = (f"extract-graph.donate={donate}", *pass_options)
         if pass_options:
             by_name = _with_pass_options({p.name: p for p in compile_pipeline()}, pass_options)
             passes = list(by_name.values())

@@ -17,7 +17,7 @@ from hloplan.emit.artifact import PLAN_FILE, REFERENCE_FILE, render, write_plan_
 from hloplan.mesh import MeshError, MeshSpec, parse_mesh
 from hloplan.passes.extract_graph import ExtractGraph
 from hloplan.passes.inline_calls import InlineCalls
-from hloplan.pipeline import run_pipeline
+from hloplan.pipeline import compile_pipeline, run_pipeline
 from hloplan.pipelining import PipelineOptions
 from hloplan.state import CompileOptions, CompileState
 from hloplan.units import format_bytes, format_seconds, parse_bytes
@@ -333,7 +333,6 @@ def _recomputed(data: bytes, filename: str, options: CompileOptions, passes, aft
     estimate's known gaps on CPU (llama 4x8 compiled 9.74 GiB against 9.19; ResNet 16x8x8
     17.9 against 8.34)."""
     from hloplan.passes.rematerialize import Rematerialize
-    from hloplan.pipeline import compile_pipeline
 
     steps = [dataclasses.replace(step, enabled=True) if isinstance(step, Rematerialize) else step
              for step in (passes if passes is not None else compile_pipeline())]
@@ -445,7 +444,13 @@ def compile(path_or_bytes, mesh: str | MeshSpec, output: str | None = None, **kw
         except OSError as exc:
             raise UsageError(f"cannot read {filename}: {exc.strerror}") from None
     pipeline = kwargs.pop("pipeline", None)
-    result = compile_bytes(data, filename, make_options(mesh, **kwargs), pipeline=pipeline)
+    donate = kwargs.pop("donate", "export")  # extract-graph.donate: export, state or none
+    passes = None
+    if donate != "export":
+        passes = [dataclasses.replace(step, donate=donate) if isinstance(step, ExtractGraph)
+                  else step for step in compile_pipeline()]
+    result = compile_bytes(data, filename, make_options(mesh, **kwargs), pipeline=pipeline,
+                           passes=passes)
     if output is not None:
         result.write(output)
     return result

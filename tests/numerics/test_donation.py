@@ -155,3 +155,42 @@ def test_a_donated_step_runs_as_a_two_process_job(tmp_path):
     assert run.exit_code == 0, run.output
     report = json.loads(run.output)
     assert report["match"] is True and report["processes"] == 2
+
+
+@pytest.mark.usefixtures("devices8")
+def test_donate_state_for_an_export_without_donation(tmp_path):
+    """`--donate state` hands over what the step updates in place (parameters, moments, the
+    step count: each result computed from its argument by elementwise ops of its type) of a
+    program exported without donation; `--donate none` ignores the export's donation."""
+    out, state, x, y = _plan(tmp_path, donate=False, extra=("--donate", "state"))
+    plan = json.loads((out / "plan.json").read_text())
+    leaves = len(jax.tree.leaves(state))
+    assert plan["donation"]["arguments"] == list(range(leaves))
+    # Results: the loss, then the state's leaves in the same order as the arguments.
+    assert plan["donation"]["aliases"] == [[k, k + 1] for k in range(leaves)]
+    step = hloplan.load(out)
+    placed, _ = step.place(state, x, y)
+    got_loss, got_state = step(*placed)
+    assert all(a.is_deleted() for a in jax.tree.leaves(placed[0]))
+    want_loss, want_state = jax.jit(_step)(state, x, y)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
+    (tmp_path / "none").mkdir()
+    ignored, *_ = _plan(tmp_path / "none", donate=True, extra=("--donate", "none"))
+    assert json.loads((ignored / "plan.json").read_text())["donation"]["arguments"] == []
+
+
+def test_donate_rejects_an_unknown_choice():
+    import hloplan.diagnostics
+
+    with pytest.raises(hloplan.diagnostics.UsageError, match="donate='all'"):
+        hloplan.compile(_MODULE, "8", donate="all")
+
+
+_MODULE = b"""
+func.func public @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+  %0 = stablehlo.add %arg0, %arg0 : tensor<8xf32>
+  return %0 : tensor<8xf32>
+}
+"""
