@@ -179,3 +179,14 @@ def test_cli_compile_and_check(form, tmp_path, devices8):
     output = run("run", str(plan_dir), "--check", "--inputs", str(inputs))
     assert "matches" in output, output
     assert "DIFFERS" not in output, output
+
+
+def test_the_bundled_example_checks_strictly(plans, devices8):
+    """scripts/example.sh (the README's first command): the GPT fixture planned for 2x4 on the
+    toy device, `hloplan run --check` with its inputs, every element to the check's default
+    tolerance (no Adam noise exemption: the example must say "matches")."""
+    from hloplan.check import check_plan
+
+    plan_dir, _ = plans.get("gpt_train_step", "2x4")
+    report = check_plan(str(plan_dir), inputs=str(FIXTURES_DIR / "gpt_train_step.inputs.npz"))
+    assert report["match"] is True, report["max_abs_error"]
