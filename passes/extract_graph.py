@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 from hloplan import ir
 from hloplan.diagnostics import UsageError
+from hloplan.graph import DONATE_CHOICES
 from hloplan.state import CompileState
-
-DONATE_CHOICES = ("export", "state", "none")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from hloplan.diagnostics import (
     HloplanError,
     UsageError,
 )
+from hloplan.graph import DONATE_CHOICES
 
 MESH_HELP = "mesh axis sizes ('8', '2x4', '16x8x8') or named axes ('data=8,model=4')"
 
@@ -107,7 +108,7 @@ def main() -> None:
 @click.option("--verify-memory", is_flag=True,
               help="compile the plan with XLA (simulated CPU devices) and plan again while its "
                    "allocation per device is over the budget")
-@click.option("--donate", type=click.Choice(["export", "state", "none"]), default="export",
+@click.option("--donate", type=click.Choice(DONATE_CHOICES), default="export",
               show_default=True,
               help="arguments whose buffers the results reuse: those the export donates, also "
                    "the state the step updates in place, or none (extract-graph.donate)")

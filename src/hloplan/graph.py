@@ -17,6 +17,10 @@ DTYPE_BYTES = {
 }
 
 
+# Which arguments a plan donates (extract-graph's `donate`, `hloplan compile --donate`).
+DONATE_CHOICES = ("export", "state", "none")
+
+
 def dtype_bytes(dtype: str) -> int:
     if dtype in DTYPE_BYTES:
         return DTYPE_BYTES[dtype]
