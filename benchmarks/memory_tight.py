@@ -102,7 +102,7 @@ def measure_accumulated(plan_dir: Path, mesh: str) -> dict:
         raise ValueError("measure_accumulated: one stage only")
     M = pipe["microbatches"]
     blocks = pipe.get("microbatch_blocks", 1)
-    comm = run.comm_model(mesh)
+    comm = run.comm_model(run.plan_mesh(runner.plan))  # the plan's mesh: maybe a view of `mesh`
     sub = runner.meshes[0]
     axes = tuple(zip(sub.axis_names, sub.devices.shape))
     batch = {int(k): d for k, d in pipe["argument_batch_dims"].items()}
@@ -359,7 +359,7 @@ def tight_case(model_name: str, mesh: str, budget: float, best_hand_step_s: floa
         dump = plan_dir / "xla_dump" / "program"
         plan_json, jmesh, compiled, _ = run.compile_hloplan_artifact(plan_dir, dump)
         measured = run.measure(compiled, tuple(zip(jmesh.axis_names, jmesh.devices.shape)),
-                               run.comm_model(mesh))
+                               run.comm_model(run.plan_mesh(plan_json)))
         out["estimated_peak_bytes"] = plan_json["estimate"]["peak_memory_bytes"]
         out["live_peak_bytes"] = run.live_peak(dump)
     out["compiled_peak_bytes"] = measured["peak_bytes"]

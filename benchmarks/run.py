@@ -91,6 +91,12 @@ def comm_model(mesh: str):
     return CommModel(load_device_model(DEVICE), spec, hosts=hosts_for(spec.size))
 
 
+def plan_mesh(plan_json: dict) -> str:
+    """The mesh a plan is on, as comm_model takes it: "x0=2,x1=4" for a view of "8"."""
+    mesh = plan_json["mesh"]
+    return ",".join(f"{n}={s}" for n, s in zip(mesh["axis_names"], mesh["axis_sizes"]))
+
+
 def collective_seconds(op, comm) -> float:
     return sum(collective_parts(op, comm))
 
@@ -317,6 +323,11 @@ def plan_and_measure(path: Path, mesh: str, plan_dir: Path, device: str, comm,
         hl["timings"] = result.timings
         plan_json, jmesh, compiled, remats = compile_hloplan_artifact(plan_dir)
         mesh_axes = tuple(zip(jmesh.axis_names, jmesh.devices.shape))
+        if "view_of" in plan_json["mesh"]:
+            # Planned on a view of the mesh (an axis split in two, the same devices in the same
+            # order): its collectives run on the view's axes, priced over the same links.
+            hl["mesh_view"] = plan_mesh(plan_json)
+            comm = comm_model(hl["mesh_view"])
         hl.update(measure(compiled, mesh_axes, comm))
         hl["xla_full_rematerializations"] = remats
         if keep:
@@ -792,7 +803,8 @@ def headline_table(cases: list[dict]) -> list[str]:
             first = hl["error"].splitlines()[0][:120].replace("|", "/")
             hl_cell = f"FAILED: {first}"
         else:
-            hl_cell = _ms(hl["step_s"]) + ("" if hl["fits"] else " (does not fit)")
+            hl_cell = (_ms(hl["step_s"]) + ("" if hl["fits"] else " (does not fit)")
+                       + (f" (on view {hl['mesh_view']})" if hl.get("mesh_view") else ""))
         ratio = c.get("ratio")
         ratio_cell = "-" if ratio is None else (f"**{ratio:.3f}**" if ratio > LOSS_THRESHOLD
                                                 else f"{ratio:.3f}")

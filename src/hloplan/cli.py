@@ -25,6 +25,7 @@ from hloplan.diagnostics import (
     UsageError,
 )
 from hloplan.graph import DONATE_CHOICES
+from hloplan.mesh import MESH_VIEW_CHOICES
 
 MESH_HELP = "mesh axis sizes ('8', '2x4', '16x8x8') or named axes ('data=8,model=4')"
 
@@ -90,6 +91,10 @@ def main() -> None:
                    "when the whole ILP would be too big)")
 @click.option("--gap", type=float, default=0.01, show_default=True,
               help="stop once the plan is proven within this fraction of the optimum (0: prove it)")
+@click.option("--mesh-views", type=click.Choice(MESH_VIEW_CHOICES), default="auto",
+              show_default=True,
+              help="also plan the mesh with an axis split in two (the same devices; 'auto': a "
+                   "one-axis mesh such as 8 as 2x4 and 4x2) and keep the fastest plan")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("--print-after", "print_after", multiple=True, metavar="PASS",
               help="print the module after PASS to stderr (repeatable; 'all' for every pass)")
@@ -114,7 +119,7 @@ def main() -> None:
                    "the state the step updates in place, or none (extract-graph.donate)")
 @click.option("-q", "--quiet", is_flag=True, help="print errors only")
 def compile_command(input_path, mesh, output, device, memory_budget, time_limit, solver, hosts,
-                    decompose, gap, fmt, print_after, time_passes, reproducer, stages, microbatches, schedule,
+                    decompose, gap, mesh_views, fmt, print_after, time_passes, reproducer, stages, microbatches, schedule,
                     batch_args, pass_options, verify_memory, donate, quiet):
     """Plan INPUT (StableHLO .mlir, bytecode, portable artifact or serialized Exported; '-' for
     stdin) for a device mesh and write the plan directory."""
@@ -132,7 +137,8 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
                              notes=("passes: " + ", ".join(PASS_NAMES),))
         options = make_options(mesh, device=device, memory_budget=memory_budget,
                                time_limit=time_limit, solver=solver, hosts=hosts,
-                               decompose=decompose, gap=gap, verify_memory=verify_memory)
+                               decompose=decompose, gap=gap, verify_memory=verify_memory,
+                               mesh_views=mesh_views)
 
         progress = _Progress(enabled=fmt == "text" and not quiet and sys.stderr.isatty())
 
@@ -243,6 +249,10 @@ def _summary(plan: dict, output: str | None) -> None:
 
     est, solver = plan["estimate"], plan["solver"]
     mesh = ",".join(f"{n}={s}" for n, s in zip(plan["mesh"]["axis_names"], plan["mesh"]["axis_sizes"]))
+    view_of = plan["mesh"].get("view_of")
+    if view_of:
+        mesh += " (a view of " + ",".join(
+            f"{n}={s}" for n, s in zip(view_of["axis_names"], view_of["axis_sizes"])) + ")"
     pipe = plan.get("pipeline")
     pipelined = bool(pipe and pipe.get("tasks"))
     lines = [

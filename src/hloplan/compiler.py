@@ -14,7 +14,7 @@ from hloplan import ir
 from hloplan.cost_models import DeviceModelError, load_device_model
 from hloplan.diagnostics import Diagnostic, HloplanError, NoPlanFits, UsageError
 from hloplan.emit.artifact import PLAN_FILE, REFERENCE_FILE, render, write_plan_dir
-from hloplan.mesh import MeshError, MeshSpec, parse_mesh
+from hloplan.mesh import MESH_VIEW_CHOICES, MeshError, MeshSpec, mesh_views, parse_mesh
 from hloplan.passes.extract_graph import ExtractGraph
 from hloplan.passes.inline_calls import InlineCalls
 from hloplan.pipeline import compile_pipeline, run_pipeline
@@ -44,8 +44,8 @@ class CompileResult:
 
 def make_options(mesh: str | MeshSpec, device: str = "h100", memory_budget: str | int | None = None,
                  time_limit: float = 60.0, solver: str = "auto", hosts: int | None = None,
-                 decompose: str = "auto", gap: float = 0.01, verify_memory: bool = False
-                 ) -> CompileOptions:
+                 decompose: str = "auto", gap: float = 0.01, verify_memory: bool = False,
+                 mesh_views: str = "auto") -> CompileOptions:
     try:
         mesh_spec = parse_mesh(mesh) if isinstance(mesh, str) else mesh
     except MeshError as exc:
@@ -69,11 +69,13 @@ def make_options(mesh: str | MeshSpec, device: str = "h100", memory_budget: str 
         raise UsageError(f"--gap {gap}: expected a fraction in [0, 1), e.g. 0.01 for 1%")
     if decompose not in ("auto", "always", "never"):
         raise UsageError(f"unknown decompose {decompose!r} (auto, always, never)")
+    if mesh_views not in MESH_VIEW_CHOICES:
+        raise UsageError(f"unknown mesh views {mesh_views!r} ({', '.join(MESH_VIEW_CHOICES)})")
     if hosts is not None and (hosts < 1 or mesh_spec.size % hosts):
         raise UsageError(f"--hosts {hosts} does not divide the {mesh_spec.size} devices of the mesh")
     return CompileOptions(mesh=mesh_spec, device=model, memory_budget=budget,
                           time_limit=time_limit, solver=solver, hosts=hosts, decompose=decompose,
-                          gap=gap, verify_memory=verify_memory)
+                          gap=gap, verify_memory=verify_memory, mesh_views=mesh_views)
 
 
 @contextlib.contextmanager
@@ -99,10 +101,113 @@ def compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pas
     microbatches, keeping whichever plan the cost model prefers. `passes`: the compile
     pipeline with some passes' options changed (default: pipeline.compile_pipeline())."""
     with _cyclic_gc_paused():
-        result = _compile_bytes(data, filename, options, after_pass, pipeline, passes)
+        result, views = _viewed(data, filename, options, after_pass, pipeline, passes)
     if options.verify_memory:
+        options = dataclasses.replace(options, mesh=result.state.options.mesh)
         result = _verified(result, data, filename, options, after_pass, pipeline, passes)
+    if views is not None:
+        _record_views(result, views)
     return result
+
+
+# A view of the mesh replaces the mesh as given only when its plan's estimated step is this
+# much faster: the view renames the axes the plan's shardings and loader use.
+VIEW_GAIN = 0.005
+
+
+def _peak_bytes(plan: dict) -> int:
+    pipe = plan.get("pipeline", {})
+    if pipe.get("tasks"):
+        return int(max(pipe["estimate"]["memory_per_stage_bytes"]))
+    return int(plan["estimate"]["peak_memory_bytes"])
+
+
+def _viewed(data: bytes, filename: str, options: CompileOptions, after_pass, pipeline, passes
+            ) -> tuple[CompileResult, dict | None]:
+    """Plan the mesh as given and then each of its views (mesh.mesh_views), keeping the
+    fastest estimate; a view must beat the mesh as given by VIEW_GAIN. Returns the plan and
+    what was tried (None when no view was planned). Views are planned only after a
+    single-program plan on the mesh as given that is not within VIEW_GAIN of _view_floor:
+    not when it accumulates gradients, recomputes activations, is pipelined (or pipeline
+    options are given) or fails; those searches (microbatches, stages and submeshes) are made
+    on the mesh as given."""
+    views = mesh_views(options.mesh, options.mesh_views)
+    if len(views) == 1 or pipeline is not None:
+        return _compile_bytes(data, filename, options, after_pass, pipeline, passes), None
+    tried: list[dict] = []
+    seconds: list[float] = []
+    best: CompileResult | None = None
+    best_step = given_step = float("inf")
+    for view in views:
+        started = time.perf_counter()
+        entry = {"mesh": str(view), "axis_names": list(view.axis_names),
+                 "axis_sizes": list(view.axis_sizes)}
+        tried.append(entry)
+        try:
+            # A view is planned as one program, as the mesh as given was.
+            result = _compile_bytes(data, filename, dataclasses.replace(options, mesh=view),
+                                    after_pass, pipeline, passes, fallbacks=view is views[0])
+        except NoPlanFits as error:
+            if view is views[0]:
+                raise
+            entry["no_plan"] = error.diagnostics[0].message
+            continue
+        finally:
+            seconds.append(time.perf_counter() - started)
+        plan = result.plan
+        entry["step_time_s"] = _step_seconds(plan)
+        entry["peak_bytes"] = _peak_bytes(plan)
+        if view is views[0]:
+            given_step = entry["step_time_s"]
+            floor = _view_floor(result)
+            if floor is None or floor >= (1 - VIEW_GAIN) * given_step:
+                # No view's plan can be VIEW_GAIN faster, or the plan accumulates gradients or
+                # recomputes to fit (a search of its own, not repeated per view).
+                return result, None
+        if best is None or entry["step_time_s"] < min(best_step, (1 - VIEW_GAIN) * given_step):
+            best, best_step = result, entry["step_time_s"]
+    chosen = next(i for i, t in enumerate(tried) if t["mesh"] == str(best.state.options.mesh))
+    # Compile time spent on the plans not kept.
+    best.timings["mesh_views"] = sum(seconds) - seconds[chosen]
+    return best, {"given": tried[0], "tried": tried, "chosen": chosen}
+
+
+def _view_floor(result: CompileResult) -> float | None:
+    """A lower bound on the estimated step of any plan of the program on the same number of
+    devices, on whatever mesh: per op, its cheapest strategy here (compute and communication)
+    or its replicated work split over every device, whichever is less; resharding none. None
+    for a plan that the program's op costs alone do not bound (pipelined, or recomputing
+    activations, which a view might not need)."""
+    plan = result.plan
+    if plan.get("pipeline", {}).get("tasks") or plan.get("rematerialized"):
+        return None
+    devices = result.state.options.mesh.size
+    return sum(min(min(s.compute_cost + s.communication_cost for s in node.strategies),
+                   max(s.compute_cost for s in node.strategies) / devices)
+               for node in result.state.problem.nodes)
+
+
+def _record_views(result: CompileResult, views: dict) -> None:
+    """plan.json "mesh_views" (what was tried), "mesh"."view_of" and a remark when the plan is
+    on a view of the mesh asked for."""
+    from hloplan.plan import dumps
+
+    plan = result.plan
+    chosen, given = views["tried"][views["chosen"]], views["given"]
+    plan["mesh_views"] = {"tried": views["tried"], "chosen": views["chosen"]}
+    if views["chosen"]:
+        plan["mesh"]["view_of"] = {"axis_names": given["axis_names"],
+                                   "axis_sizes": given["axis_sizes"]}
+        versus = (f"{format_seconds(given['step_time_s'])} as given" if "step_time_s" in given
+                  else "no plan fits as given")
+        message = (f"planned on mesh {chosen['mesh']}, a view of the mesh {given['mesh']} (the "
+                   "same devices in the same order): estimated step "
+                   f"{format_seconds(chosen['step_time_s'])} against {versus}; the plan's "
+                   "shardings and loader use the view's axes (--mesh-views off plans the mesh "
+                   "as given)")
+        result.state.log.remark(message)
+        plan["diagnostics"].append(result.state.log.entries[-1].to_json())
+    result.files[PLAN_FILE] = dumps(plan).encode()
 
 
 # Plans compiled by XLA (verify_memory) at most, the first one included.
@@ -204,7 +309,10 @@ def _unverified(tries: list[dict], budget: float) -> NoPlanFits:
 
 
 def _compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pass,
-                   pipeline: PipelineOptions | None, passes: list | None) -> CompileResult:
+                   pipeline: PipelineOptions | None, passes: list | None,
+                   fallbacks: bool = True) -> CompileResult:
+    """`fallbacks` False: NoPlanFits when the program as it stands has no plan within the
+    budget, instead of recomputing activations or accumulating gradients."""
     started = time.perf_counter()
     program = ir.load_program(data, filename)
     parse_time = time.perf_counter() - started
@@ -214,6 +322,8 @@ def _compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pa
     try:
         state = run_pipeline(program, options, passes, after_pass=after_pass)
     except NoPlanFits as error:
+        if not fallbacks:
+            raise
         state, tried = _recomputed(data, filename, options, passes, after_pass)
         if state is None:
             if tried is not None:

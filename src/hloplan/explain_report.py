@@ -297,7 +297,26 @@ def _short_location(location: str | None) -> str | None:
 
 def _mesh_text(plan: dict) -> str:
     mesh = plan["mesh"]
-    return ", ".join(f"{n}={s}" for n, s in zip(mesh["axis_names"], mesh["axis_sizes"]))
+    text = ", ".join(f"{n}={s}" for n, s in zip(mesh["axis_names"], mesh["axis_sizes"]))
+    view_of = mesh.get("view_of")
+    if view_of:
+        text += " (a view of " + ", ".join(
+            f"{n}={s}" for n, s in zip(view_of["axis_names"], view_of["axis_sizes"])) + ")"
+    return text
+
+
+def mesh_views_lines(plan: dict) -> list[str]:
+    """One line per mesh view planned (compiler._viewed): its estimate, and which was kept."""
+    views = plan.get("mesh_views") or {}
+    lines = []
+    for index, view in enumerate(views.get("tried", [])):
+        what = (f"no plan ({view['no_plan']})" if "no_plan" in view else
+                f"estimated step {format_seconds(view['step_time_s'])}, peak "
+                f"{format_bytes(view['peak_bytes'])} per device")
+        role = ("as given" if index == 0 else "a view") + (", kept" if index == views["chosen"]
+                                                            else "")
+        lines.append(f"{view['mesh']} ({role}): {what}")
+    return lines
 
 
 def _spec_text(spec) -> str:
@@ -394,6 +413,7 @@ def summary(plan: dict, top: int = 10) -> dict:
         "ok": True,
         "input": plan.get("input"),
         "mesh": plan["mesh"],
+        "mesh_views": plan.get("mesh_views"),
         "device_model": plan["device_model"],
         "memory_budget_bytes": plan.get("memory_budget_bytes"),
         "arguments": [{**a, "partition_spec": _spec_text(a["spec"])} for a in plan["arguments"]],
@@ -470,6 +490,13 @@ def render_text(plan: dict, console, top: int = 10) -> None:
     if mesh.get("hosts"):
         t.caption = f"spread over {mesh['hosts']} hosts"
     console.print(t)
+    views = mesh_views_lines(plan)
+    if views:
+        console.print(Text("meshes planned (--mesh-views; a view splits an axis of the mesh as "
+                           "given, over the same devices in the same order):"))
+        for line in views:
+            console.print(Text(f"  {line}"))
+        console.print()
 
     budget = _budget(plan)
     t = table("Device model", "Model", "Platform", "Memory per device", "Budget per device",

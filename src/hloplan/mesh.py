@@ -11,7 +11,8 @@ import math
 import re
 from dataclasses import dataclass
 
-__all__ = ["MAX_AXES", "MeshError", "MeshSpec", "check_devices", "parse_mesh"]
+__all__ = ["MAX_AXES", "MESH_VIEW_CHOICES", "MeshError", "MeshSpec", "check_devices", "mesh_views",
+           "parse_mesh"]
 
 MAX_AXES = 3
 _DEFAULT_NAMES = ("x", "y", "z")
@@ -133,3 +134,45 @@ def check_devices(mesh: MeshSpec, available: int) -> None:
             f"mesh {mesh} needs {mesh.size} devices but only {available} "
             f"{'is' if available == 1 else 'are'} available"
         )
+
+
+# Which views of the given mesh hloplan also plans (CompileOptions.mesh_views): "auto" splits a
+# one-axis mesh in two, "all" splits any axis of a mesh with fewer than MAX_AXES axes, "off"
+# plans the mesh as given.
+MESH_VIEW_CHOICES = ("auto", "all", "off")
+
+
+def _split_names(names: tuple[str, ...], index: int) -> tuple[str, str]:
+    """Names for the two parts of axis `index`: its name with 0 (major part) and 1, with
+    underscores added until neither is another axis's name."""
+    base = names[index]
+    others = set(names) - {base}
+    while f"{base}0" in others or f"{base}1" in others:
+        base += "_"
+    return f"{base}0", f"{base}1"
+
+
+def mesh_views(mesh: MeshSpec, how: str = "auto") -> list[MeshSpec]:
+    """`mesh` first, then the other logical meshes over the same devices in the same order that
+    `how` asks for (MESH_VIEW_CHOICES): one axis of size a*b split into a major part of size a
+    and a minor part of size b (a, b >= 2). Devices are numbered row-major, so the split keeps
+    every device's position: device d is at the same place in both meshes, and each part runs
+    over the links the whole axis ran over or faster ones (hardware.axis_links).
+
+    A one-axis mesh such as "8" is often just a device count: planned as 2x4 and 4x2 too, it
+    can combine two kinds of parallelism (tensor parallel over 2 devices, data parallel over 4),
+    as a mesh of named axes written by hand would."""
+    if how not in MESH_VIEW_CHOICES:
+        raise MeshError(f"unknown mesh view choice {how!r} ({', '.join(MESH_VIEW_CHOICES)})")
+    views = [mesh]
+    if how == "off" or mesh.ndim >= MAX_AXES or (how == "auto" and mesh.ndim > 1):
+        return views
+    for index, size in enumerate(mesh.axis_sizes):
+        major_names = _split_names(mesh.axis_names, index)
+        for major in range(2, size // 2 + 1):
+            if size % major:
+                continue
+            names = mesh.axis_names[:index] + major_names + mesh.axis_names[index + 1:]
+            sizes = mesh.axis_sizes[:index] + (major, size // major) + mesh.axis_sizes[index + 1:]
+            views.append(MeshSpec(names, sizes))
+    return views

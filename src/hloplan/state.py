@@ -33,6 +33,9 @@ class CompileOptions:
     # Compile the plan's programs with XLA and plan again (with a reserve) while the compiled
     # allocation is over the budget (verify.py).
     verify_memory: bool = False
+    # Also plan these views of the mesh (the same devices, an axis split in two; mesh.py's
+    # mesh_views) and keep the fastest: "auto" (a one-axis mesh), "all", "off".
+    mesh_views: str = "auto"
 
     @property
     def budget(self) -> float:

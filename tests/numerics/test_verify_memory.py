@@ -64,6 +64,9 @@ def test_verified_plan_fits_and_equals_single_device(tmp_path):
     assert check["tries"][0]["peak_bytes"] > parse_bytes(BUDGET)  # the first plan did not fit
     assert kept["peak_bytes"] <= parse_bytes(BUDGET) and kept["reserve_bytes"] > 0
     assert plan["memory_budget_bytes"] == parse_bytes(BUDGET)  # the user's, not the reserve's
+    # Planned on a view of the 8 devices (2x4: within this budget, a quarter of the step
+    # estimated on the one axis of 8), and verified there.
+    assert plan["mesh"]["view_of"] == {"axis_names": ["x"], "axis_sizes": [8]}
     # What the plan directory holds is what was measured.
     files = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert checked_peak(plan, measure_files(files, 8))["peak_bytes"] == kept["peak_bytes"]
@@ -77,7 +80,8 @@ def test_verified_plan_fits_and_equals_single_device(tmp_path):
 def test_no_verified_plan_is_an_error_and_writes_nothing(tmp_path):
     out = tmp_path / "plan"
     run = CliRunner().invoke(main, ["compile", str(FIXTURE), "--mesh", MESH, "-o", str(out),
-                                    "--memory-budget", "300KiB", "--verify-memory"])
+                                    "--memory-budget", "300KiB", "--verify-memory",
+                                    "--mesh-views", "off"])
     assert run.exit_code != 0
     assert "error: no plan that XLA compiles within the memory budget of 300 KiB" in run.output
     assert "XLA compiles it to" in run.output
