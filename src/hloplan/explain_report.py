@@ -884,6 +884,22 @@ def _donate_text(plan: dict, args: tuple) -> str:
     return f", donate_argnums=({listed})"
 
 
+def _mesh_source(plan: dict, shape: str, names: str, count: int) -> list[str]:
+    """Comment lines building the plan's mesh; for a view (compiler._viewed), the mesh asked for
+    reshaped, so that every device keeps its place."""
+    view_of = plan["mesh"].get("view_of")
+    if not view_of:
+        return [f"#   mesh = jax.make_mesh({shape}, {names}, axis_types=(AxisType.Auto,) * {count})"]
+    given_sizes, given_names = view_of["axis_sizes"], view_of["axis_names"]
+    given = ("(" + ", ".join(map(str, given_sizes)) + ("," if len(given_sizes) == 1 else "")
+             + ")", "(" + ", ".join(repr(n) for n in given_names)
+             + ("," if len(given_names) == 1 else "") + ")")
+    return [f"#   given = jax.make_mesh({given[0]}, {given[1]})  # the mesh asked for; the plan "
+            "is on this view of it:",
+            f"#   mesh = jax.sharding.Mesh(given.devices.reshape{shape}, {names}, "
+            f"axis_types=(AxisType.Auto,) * {count})"]
+
+
 def jax_source(plan: dict, exported) -> str:
     """Python source defining `in_shardings` (the positional arguments' pytree) and
     `out_shardings` (the results' pytree) as PartitionSpecs, with how to use them."""
@@ -928,8 +944,7 @@ def jax_source(plan: dict, exported) -> str:
         "# Use them with jax.jit and a Mesh of the same axes (Auto axes, as planned):",
         "#   import jax",
         "#   from jax.sharding import AxisType, NamedSharding",
-        f"#   mesh = jax.make_mesh({mesh_shape}, {mesh_names}, "
-        f"axis_types=(AxisType.Auto,) * {len(names)})",
+        *_mesh_source(plan, mesh_shape, mesh_names, len(names)),
         "#   named = lambda tree: jax.tree.map(lambda p: NamedSharding(mesh, p), tree,",
         "#                                     is_leaf=lambda x: isinstance(x, P))",
         "#   step = jax.jit(f, in_shardings=named(in_shardings), "

@@ -123,6 +123,11 @@ def test_explain_lists_the_meshes_planned(fixtures_dir, tmp_path):
     assert f"{kept} (a view, kept)" in run.output
     run = CliRunner().invoke(main, ["explain", str(out), "--format", "json"])
     assert json.loads(run.output)["mesh_views"] == plan["mesh_views"]
+    # The jax.jit recipe builds the view from the mesh asked for, every device in its place.
+    run = CliRunner().invoke(main, ["explain", str(out), "--format", "jax"])
+    sizes = ", ".join(map(str, plan["mesh"]["axis_sizes"]))
+    assert "given = jax.make_mesh((8,), ('x',))" in run.output
+    assert f"Mesh(given.devices.reshape({sizes}), ('x0', 'x1')," in run.output
 
 
 def test_an_unknown_choice_is_a_usage_error(fixtures_dir):
