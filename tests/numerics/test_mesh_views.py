@@ -136,3 +136,22 @@ def test_an_unknown_choice_is_a_usage_error(fixtures_dir):
     assert run.exit_code == 2
     with pytest.raises(HloplanError, match="unknown mesh views"):
         hloplan.compile(fixtures_dir / "mlp_forward.jaxexport", "8", mesh_views="some")
+
+
+def test_views_of_a_mesh_across_hosts_keep_its_links(fixtures_dir):
+    # 16 devices on 2 hosts: a view's major part crosses the hosts, its minor part stays in
+    # one (hardware.axis_links on the view, devices in the same order).
+    plan = hloplan.compile(fixtures_dir / "mlp_forward.jaxexport", "16", device="h100",
+                           hosts=2).plan
+    assert [t["mesh"] for t in plan["mesh_views"]["tried"]] == [
+        "x=16", "x0=2,x1=8", "x0=4,x1=4", "x0=8,x1=2"]
+    assert plan["mesh"]["view_of"]["axis_sizes"] == [16] and plan["mesh"]["hosts"] == 2
+    assert plan["mesh"]["links"] == ["infiniband", "nvlink"]
+
+
+def test_pipeline_options_plan_the_mesh_as_given(fixtures_dir):
+    from hloplan.pipelining import PipelineOptions
+
+    plan = hloplan.compile(fixtures_dir / "mlp_train_step.jaxexport", "8", device="cpu",
+                           pipeline=PipelineOptions(stages=1, microbatches=2)).plan
+    assert "mesh_views" not in plan and plan["mesh"]["axis_names"] == ["x"]
