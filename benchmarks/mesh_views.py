@@ -79,8 +79,8 @@ def main() -> None:
                       f"{row['all']['mesh_planned']} ({row['all']['compile_s']:.1f} s)", flush=True)
     out = {"wall_s": time.perf_counter() - started, "device_model": run.DEVICE, "cases": rows}
     (HERE / "mesh_views_results.json").write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
-    print("\n| model | mesh | best hand plan | --mesh-views auto: ratio | compile s | all: planned on "
-          "| estimated step (ms) auto -> all | ratio | compile s |")
+    print("\n| model | mesh | best hand plan | --mesh-views auto: ratio | compile s | "
+          "all: planned on | estimated step (ms) auto -> all | ratio | compile s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         a, b = r["auto"], r["all"]

@@ -119,8 +119,9 @@ def main() -> None:
                    "the state the step updates in place, or none (extract-graph.donate)")
 @click.option("-q", "--quiet", is_flag=True, help="print errors only")
 def compile_command(input_path, mesh, output, device, memory_budget, time_limit, solver, hosts,
-                    decompose, gap, mesh_views, fmt, print_after, time_passes, reproducer, stages, microbatches, schedule,
-                    batch_args, pass_options, verify_memory, donate, quiet):
+                    decompose, gap, mesh_views, fmt, print_after, time_passes, reproducer, stages,
+                    microbatches, schedule, batch_args, pass_options, verify_memory, donate,
+                    quiet):
     """Plan INPUT (StableHLO .mlir, bytecode, portable artifact or serialized Exported; '-' for
     stdin) for a device mesh and write the plan directory."""
     from hloplan import ir

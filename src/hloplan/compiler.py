@@ -198,11 +198,10 @@ def _record_views(result: CompileResult, views: dict) -> None:
     if views["chosen"]:
         plan["mesh"]["view_of"] = {"axis_names": given["axis_names"],
                                    "axis_sizes": given["axis_sizes"]}
-        versus = (f"{format_seconds(given['step_time_s'])} as given" if "step_time_s" in given
-                  else "no plan fits as given")
         message = (f"planned on mesh {chosen['mesh']}, a view of the mesh {given['mesh']} (the "
                    "same devices in the same order): estimated step "
-                   f"{format_seconds(chosen['step_time_s'])} against {versus}; the plan's "
+                   f"{format_seconds(chosen['step_time_s'])} against "
+                   f"{format_seconds(given['step_time_s'])} as given; the plan's "
                    "shardings and loader use the view's axes (--mesh-views off plans the mesh "
                    "as given)")
         result.state.log.remark(message)

@@ -889,7 +889,8 @@ def _mesh_source(plan: dict, shape: str, names: str, count: int) -> list[str]:
     reshaped, so that every device keeps its place."""
     view_of = plan["mesh"].get("view_of")
     if not view_of:
-        return [f"#   mesh = jax.make_mesh({shape}, {names}, axis_types=(AxisType.Auto,) * {count})"]
+        return [f"#   mesh = jax.make_mesh({shape}, {names}, "
+                f"axis_types=(AxisType.Auto,) * {count})"]
     given_sizes, given_names = view_of["axis_sizes"], view_of["axis_names"]
     given = ("(" + ", ".join(map(str, given_sizes)) + ("," if len(given_sizes) == 1 else "")
              + ")", "(" + ", ".join(repr(n) for n in given_names)
