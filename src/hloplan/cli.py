@@ -180,7 +180,8 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
             click.echo(f"  {seconds * 1e3:10.2f} ms  {name}", err=True)
     plan = result.plan
     if fmt == "json":
-        click.echo(json.dumps({"ok": True, "output": output, "estimate": plan["estimate"],
+        click.echo(json.dumps({"ok": True, "output": output, "mesh": plan["mesh"],
+                               "mesh_views": plan.get("mesh_views"), "estimate": plan["estimate"],
                                "solver": plan["solver"], "arguments": plan["arguments"],
                                "results": plan["results"], "diagnostics": plan["diagnostics"],
                                "memory_check": plan.get("memory_check")},

@@ -58,6 +58,13 @@ def test_a_view_kept_for_its_estimate_runs_and_equals_single_device(fixtures_dir
                                context="plan on a mesh view")
 
 
+def test_compile_json_names_the_mesh_planned(fixtures_dir, tmp_path):
+    _, plan, output = _compile(fixtures_dir, tmp_path, "convnet_train_step", "--format", "json")
+    reply = json.loads(output)
+    assert reply["mesh"] == plan["mesh"] and reply["mesh"]["view_of"]["axis_sizes"] == [8]
+    assert reply["mesh_views"] == plan["mesh_views"]
+
+
 def test_off_plans_the_mesh_as_given(fixtures_dir, tmp_path):
     _, plan, output = _compile(fixtures_dir, tmp_path, "convnet_train_step",
                                "--mesh-views", "off")
