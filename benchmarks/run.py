@@ -93,8 +93,9 @@ def comm_model(mesh: str):
 
 def plan_mesh(plan_json: dict) -> str:
     """The mesh a plan is on, as comm_model takes it: "x0=2,x1=4" for a view of "8"."""
-    mesh = plan_json["mesh"]
-    return ",".join(f"{n}={s}" for n, s in zip(mesh["axis_names"], mesh["axis_sizes"]))
+    from hloplan.mesh import MeshSpec
+
+    return str(MeshSpec(plan_json["mesh"]["axis_names"], plan_json["mesh"]["axis_sizes"]))
 
 
 def collective_seconds(op, comm) -> float:

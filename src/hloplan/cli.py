@@ -25,7 +25,7 @@ from hloplan.diagnostics import (
     UsageError,
 )
 from hloplan.graph import DONATE_CHOICES
-from hloplan.mesh import MESH_VIEW_CHOICES
+from hloplan.mesh import MESH_VIEW_CHOICES, MeshSpec
 
 MESH_HELP = "mesh axis sizes ('8', '2x4', '16x8x8') or named axes ('data=8,model=4')"
 
@@ -250,11 +250,10 @@ def _summary(plan: dict, output: str | None) -> None:
     from hloplan.units import format_bytes, format_seconds, stages_text
 
     est, solver = plan["estimate"], plan["solver"]
-    mesh = ",".join(f"{n}={s}" for n, s in zip(plan["mesh"]["axis_names"], plan["mesh"]["axis_sizes"]))
+    mesh = str(MeshSpec(plan["mesh"]["axis_names"], plan["mesh"]["axis_sizes"]))
     view_of = plan["mesh"].get("view_of")
     if view_of:
-        mesh += " (a view of " + ",".join(
-            f"{n}={s}" for n, s in zip(view_of["axis_names"], view_of["axis_sizes"])) + ")"
+        mesh += f" (a view of {MeshSpec(view_of['axis_names'], view_of['axis_sizes'])})"
     pipe = plan.get("pipeline")
     pipelined = bool(pipe and pipe.get("tasks"))
     lines = [

@@ -295,14 +295,14 @@ def _short_location(location: str | None) -> str | None:
     return head if head and tail.isdigit() and head.rpartition(":")[2].isdigit() else location
 
 
+def _axes_text(axes: dict) -> str:
+    return ", ".join(f"{n}={s}" for n, s in zip(axes["axis_names"], axes["axis_sizes"]))
+
+
 def _mesh_text(plan: dict) -> str:
     mesh = plan["mesh"]
-    text = ", ".join(f"{n}={s}" for n, s in zip(mesh["axis_names"], mesh["axis_sizes"]))
     view_of = mesh.get("view_of")
-    if view_of:
-        text += " (a view of " + ", ".join(
-            f"{n}={s}" for n, s in zip(view_of["axis_names"], view_of["axis_sizes"])) + ")"
-    return text
+    return _axes_text(mesh) + (f" (a view of {_axes_text(view_of)})" if view_of else "")
 
 
 def mesh_views_lines(plan: dict) -> list[str]:
@@ -884,21 +884,24 @@ def _donate_text(plan: dict, args: tuple) -> str:
     return f", donate_argnums=({listed})"
 
 
-def _mesh_source(plan: dict, shape: str, names: str, count: int) -> list[str]:
+def _tuple_source(values) -> str:
+    """A Python tuple literal: (8,), ('x', 'y')."""
+    return "(" + ", ".join(map(repr, values)) + ("," if len(values) == 1 else "") + ")"
+
+
+def _mesh_source(plan: dict) -> list[str]:
     """Comment lines building the plan's mesh; for a view (compiler._viewed), the mesh asked for
     reshaped, so that every device keeps its place."""
-    view_of = plan["mesh"].get("view_of")
+    mesh, view_of = plan["mesh"], plan["mesh"].get("view_of")
+    shape = _tuple_source([int(s) for s in mesh["axis_sizes"]])
+    names = _tuple_source(mesh["axis_names"])
+    types = f"axis_types=(AxisType.Auto,) * {len(mesh['axis_names'])}"
     if not view_of:
-        return [f"#   mesh = jax.make_mesh({shape}, {names}, "
-                f"axis_types=(AxisType.Auto,) * {count})"]
-    given_sizes, given_names = view_of["axis_sizes"], view_of["axis_names"]
-    given = ("(" + ", ".join(map(str, given_sizes)) + ("," if len(given_sizes) == 1 else "")
-             + ")", "(" + ", ".join(repr(n) for n in given_names)
-             + ("," if len(given_names) == 1 else "") + ")")
-    return [f"#   given = jax.make_mesh({given[0]}, {given[1]})  # the mesh asked for; the plan "
-            "is on this view of it:",
-            f"#   mesh = jax.sharding.Mesh(given.devices.reshape{shape}, {names}, "
-            f"axis_types=(AxisType.Auto,) * {count})"]
+        return [f"#   mesh = jax.make_mesh({shape}, {names}, {types})"]
+    return [f"#   given = jax.make_mesh({_tuple_source(view_of['axis_sizes'])}, "
+            f"{_tuple_source(view_of['axis_names'])})  # the mesh asked for; the plan is on "
+            "this view of it:",
+            f"#   mesh = jax.sharding.Mesh(given.devices.reshape{shape}, {names}, {types})"]
 
 
 def jax_source(plan: dict, exported) -> str:
@@ -910,8 +913,6 @@ def jax_source(plan: dict, exported) -> str:
     out_leaves = [_Spec(partition_spec_text(s)) for s in _flat_specs(exported, "out")]
     args, kwargs = jax.tree.unflatten(exported.in_tree, in_leaves)
     results = jax.tree.unflatten(exported.out_tree, out_leaves)
-    names = [n for n in plan["mesh"]["axis_names"]]
-    sizes = [int(s) for s in plan["mesh"]["axis_sizes"]]
     source = plan.get("input") or {}
     lines = [
         f"# Shardings planned by hloplan for {source.get('file', 'the program')} on mesh "
@@ -938,14 +939,12 @@ def jax_source(plan: dict, exported) -> str:
     if custom:
         lines.insert(2, "# named tuples used below (import them from your code): "
                      + ", ".join(custom))
-    mesh_shape = "(" + ", ".join(map(str, sizes)) + ("," if len(sizes) == 1 else "") + ")"
-    mesh_names = "(" + ", ".join(repr(n) for n in names) + ("," if len(names) == 1 else "") + ")"
     lines += [
         "",
         "# Use them with jax.jit and a Mesh of the same axes (Auto axes, as planned):",
         "#   import jax",
         "#   from jax.sharding import AxisType, NamedSharding",
-        *_mesh_source(plan, mesh_shape, mesh_names, len(names)),
+        *_mesh_source(plan),
         "#   named = lambda tree: jax.tree.map(lambda p: NamedSharding(mesh, p), tree,",
         "#                                     is_leaf=lambda x: isinstance(x, P))",
         "#   step = jax.jit(f, in_shardings=named(in_shardings), "
