@@ -162,3 +162,17 @@ def test_pipeline_options_plan_the_mesh_as_given(fixtures_dir):
     plan = hloplan.compile(fixtures_dir / "mlp_train_step.jaxexport", "8", device="cpu",
                            pipeline=PipelineOptions(stages=1, microbatches=2)).plan
     assert "mesh_views" not in plan and plan["mesh"]["axis_names"] == ["x"]
+
+
+def test_a_plan_on_a_view_runs_as_a_two_process_job(fixtures_dir, tmp_path):
+    """The view's major part crosses the processes, as the one axis it splits did."""
+    out, plan, _ = _compile(fixtures_dir, tmp_path, "convnet_train_step")
+    run = CliRunner().invoke(main, ["run", str(out), "--check", "--processes", "2", "--inputs",
+                                    str(fixtures_dir / "convnet_train_step.inputs.npz"),
+                                    "--format", "json"], catch_exceptions=False)
+    assert run.exit_code == 0, run.output
+    report = json.loads(run.output)
+    assert report["match"] is True and report["processes"] == 2
+    assert report["mesh"] == dict(zip(plan["mesh"]["axis_names"], plan["mesh"]["axis_sizes"]))
+    assert all(p["match"] for p in report["per_process"])
+    assert report["cross_process_axes"] == ["x0"]
