@@ -14,6 +14,7 @@ import click
 
 from hloplan.cli import MESH_HELP, main
 from hloplan.diagnostics import HloplanError, UsageError
+from hloplan.mesh import MESH_VIEW_CHOICES
 
 
 def _error(exc: HloplanError, where: str, fmt: str) -> None:
@@ -35,7 +36,7 @@ def _console():
 
 
 def _plan_input(target: str, mesh: str, device: str, memory_budget, time_limit: float,
-                hosts: int | None):
+                hosts: int | None, mesh_views: str = "auto"):
     """Plan INPUT in memory: (plan, serialized sharded Exported, diagnostics)."""
     from hloplan.compiler import compile_bytes, make_options
 
@@ -47,7 +48,7 @@ def _plan_input(target: str, mesh: str, device: str, memory_budget, time_limit: 
         except OSError as exc:
             raise UsageError(f"cannot read {target}: {exc.strerror}") from None
     options = make_options(mesh, device=device, memory_budget=memory_budget,
-                           time_limit=time_limit, hosts=hosts)
+                           time_limit=time_limit, hosts=hosts, mesh_views=mesh_views)
     result = compile_bytes(data, filename, options)
     return result.plan, result.files["sharded.jaxexport"], result.state.log.entries
 
@@ -62,6 +63,8 @@ def _plan_input(target: str, mesh: str, device: str, memory_budget, time_limit: 
 @click.option("--time-limit", default=60.0, show_default=True, type=float,
               help="solver time limit in seconds for INPUT")
 @click.option("--hosts", type=int, default=None, help="number of hosts the mesh spans (INPUT)")
+@click.option("--mesh-views", type=click.Choice(MESH_VIEW_CHOICES), default="auto",
+              show_default=True, help="views of the mesh also planned for INPUT (as compile)")
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "jax"]), default="text",
               show_default=True,
               help="text: tables and bars; json: machine-readable; jax: Python PartitionSpecs")
@@ -69,7 +72,8 @@ def _plan_input(target: str, mesh: str, device: str, memory_budget, time_limit: 
               help="also write the step-time and memory bars as an SVG picture")
 @click.option("--top", default=10, show_default=True, type=click.IntRange(1, None),
               help="how many of the costliest ops to list")
-def explain_command(target, mesh, device, memory_budget, time_limit, hosts, fmt, svg_path, top):
+def explain_command(target, mesh, device, memory_budget, time_limit, hosts, mesh_views, fmt,
+                    svg_path, top):
     """Explain a plan: shardings, estimated step time and memory, the costliest ops, and why the
     planner chose what it chose.
 
@@ -98,7 +102,7 @@ def explain_command(target, mesh, device, memory_budget, time_limit, hosts, fmt,
                     "not a plan directory; to plan an input program in memory, pass --mesh",
                     target, notes=("e.g. hloplan explain step.jaxexport --mesh 2x4",))
             plan, exported_source, diagnostics = _plan_input(target, mesh, device, memory_budget,
-                                                             time_limit, hosts)
+                                                             time_limit, hosts, mesh_views)
         else:
             raise report.PlanDirError("no such file or directory", target)
         if fmt != "json":

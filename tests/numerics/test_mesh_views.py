@@ -137,6 +137,17 @@ def test_explain_lists_the_meshes_planned(fixtures_dir, tmp_path):
     assert f"Mesh(given.devices.reshape({sizes}), ('x0', 'x1')," in run.output
 
 
+def test_explain_plans_an_input_with_or_without_views(fixtures_dir):
+    source = str(fixtures_dir / "convnet_train_step.jaxexport")
+    run = CliRunner().invoke(main, ["explain", source, "--mesh", "8", "--device", "cpu",
+                                    "--format", "json"])
+    assert json.loads(run.output)["mesh"]["view_of"] == {"axis_names": ["x"], "axis_sizes": [8]}
+    run = CliRunner().invoke(main, ["explain", source, "--mesh", "8", "--device", "cpu",
+                                    "--format", "json", "--mesh-views", "off"])
+    reply = json.loads(run.output)
+    assert reply["mesh"]["axis_names"] == ["x"] and reply["mesh_views"] is None
+
+
 def test_an_unknown_choice_is_a_usage_error(fixtures_dir):
     run = CliRunner().invoke(main, ["compile", str(fixtures_dir / "mlp_forward.jaxexport"),
                                     "--mesh", "8", "--mesh-views", "some"])
