@@ -137,8 +137,9 @@ def _viewed(data: bytes, filename: str, options: CompileOptions, after_pass, pip
     tried: list[dict] = []
     seconds: list[float] = []
     best: CompileResult | None = None
+    chosen = 0
     best_step = given_step = float("inf")
-    for view in views:
+    for index, view in enumerate(views):
         started = time.perf_counter()
         entry = {"mesh": str(view), "axis_names": list(view.axis_names),
                  "axis_sizes": list(view.axis_sizes)}
@@ -146,9 +147,9 @@ def _viewed(data: bytes, filename: str, options: CompileOptions, after_pass, pip
         try:
             # A view is planned as one program, as the mesh as given was.
             result = _compile_bytes(data, filename, dataclasses.replace(options, mesh=view),
-                                    after_pass, pipeline, passes, fallbacks=view is views[0])
+                                    after_pass, pipeline, passes, fallbacks=index == 0)
         except NoPlanFits as error:
-            if view is views[0]:
+            if index == 0:
                 raise
             entry["no_plan"] = error.diagnostics[0].message
             continue
@@ -157,28 +158,26 @@ def _viewed(data: bytes, filename: str, options: CompileOptions, after_pass, pip
         plan = result.plan
         entry["step_time_s"] = _step_seconds(plan)
         entry["peak_bytes"] = _peak_bytes(plan)
-        if view is views[0]:
+        if index == 0:
             given_step = entry["step_time_s"]
-            floor = _view_floor(result)
+            floor = _view_floor(result, plan)
             if floor is None or floor >= (1 - VIEW_GAIN) * given_step:
                 # No view's plan can be VIEW_GAIN faster, or the plan accumulates gradients or
                 # recomputes to fit (a search of its own, not repeated per view).
                 return result, None
         if best is None or entry["step_time_s"] < min(best_step, (1 - VIEW_GAIN) * given_step):
-            best, best_step = result, entry["step_time_s"]
-    chosen = next(i for i, t in enumerate(tried) if t["mesh"] == str(best.state.options.mesh))
+            best, best_step, chosen = result, entry["step_time_s"], index
     # Compile time spent on the plans not kept.
     best.timings["mesh_views"] = sum(seconds) - seconds[chosen]
     return best, {"given": tried[0], "tried": tried, "chosen": chosen}
 
 
-def _view_floor(result: CompileResult) -> float | None:
+def _view_floor(result: CompileResult, plan: dict) -> float | None:
     """A lower bound on the estimated step of any plan of the program on the same number of
     devices, on whatever mesh: per op, its cheapest strategy here (compute and communication)
     or its replicated work split over every device, whichever is less; resharding none. None
     for a plan that the program's op costs alone do not bound (pipelined, or recomputing
-    activations, which a view might not need)."""
-    plan = result.plan
+    activations, which a view might not need). `plan`: result's plan.json, parsed."""
     if plan.get("pipeline", {}).get("tasks") or plan.get("rematerialized"):
         return None
     devices = result.state.options.mesh.size

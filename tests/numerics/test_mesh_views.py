@@ -96,7 +96,7 @@ def test_views_are_skipped_when_none_can_beat_the_margin(fixtures_dir):
     # devices can go below (each op's cheapest strategy, or its work split 8 ways).
     result = hloplan.compile(fixtures_dir / "gpt_train_step.jaxexport", "8", device="toy")
     assert "mesh_views" not in result.plan and "mesh_views" not in result.timings
-    floor = _view_floor(result)
+    floor = _view_floor(result, result.plan)
     assert (1 - VIEW_GAIN) * result.plan["estimate"]["step_time_s"] <= floor
 
 
@@ -105,7 +105,7 @@ def test_the_floor_bounds_every_view(fixtures_dir, name):
     result = hloplan.compile(fixtures_dir / f"{name}.jaxexport", "8", device="cpu")
     given = hloplan.compile(fixtures_dir / f"{name}.jaxexport", "8", device="cpu",
                             mesh_views="off")
-    floor = _view_floor(given)
+    floor = _view_floor(given, given.plan)
     tried = result.plan["mesh_views"]["tried"]
     assert tried[0]["step_time_s"] == given.plan["estimate"]["step_time_s"]
     assert all(floor <= t["step_time_s"] for t in tried)
