@@ -84,6 +84,9 @@ class ReshardCost:
 
     seconds: float
     collectives: tuple[tuple[str, Axes, float], ...] = ()
+    # Layouts the tensor passes through, in order, when a multi-axis all-gather is done one
+    # axis at a time (CommModel's staged_gathers): what the plan must pin for XLA to do it so.
+    via: tuple[Sharding, ...] = ()
 
     @property
     def bytes_sent(self) -> float:
@@ -119,10 +122,11 @@ class CommModel:
     """
 
     def __init__(self, model: DeviceModel, mesh: MeshSpec, hosts: int | None = None,
-                 combine: Mapping[str, float] | None = None) -> None:
+                 combine: Mapping[str, float] | None = None, staged_gathers: bool = False) -> None:
         self.model = model
         self.mesh = mesh
         self.hosts = hosts
+        self.staged_gathers = staged_gathers
         self.combine = {_kind(k): float(v) for k, v in (combine or {}).items() if v > 0}
         self.links: tuple[Interconnect, ...] = axis_links(model, mesh, hosts)
         # Memos: the planner prices ~10^4 reshards between the same few axis groups and
@@ -341,12 +345,21 @@ class CommModel:
                 steps.append((kind, axes, sent))
 
         # 1. all-gathers, the last dim first (tests/unit/test_hlo_stats.py checks XLA's order)
+        via: list[Sharding] = []
         for d in reversed(range(rank)):
             gathered = tuple(a for a in leaving[d]
                              if dst_dim.get(a, d) == d or dst_dim[a] in gathered_into)
-            if gathered:
+            if not gathered:
+                continue
+            stages = self._gather_stages(shape, itemsize, current, d, gathered)
+            if stages is None:
                 current[d] = [a for a in current[d] if a not in gathered]
                 record(ALL_GATHER, size(), gathered)
+                continue
+            for axis in stages:
+                current[d].remove(axis)
+                record(ALL_GATHER, size(), (axis,))
+                via.append(tuple(tuple(axes) for axes in current))
         # 2. all-to-alls
         for d in range(rank):
             targets = sorted({dst_dim[a] for a in leaving[d]
@@ -357,4 +370,33 @@ class CommModel:
                 current[d] = [a for a in current[d] if a not in moved]
                 current[target].extend(moved)
         # 3. slices: free.
-        return ReshardCost(seconds, tuple(steps))
+        if via and via[-1] == dst_s:
+            via.pop()
+        return ReshardCost(seconds, tuple(steps), tuple(via))
+
+    def _gather_stages(self, shape: Sequence[int], itemsize: int, current: list[list[int]],
+                       d: int, gathered: Axes) -> list[int] | None:
+        """With staged_gathers: the axes to gather from dim `d` one at a time, minor-most
+        first, when that is cheaper than XLA's one all-gather over them all; else None.
+
+        A ring all-gather over n devices takes n - 1 steps, so gathering (x, y) as y, then x,
+        takes (n_y - 1) + (n_x - 1) steps instead of n_x * n_y - 1 for the same bytes, and only
+        the x part crosses x's link when the links differ. Only a minor-most run of the dim's
+        axes can be gathered so (each stage leaves a whole-block layout)."""
+        if not self.staged_gathers or len(gathered) < 2:
+            return None
+        axes = current[d]
+        if tuple(axes[len(axes) - len(gathered):]) != tuple(sorted(gathered, key=axes.index)):
+            return None
+        trial = [list(a) for a in current]
+        trial[d] = [a for a in axes if a not in gathered]
+        whole = self.collective(ALL_GATHER, local_bytes(shape, itemsize, trial, self.mesh),
+                                gathered)
+        staged = 0.0
+        trial[d] = list(axes)
+        order = list(reversed(axes[len(axes) - len(gathered):]))
+        for axis in order:
+            trial[d].remove(axis)
+            staged += self.collective(ALL_GATHER, local_bytes(shape, itemsize, trial, self.mesh),
+                                      (axis,))
+        return order if staged < whole else None

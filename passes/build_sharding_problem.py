@@ -61,12 +61,16 @@ class BuildShardingProblem:
     # 0.834 to 2.32 of the best hand plan, whose compiled program has no such all-reduce. On
     # 8x8 (1.26 ms) they are priced, and make the 2-layer GPT's LP fractional (4 -> 35 s).
     min_launch_s: float = 1e-3
+    # Price (and have propagate-sharding pin) a multi-axis all-gather as one all-gather per
+    # axis, minor-most first, where that is cheaper: XLA gathers [(x, y)] -> [-] over all
+    # devices at once, in n_x * n_y - 1 ring steps rather than (n_x - 1) + (n_y - 1).
+    staged_gathers: bool = True
 
     def apply(self, state: CompileState) -> None:
         graph = state.graph
         options = state.options
         comm = CommModel(options.device, options.mesh, hosts=options.hosts,
-                         combine=options.device.combiner)
+                         combine=options.device.combiner, staged_gathers=self.staged_gathers)
         state.comm = comm
         builder = _ProblemBuilder(graph, comm, self.follow_pointwise, state, self.min_launch_s)
         state.space, state.problem = builder.build(options.plan_budget)
@@ -110,7 +114,8 @@ class _ProblemBuilder:
         # Collectives of ops that feed a matmul are never merged with others: each pays its
         # whole latency (XLA's combiners only merge independent collectives).
         self.chained = feeding_matmuls(graph)
-        self.unmerged = CommModel(comm.model, comm.mesh, hosts=comm.hosts)
+        self.unmerged = CommModel(comm.model, comm.mesh, hosts=comm.hosts,
+                                  staged_gathers=comm.staged_gathers)
         # Inputs that arrive every step (not state updated in place): their layout decides
         # what each device receives, so their bytes are priced.
         state = state_like_args(graph)

@@ -4,7 +4,8 @@ The mesh goes in as `sdy.mesh @mesh`; main's arguments and results get `sdy.shar
 planned op's results are fixed by an `sdy.sharding_constraint` right after it (XLA keeps
 constraints; it re-propagates `sdy.sharding` attributes on ops as it likes); where a strategy
 needs an operand in another layout than its producer gives, a second constraint before the
-consumer makes that resharding explicit, so XLA's partitioner does what the plan priced. A
+consumer makes that resharding explicit, so XLA's partitioner does what the plan priced (and
+where the plan priced a multi-axis all-gather axis by axis, a constraint per stage). A
 matmul priced as reading a value from an earlier matmul's layout (a weight all-gathered once for
 the forward and backward matmuls) gets its constraint on the earlier one's constrained operand
 unless resharding from the value's own layout is cheaper: XLA reshards from the value otherwise.
@@ -58,10 +59,13 @@ class PropagateSharding:
                 operand_index = op.attrs["result"] if op.name in ("while.carry", "barrier.result") else k
                 via = state.space.reads_via.get((op_index, k))
                 if via is not None and self._from_earlier(state, value_id, via, given, required):
-                    chained.append((mlir_op, operand_index, spec_names(required, mesh),
+                    earlier = state.chosen(via[0]).operands[via[1]]
+                    chained.append((mlir_op, operand_index,
+                                    self._stages(state, value_id, earlier, required),
                                     handles.ops[via[0]][0], via[1]))
                     continue
-                operand_constraints.append((mlir_op, operand_index, spec_names(required, mesh)))
+                operand_constraints.append((mlir_op, operand_index,
+                                            self._stages(state, value_id, given, required)))
         results = 0
         for mlir_op, specs in per_mlir_op.values():
             annotator.constrain_results(mlir_op, specs)
@@ -70,18 +74,22 @@ class PropagateSharding:
         # would repeat the layout its operand already has is left out.
         for mlir_op, result_index, spec in pins:
             annotator.pin_while_carry(mlir_op, result_index, spec)
-        for mlir_op, operand_index, spec in operand_constraints:
-            annotator.constrain_operand(mlir_op, operand_index, spec)
-        for mlir_op, operand_index, spec, earlier, earlier_index in chained:
-            annotator.constrain_operand(mlir_op, operand_index, spec,
+        for mlir_op, operand_index, specs in operand_constraints:
+            for spec in specs:
+                annotator.constrain_operand(mlir_op, operand_index, spec)
+        for mlir_op, operand_index, specs, earlier, earlier_index in chained:
+            annotator.constrain_operand(mlir_op, operand_index, specs[0],
                                         source=(earlier, earlier_index))
+            for spec in specs[1:]:
+                annotator.constrain_operand(mlir_op, operand_index, spec)
         annotator.set_arguments(argument_specs)
         result_specs = {}
         for index, value_id in enumerate(graph.outputs):
             result_specs[index] = spec_names(self._layout(state, value_id), mesh)
         self._keep_donated_layouts(state, result_specs)
         annotator.set_results(result_specs)
-        state.facts["sharding_constraints"] = 2 * len(pins) + len(operand_constraints) + len(chained)
+        state.facts["sharding_constraints"] = 2 * len(pins) + sum(
+            len(entry[2]) for entry in operand_constraints + chained)
         state.facts["result_constraints"] = results
 
     def _layout(self, state: CompileState, value_id: int):
@@ -135,6 +143,15 @@ class PropagateSharding:
             return state.comm.reshard(type_.shape, type_.itemsize, src, required).seconds
 
         return seconds(earlier) <= seconds(given)
+
+    @staticmethod
+    def _stages(state: CompileState, value_id: int, src, dst) -> list[tuple]:
+        """The layouts to pin, in order, to take a value from `src` to `dst` as the plan
+        priced it: `dst`, after the layouts of a staged all-gather (CommModel.reshard's via)."""
+        type_ = state.graph.type_of(value_id)
+        via = state.comm.reshard(type_.shape, type_.itemsize, src, dst).via
+        mesh = state.options.mesh
+        return [spec_names(layout, mesh) for layout in (*via, dst)]
 
     @staticmethod
     def _given(state: CompileState, value_id: int):

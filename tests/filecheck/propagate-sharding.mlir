@@ -8,6 +8,8 @@
 
 // RUN: %split-input %s 0 | hloplan-opt - -p inline-calls,extract-graph,build-sharding-problem,solve-sharding,propagate-sharding --mesh 2x4 --device toy | filecheck %s
 // RUN: %split-input %s 1 | hloplan-opt - -p inline-calls,extract-graph,build-sharding-problem,solve-sharding,propagate-sharding --mesh 2x4 --device toy | filecheck %s --check-prefix=LOOP
+// RUN: %split-input %s 2 | hloplan-opt - -p inline-calls,extract-graph,build-sharding-problem,solve-sharding,propagate-sharding --mesh 2x4 --device toy | filecheck %s --check-prefix=STAGED
+// RUN: %split-input %s 2 | hloplan-opt - -p inline-calls,extract-graph,build-sharding-problem,solve-sharding,propagate-sharding --mesh 2x4 --device toy --pass-option build-sharding-problem.staged_gathers=false | filecheck %s --check-prefix=ONESTEP
 
 // A batch-64 matmul that is large for the toy device, its relu in a private function and an
 // optimization barrier that also carries a scalar constant. The batch dim is split over all 8
@@ -119,5 +121,46 @@ module @jit_scan {
     %0 = stablehlo.dot_general %arg0, %arg1, contracting_dims = [2] x [0] : (tensor<64x999x64xf32>, tensor<64x64xf32>) -> tensor<64x999x64xf32>
     %1 = stablehlo.tanh %0 : tensor<64x999x64xf32>
     return %1 : tensor<64x999x64xf32>
+  }
+}
+
+// -----
+
+// Batch-norm-like statistics between two matmuls, everything split over the batch on (x, y).
+// The sum over the batch is reduce-scattered over (x, y) and gathered back for the broadcast.
+// Gathering (x, y) as y, then x, takes 3 + 1 ring steps instead of 7 for the same bytes, so
+// the plan pins the layout in between, [x], and XLA's partitioner issues two all-gathers. The
+// weight, stored split over (x, y), is gathered the same way. With the option off, each value
+// goes from (x, y) to replicated in one constraint.
+// STAGED-LABEL: module @jit_norm
+// STAGED:         [[W1:%.*]] = sdy.sharding_constraint %arg1 <@mesh, [{"x"}, {}]> : tensor<256x256xf32>
+// STAGED-NEXT:    [[W:%.*]] = sdy.sharding_constraint [[W1]] <@mesh, [{}, {}]> : tensor<256x256xf32>
+// STAGED-NEXT:    stablehlo.dot_general %arg0, [[W]]
+// STAGED:         [[S:%.*]] = stablehlo.reduce
+// STAGED-NEXT:    [[SC:%.*]] = sdy.sharding_constraint [[S]] <@mesh, [{"x", "y"}]> : tensor<256xf32>
+// STAGED-NEXT:    [[R:%.*]] = stablehlo.rsqrt [[SC]] : tensor<256xf32>
+// STAGED-NEXT:    [[RC:%.*]] = sdy.sharding_constraint [[R]] <@mesh, [{"x", "y"}]> : tensor<256xf32>
+// STAGED-NEXT:    [[R1:%.*]] = sdy.sharding_constraint [[RC]] <@mesh, [{"x"}]> : tensor<256xf32>
+// STAGED-NEXT:    [[R2:%.*]] = sdy.sharding_constraint [[R1]] <@mesh, [{}]> : tensor<256xf32>
+// STAGED-NEXT:    stablehlo.broadcast_in_dim [[R2]], dims = [1]
+// ONESTEP-LABEL: module @jit_norm
+// ONESTEP:         [[W:%.*]] = sdy.sharding_constraint %arg1 <@mesh, [{}, {}]> : tensor<256x256xf32>
+// ONESTEP-NEXT:    stablehlo.dot_general %arg0, [[W]]
+// ONESTEP:         [[R0:%[0-9]+]] = stablehlo.rsqrt
+// ONESTEP-NEXT:    [[RC:%.*]] = sdy.sharding_constraint [[R0]] <@mesh, [{"x", "y"}]> : tensor<256xf32>
+// ONESTEP-NEXT:    [[R:%.*]] = sdy.sharding_constraint [[RC]] <@mesh, [{}]> : tensor<256xf32>
+// ONESTEP-NEXT:    stablehlo.broadcast_in_dim [[R]], dims = [1]
+
+module @jit_norm {
+  func.func public @main(%x: tensor<4096x256xf32>, %w: tensor<256x256xf32>) -> (tensor<4096x256xf32> {jax.result_info = "result"}) {
+    %h = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<4096x256xf32>, tensor<256x256xf32>) -> tensor<4096x256xf32>
+    %sq = stablehlo.multiply %h, %h : tensor<4096x256xf32>
+    %zero = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+    %s = stablehlo.reduce(%sq init: %zero) applies stablehlo.add across dimensions = [0] : (tensor<4096x256xf32>, tensor<f32>) -> tensor<256xf32>
+    %r = stablehlo.rsqrt %s : tensor<256xf32>
+    %b = stablehlo.broadcast_in_dim %r, dims = [1] : (tensor<256xf32>) -> tensor<4096x256xf32>
+    %y = stablehlo.multiply %h, %b : tensor<4096x256xf32>
+    %o = stablehlo.dot_general %y, %w, contracting_dims = [1] x [0] : (tensor<4096x256xf32>, tensor<256x256xf32>) -> tensor<4096x256xf32>
+    return %o : tensor<4096x256xf32>
   }
 }

@@ -533,6 +533,56 @@ def test_reshard_over_the_slow_link() -> None:
     assert cost.seconds == pytest.approx(7 / 8 * 64 * MiB / 5e10 + 7.1e-5)
 
 
+def test_staged_gathers_take_one_axis_at_a_time() -> None:
+    mesh = parse_mesh("data=2,model=4")
+    one_step = CommModel(toy_model(), mesh)
+    staged = CommModel(toy_model(), mesh, staged_gathers=True)
+    # [(data, model), -] -> replicated. XLA's one all-gather over 8 devices: 7/8 * 2 MiB in 7
+    # ring steps. Staged: model first (n = 4), to the 1 MiB block still split over data (sends
+    # 3/4 * 1 MiB), then data (n = 2) to the full 2 MiB (sends 1/2 * 2 MiB): the same bytes in
+    # 3 + 1 steps, through the layout [data, -], which the plan pins.
+    cost = one_step.reshard(SHAPE, 4, ((0, 1), ()), ((), ()))
+    assert cost.collectives == (("all-gather", (0, 1), 1835008.0),) and cost.via == ()
+    cost = staged.reshard(SHAPE, 4, ((0, 1), ()), ((), ()))
+    assert cost.collectives == (("all-gather", (1,), 786432.0), ("all-gather", (0,), 1048576.0))
+    assert cost.seconds == pytest.approx(1835008 / 1e11 + 4e-6)
+    assert cost.via == (((0,), ()),)
+    # Gathering down to [data, -] is one axis already: nothing to stage.
+    assert staged.reshard(SHAPE, 4, ((0, 1), ()), ((0,), ())).via == ()
+    # Three axes: c, then b, then a, through [(a, b), -] and [a, -].
+    three = CommModel(toy_model(), parse_mesh("a=2,b=2,c=2"), staged_gathers=True)
+    cost = three.reshard(SHAPE, 4, ((0, 1, 2), ()), ((), ()))
+    assert [axes for _, axes, _ in cost.collectives] == [(2,), (1,), (0,)]
+    assert cost.via == (((0, 1), ()), ((0,), ()))
+    # Gathered axes that are not the dim's minor-most run (b moves to dim 1 by all-to-all,
+    # a and c are gathered) cannot be gathered one by one into whole blocks: one all-gather.
+    cost = three.reshard(SHAPE, 4, ((0, 1, 2), ()), ((), (1,)))
+    assert cost.via == () and cost.collectives[0][:2] == ("all-gather", (0, 2))
+
+
+def test_staged_gathers_only_where_cheaper() -> None:
+    # A 1 ms launch per collective outweighs the 3 ring steps (3 us) staging saves.
+    costly_calls = CommModel(toy_model(collective_overhead=1e-3), parse_mesh("data=2,model=4"),
+                             staged_gathers=True)
+    cost = costly_calls.reshard(SHAPE, 4, ((0, 1), ()), ((), ()))
+    assert cost.collectives == (("all-gather", (0, 1), 1835008.0),) and cost.via == ()
+
+
+def test_staged_gathers_keep_the_fast_link_off_the_slow_one() -> None:
+    # 4 hosts of 8 H100s: data (n = 4) crosses InfiniBand, model (n = 8) stays on NVLink. One
+    # all-gather of a 64 MiB weight over all 32 GPUs runs at InfiniBand's pace for 31/32 of it
+    # and 31 steps; staged, only the last 3/4 of the data part crosses InfiniBand.
+    mesh = parse_mesh("data=4,model=8")
+    one_step = CommModel(load_device_model("h100"), mesh).reshard(
+        (4096, 4096), 4, ((0, 1), ()), ((), ()))
+    staged = CommModel(load_device_model("h100"), mesh, staged_gathers=True).reshard(
+        (4096, 4096), 4, ((0, 1), ()), ((), ()))
+    assert one_step.seconds == pytest.approx(31 / 32 * 64 * MiB / 5e10 + 31 * 1e-5 + 1e-6)
+    assert staged.seconds == pytest.approx(7 / 8 * 16 * MiB / 450e9 + 7 * 3e-6 + 1e-6
+                                           + 3 / 4 * 64 * MiB / 5e10 + 3 * 1e-5 + 1e-6)
+    assert staged.seconds < 0.8 * one_step.seconds
+
+
 def test_reshard_bad_shardings(comm: CommModel) -> None:
     with pytest.raises(ValueError, match="has 1 entries for a rank-2 tensor"):
         comm.reshard(SHAPE, 4, ((0,),), ((), ()))
