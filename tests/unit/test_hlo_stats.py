@@ -478,6 +478,14 @@ def _put(mesh: jax.sharding.Mesh, shape: tuple[int, ...], *spec: object) -> jax.
     return jax.device_put(jnp.ones(shape, jnp.float32), NamedSharding(mesh, P(*spec)))
 
 
+def _axes_of(spec: tuple, rank: int) -> tuple[tuple[int, ...], ...]:
+    """A PartitionSpec's entries over ("data", "model") as CommModel's mesh-axis indices."""
+    names = {"data": 0, "model": 1}
+    spec = tuple(spec) + (None,) * (rank - len(spec))
+    return tuple(() if s is None else tuple(names[a] for a in ((s,) if isinstance(s, str) else s))
+                 for s in spec)
+
+
 def _stats(compiled: object) -> CollectiveStats:
     return collective_stats(compiled.as_text(), mesh_axes=MESH_AXES)  # type: ignore[attr-defined]
 
@@ -804,13 +812,6 @@ def test_reshard_model_matches_compiled_collectives(mesh, src, dst) -> None:
     from hloplan.cost_models import CommModel, load_device_model
     from hloplan.mesh import parse_mesh
 
-    names = {"data": 0, "model": 1}
-
-    def axes_of(spec, rank):
-        spec = tuple(spec) + (None,) * (rank - len(spec))
-        return tuple(() if s is None else tuple(names[a] for a in ((s,) if isinstance(s, str) else s))
-                     for s in spec)
-
     shape = (8, 16, 32, 64)[-len(src):]
     x = _put(mesh, shape, *src)
     compiled = (
@@ -818,10 +819,48 @@ def test_reshard_model_matches_compiled_collectives(mesh, src, dst) -> None:
     )
     realised = [(op.kind, op.axes, op.bytes_sent) for op in _stats(compiled).ops]
     comm = CommModel(load_device_model("h100"), parse_mesh("data=2,model=4"), hosts=2)
-    cost = comm.reshard(shape, 4, axes_of(src, len(shape)), axes_of(dst, len(shape)))
+    cost = comm.reshard(shape, 4, _axes_of(src, len(shape)), _axes_of(dst, len(shape)))
     predicted = [(kind, tuple(("data", "model")[a] for a in axes), sent)
                  for kind, axes, sent in cost.collectives]
     assert predicted == realised
+
+
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [
+        ((("data", "model"), None), ()),  # model, then data
+        ((None, ("data", "model")), ()),
+        ((("data", "model"), None), ("model", None)),  # both gathered, then model sliced
+        ((None, ("model", "data")), (None, None)),  # data (minor here), then model
+    ],
+)
+def test_staged_gathers_compile_as_priced(mesh, src, dst) -> None:
+    """With staged_gathers, CommModel.reshard's `via` layouts, pinned in order before the
+    destination (as propagate-sharding pins them), make XLA issue the collectives priced: one
+    all-gather per axis, minor-most first, the same bytes as one all-gather over both."""
+    from hloplan.cost_models import CommModel, load_device_model
+    from hloplan.mesh import parse_mesh
+
+    def spec_of(layout):
+        return P(*[tuple(("data", "model")[a] for a in axes) or None for axes in layout])
+
+    shape = (16, 32)
+    comm = CommModel(load_device_model("h100"), parse_mesh("data=2,model=4"), hosts=2,
+                     staged_gathers=True)
+    cost = comm.reshard(shape, 4, _axes_of(src, len(shape)), _axes_of(dst, len(shape)))
+    assert cost.via, "each case stages a gather"
+
+    def reshard(a):
+        for layout in cost.via:
+            a = jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec_of(layout)))
+        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P(*dst)))
+
+    compiled = jax.jit(lambda a: reshard(a * 2)).lower(_put(mesh, shape, *src)).compile()
+    realised = [(op.kind, op.axes, op.bytes_sent) for op in _stats(compiled).ops]
+    predicted = [(kind, tuple(("data", "model")[a] for a in axes), sent)
+                 for kind, axes, sent in cost.collectives]
+    assert predicted == realised
+    assert all(len(axes) == 1 for _, axes, _ in realised)
 
 
 # ---------------------------------------------------------------------------------------------
