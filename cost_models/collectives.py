@@ -288,8 +288,12 @@ class CommModel:
         itemsize: int,
         src: Sequence[Sequence[int]],
         dst: Sequence[Sequence[int]],
+        staged: bool | None = None,
     ) -> ReshardCost:
         """Cost of changing a tensor of `shape` from sharding `src` to sharding `dst`.
+        `staged`: whether a multi-axis all-gather may go one axis at a time (see via); None
+        takes the model's staged_gathers. A reshard nobody pins (jax.device_put between
+        programs) goes as XLA does it: staged=False.
 
         On each dim d, the longest common prefix of src[d] and dst[d] stays put. Every src axis
         after that prefix leaves dim d, minor-most first:
@@ -351,7 +355,8 @@ class CommModel:
                              if dst_dim.get(a, d) == d or dst_dim[a] in gathered_into)
             if not gathered:
                 continue
-            stages = self._gather_stages(shape, itemsize, current, d, gathered)
+            stages = self._gather_stages(shape, itemsize, current, d, gathered,
+                                         self.staged_gathers if staged is None else staged)
             if stages is None:
                 current[d] = [a for a in current[d] if a not in gathered]
                 record(ALL_GATHER, size(), gathered)
@@ -375,15 +380,15 @@ class CommModel:
         return ReshardCost(seconds, tuple(steps), tuple(via))
 
     def _gather_stages(self, shape: Sequence[int], itemsize: int, current: list[list[int]],
-                       d: int, gathered: Axes) -> list[int] | None:
-        """With staged_gathers: the axes to gather from dim `d` one at a time, minor-most
+                       d: int, gathered: Axes, staged: bool) -> list[int] | None:
+        """With `staged`: the axes to gather from dim `d` one at a time, minor-most
         first, when that is cheaper than XLA's one all-gather over them all; else None.
 
         A ring all-gather over n devices takes n - 1 steps, so gathering (x, y) as y, then x,
         takes (n_y - 1) + (n_x - 1) steps instead of n_x * n_y - 1 for the same bytes, and only
         the x part crosses x's link when the links differ. Only a minor-most run of the dim's
         axes can be gathered so (each stage leaves a whole-block layout)."""
-        if not self.staged_gathers or len(gathered) < 2:
+        if not staged or len(gathered) < 2:
             return None
         axes = current[d]
         if tuple(axes[len(axes) - len(gathered):]) != tuple(sorted(gathered, key=axes.index)):

@@ -178,8 +178,11 @@ class PriceBoundaryLayouts:
             type_ = graph.type_of(value)
 
             def cost(own, type_=type_, spec=spec, out=out, index=index) -> float:
+                # The loader moves values between tasks with jax.device_put: XLA's reshard,
+                # not staged (nothing pins the layouts in between).
                 src, dst = (own.results[index], spec) if out else (spec, own.results[index])
-                return state.comm.reshard(type_.shape, type_.itemsize, src, dst).seconds
+                return state.comm.reshard(type_.shape, type_.itemsize, src, dst,
+                                          staged=False).seconds
 
             priced = tuple(dataclasses.replace(st, communication_cost=st.communication_cost
                                                + weight * cost(own))

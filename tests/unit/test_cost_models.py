@@ -547,6 +547,9 @@ def test_staged_gathers_take_one_axis_at_a_time() -> None:
     assert cost.collectives == (("all-gather", (1,), 786432.0), ("all-gather", (0,), 1048576.0))
     assert cost.seconds == pytest.approx(1835008 / 1e11 + 4e-6)
     assert cost.via == (((0,), ()),)
+    # staged=False prices a reshard nobody pins (jax.device_put between programs) as XLA does.
+    assert staged.reshard(SHAPE, 4, ((0, 1), ()), ((), ()), staged=False) == one_step.reshard(
+        SHAPE, 4, ((0, 1), ()), ((), ()))
     # Gathering down to [data, -] is one axis already: nothing to stage.
     assert staged.reshard(SHAPE, 4, ((0, 1), ()), ((0,), ())).via == ()
     # Three axes: c, then b, then a, through [(a, b), -] and [a, -].

@@ -6,6 +6,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax import export
 
 from hloplan import ir
@@ -134,3 +135,26 @@ def test_a_donated_arguments_result_in_its_layout_is_left_alone():
     assert '[{"x"}, {"y"}]' in main.split("->", 1)[1]
     assert state.facts["donation"]["resharded_results"] == []
     assert not state.log.warnings
+
+
+def test_boundary_layouts_are_priced_as_the_loader_moves_them():
+    """A task's input that another task made [(x, y), -] reaches it through jax.device_put,
+    which XLA reshards in one all-gather over (x, y): PriceBoundaryLayouts prices that, not the
+    cheaper staged gathers that only pinned layouts inside a program get."""
+    from hloplan.pipelining import PriceBoundaryLayouts
+
+    state = _state()
+    assert state.comm.staged_gathers
+    w = state.graph.arguments[0]
+    node = state.space.node_of[state.graph.values[w].producer]
+    before = [s.communication_cost for s in state.problem.nodes[node].strategies]
+    made = ((0, 1), ())
+    PriceBoundaryLayouts(incoming=((0, made, 1.0),)).apply(state)
+    after = [s.communication_cost for s in state.problem.nodes[node].strategies]
+    layouts = [s.results[0] for s in state.space.strategies[state.graph.values[w].producer]]
+    replicated = layouts.index(((), ()))
+    one_step = state.comm.reshard((64, 64), 4, made, ((), ()), staged=False)
+    staged = state.comm.reshard((64, 64), 4, made, ((), ()))
+    assert staged.seconds < one_step.seconds and staged.via and not one_step.via
+    assert after[replicated] - before[replicated] == pytest.approx(one_step.seconds)
+    assert after[layouts.index(made)] == before[layouts.index(made)]
