@@ -34,7 +34,7 @@ class PropagateSharding:
         per_mlir_op: dict[int, tuple[object, dict[int, tuple]]] = {}
         operand_constraints: list[tuple[object, int, tuple]] = []
         chained: list[tuple[object, int, tuple, object, int]] = []
-        pins: list[tuple[object, int, tuple]] = []
+        pins: list[tuple[object, int, list, list]] = []
         argument_specs: dict[int, tuple] = {}
         for op_index in state.space.strategies:
             op = graph.ops[op_index]
@@ -44,7 +44,10 @@ class PropagateSharding:
                 continue
             mlir_op, result_indices = handles.ops[op_index]
             if op.name == "while.carry":
-                pins.append((mlir_op, op.attrs["result"], spec_names(chosen.results[0], mesh)))
+                carry = chosen.results[0]
+                pins.append((mlir_op, op.attrs["result"],
+                             self._pinned(state, op.operands[0], carry),
+                             self._pinned(state, op.attrs.get("yield"), carry)))
                 continue
             entry = per_mlir_op.setdefault(id(mlir_op), (mlir_op, {}))
             for result_index, spec in zip(result_indices, chosen.results):
@@ -72,8 +75,8 @@ class PropagateSharding:
             results += len(specs)
         # Pins and operand constraints go in after the result constraints, so that one that
         # would repeat the layout its operand already has is left out.
-        for mlir_op, result_index, spec in pins:
-            annotator.pin_while_carry(mlir_op, result_index, spec)
+        for mlir_op, result_index, entry, back in pins:
+            annotator.pin_while_carry(mlir_op, result_index, entry, back)
         for mlir_op, operand_index, specs in operand_constraints:
             for spec in specs:
                 annotator.constrain_operand(mlir_op, operand_index, spec)
@@ -88,7 +91,7 @@ class PropagateSharding:
             result_specs[index] = spec_names(self._layout(state, value_id), mesh)
         self._keep_donated_layouts(state, result_specs)
         annotator.set_results(result_specs)
-        state.facts["sharding_constraints"] = 2 * len(pins) + sum(
+        state.facts["sharding_constraints"] = sum(len(pin[2]) + len(pin[3]) for pin in pins) + sum(
             len(entry[2]) for entry in operand_constraints + chained)
         state.facts["result_constraints"] = results
 
@@ -152,6 +155,14 @@ class PropagateSharding:
         via = state.comm.reshard(type_.shape, type_.itemsize, src, dst).via
         mesh = state.options.mesh
         return [spec_names(layout, mesh) for layout in (*via, dst)]
+
+    def _pinned(self, state: CompileState, value_id: int | None, carry) -> list[tuple]:
+        """The layouts to pin a loop-carried value to, in order, where `value_id` (the loop's
+        initial value, or the body's yielded one) enters the carry's layout `carry`."""
+        given = None if value_id is None else self._given(state, value_id)
+        if given is None or given == carry:
+            return [spec_names(carry, state.options.mesh)]
+        return self._stages(state, value_id, given, carry)
 
     @staticmethod
     def _given(state: CompileState, value_id: int):

@@ -1010,16 +1010,20 @@ class Annotator:
                         result, ir.Attribute.parse(sharding_text(specs[index])))
                 result.replace_all_uses_except(constraint.result, constraint.operation)
 
-    def pin_while_carry(self, while_op, index: int, spec) -> None:
-        """Fix loop-carried value `index` to `spec` at loop entry and at the body's yield.
+    def pin_while_carry(self, while_op, index: int, entry: list, back: list) -> None:
+        """Fix loop-carried value `index` to a layout at loop entry and at the body's yield:
+        `entry` and `back` list the specs to pin in order there (the last, the carry's layout;
+        those before it, the stages of a staged all-gather into it).
 
         The while op itself gets no sharding attribute: XLA (jax 0.10.2) mis-sizes the tuple
         sharding of an annotated while (RET_CHECK leaf_count == tuple_elements_.size());
         Shardy propagates the pinned layout through the loop's data-flow edges instead."""
-        self.constrain_operand(while_op, index, spec)
+        for spec in entry:
+            self.constrain_operand(while_op, index, spec)
         body = while_op.operation.regions[1].blocks[0]
         terminator = list(body.operations)[-1]
-        self.constrain_operand(terminator, index, spec)
+        for spec in back:
+            self.constrain_operand(terminator, index, spec)
 
     def constrain_operand(self, op, operand_index: int, spec, source=None) -> None:
         """Insert sdy.sharding_constraint before `op` so its operand arrives in `spec`.

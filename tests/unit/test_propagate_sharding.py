@@ -158,3 +158,36 @@ def test_boundary_layouts_are_priced_as_the_loader_moves_them():
     assert staged.seconds < one_step.seconds and staged.via and not one_step.via
     assert after[replicated] - before[replicated] == pytest.approx(one_step.seconds)
     assert after[layouts.index(made)] == before[layouts.index(made)]
+
+
+def _looped(w, x):
+    return jax.lax.fori_loop(0, 3, lambda i, c: (c[0], jnp.tanh(c[1] @ c[0])), (w, x))[1]
+
+
+def test_a_loop_carry_entered_by_a_staged_gather_is_pinned_stage_by_stage():
+    """w stored [(x, y), -] and carried through a loop replicated: the entry edge is priced as a
+    gather over y, then x; the pins before the while go [x, -], then [-, -], as priced."""
+    s = jax.ShapeDtypeStruct
+    exported = export.export(jax.jit(_looped), platforms=("cpu",))(
+        s((64, 64), jnp.float32), s((32, 64), jnp.float32))
+    program = ir.load_program(bytes(exported.serialize()), "looped.jaxexport")
+    state = run_pipeline(program, make_options("2x4", device="toy"),
+                         [InlineCalls(), ExtractGraph(), BuildShardingProblem()])
+    graph = state.graph
+    w = graph.arguments[0]
+    (carry,) = [u for u in graph.values[w].users if graph.ops[u].name == "while.carry"]
+    choice = [0] * len(state.problem.nodes)
+    picks = {graph.values[w].producer: lambda s: s.results[0] == ((0, 1), ()),
+             carry: lambda s: s.results[0] == ((), ())}
+    for op_index, want in picks.items():
+        choice[state.space.node_of[op_index]] = _pick(state, op_index, want)
+    state.solution = Solution(tuple(choice))
+    PropagateSharding().apply(state)
+    text = str(state.program.module)
+    first = re.search(r'(%\S+) = sdy.sharding_constraint %arg0 <@mesh, \[\{"x"\}, \{\}\]>', text)
+    assert first, text
+    second = re.search(rf'(%\S+) = sdy.sharding_constraint {re.escape(first.group(1))} '
+                       r'<@mesh, \[\{\}, \{\}\]>', text)
+    assert second, text
+    assert re.search(rf'stablehlo.while\(%\S+ = {re.escape(second.group(1))}', text), text
+    assert not re.search(r'sdy.sharding_constraint %arg0 <@mesh, \[\{\}, \{\}\]>', text)
