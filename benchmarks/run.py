@@ -625,14 +625,17 @@ def _cpu_seconds() -> float:
 
 
 def search_one(layers: int, hidden: int, heads: int, mesh: str, solver: str,
-               cpu_limit: float) -> dict:
+               cpu_limit: float, pass_options: tuple[str, ...] = ()) -> dict:
     """Runs in its own process: export, then hloplan compile; prints a JSON progress line after
-    every pass (so a timed-out run still says how far it got) and a final JSON result line."""
+    every pass (so a timed-out run still says how far it got) and a final JSON result line.
+    `pass_options`: PASS.FIELD=VALUE, as hloplan compile --pass-option (to compare a pass's
+    option side by side)."""
     import resource
 
     import models
 
     from hloplan.compiler import compile_bytes, make_options
+    from hloplan.pipeline import compile_pipeline, with_pass_options
 
     # The limit is inherited by the CBC child process (each process gets its own budget).
     resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_limit), int(cpu_limit) + 5))
@@ -653,7 +656,12 @@ def search_one(layers: int, hidden: int, heads: int, mesh: str, solver: str,
             info["edges"] = len(state.problem.edges)
         print(json.dumps(info), flush=True)
 
-    result = compile_bytes(data, f"gpt_L{layers}_H{hidden}", options, after_pass=progress)
+    passes = None
+    if pass_options:
+        passes = list(with_pass_options({p.name: p for p in compile_pipeline()},
+                                        pass_options).values())
+    result = compile_bytes(data, f"gpt_L{layers}_H{hidden}", options, after_pass=progress,
+                           passes=passes)
     wall, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
     t = result.timings
     passes = sum(v for k, v in t.items() if k not in ("parse", "emit", "solver_seconds"))
@@ -1102,6 +1110,8 @@ def main(argv=None) -> int:
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite results.md from an existing results.json")
     parser.add_argument("--search-one", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--pass-option", action="append", default=[], metavar="PASS.FIELD=VALUE",
+                        help="with --search-one: a pass option, as hloplan compile's")
     args = parser.parse_args(argv)
 
     if args.out is None:
@@ -1114,7 +1124,7 @@ def main(argv=None) -> int:
     if args.search_one:
         layers, hidden, heads, mesh, solver, limit = args.search_one.split(",")
         print(json.dumps(search_one(int(layers), int(hidden), int(heads), mesh, solver,
-                                    float(limit))), flush=True)
+                                    float(limit), tuple(args.pass_option))), flush=True)
         return 0
 
     started = time.perf_counter()

@@ -126,7 +126,7 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
     stdin) for a device mesh and write the plan directory."""
     from hloplan import ir
     from hloplan.compiler import compile_bytes, make_options
-    from hloplan.pipeline import PASS_NAMES, compile_pipeline
+    from hloplan.pipeline import PASS_NAMES, compile_pipeline, with_pass_options
 
     filename = input_path
     data = b""
@@ -153,7 +153,7 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
         if donate != "export":
             pass_options = (f"extract-graph.donate={donate}", *pass_options)
         if pass_options:
-            by_name = _with_pass_options({p.name: p for p in compile_pipeline()}, pass_options)
+            by_name = with_pass_options({p.name: p for p in compile_pipeline()}, pass_options)
             passes = list(by_name.values())
         pipeline = _pipeline_options(stages, microbatches, schedule, batch_args)
         with progress:
@@ -358,7 +358,7 @@ def opt_command(input_path, pass_list, mesh, device, memory_budget, pass_options
     """Run passes on INPUT and print the module (for golden IR tests)."""
     from hloplan import ir
     from hloplan.compiler import make_options
-    from hloplan.pipeline import compile_pipeline, run_pipeline
+    from hloplan.pipeline import compile_pipeline, run_pipeline, with_pass_options
 
     filename = input_path
     try:
@@ -368,7 +368,7 @@ def opt_command(input_path, pass_list, mesh, device, memory_budget, pass_options
         for name in names:
             if name not in by_name:
                 raise UsageError(f"unknown pass {name!r}", notes=("passes: " + ", ".join(by_name),))
-        by_name = _with_pass_options(by_name, pass_options)
+        by_name = with_pass_options(by_name, pass_options)
         options = make_options(mesh, device=device, memory_budget=memory_budget)
         program = ir.load_program(data, filename)
         state = run_pipeline(program, options, [by_name[n] for n in names])
@@ -377,32 +377,6 @@ def opt_command(input_path, pass_list, mesh, device, memory_budget, pass_options
         return
     _emit_diagnostics(state.log.entries, filename, "text", False)
     click.echo(ir.module_text(program.module, debug_info=False), nl=False)
-
-
-def _with_pass_options(by_name: dict, settings: tuple[str, ...]) -> dict:
-    """Passes with fields replaced from PASS.FIELD=VALUE (options are frozen-dataclass fields)."""
-    import dataclasses
-
-    by_name = dict(by_name)
-    for setting in settings:
-        key, _, text = setting.partition("=")
-        pass_name, _, field_name = key.rpartition(".")
-        step = by_name.get(pass_name)
-        fields = {f.name: f for f in dataclasses.fields(step)} if step is not None else {}
-        if not text or field_name not in fields or field_name == "name":
-            raise UsageError(f"--pass-option {setting!r}: expected PASS.FIELD=VALUE with a field "
-                             f"of a pass in the pipeline")
-        current = getattr(step, field_name)
-        try:
-            if isinstance(current, bool):
-                value = {"true": True, "false": False, "1": True, "0": False}[text.lower()]
-            else:
-                value = type(current)(text)
-        except (KeyError, ValueError):
-            raise UsageError(f"--pass-option {setting!r}: {text!r} is not a "
-                             f"{type(current).__name__}") from None
-        by_name[pass_name] = dataclasses.replace(step, **{field_name: value})
-    return by_name
 
 
 def entry() -> None:

@@ -58,3 +58,30 @@ def run_pipeline(program: ir.Program, options: CompileOptions, passes: list[Pass
         if after_pass is not None:
             after_pass(step.name, state)
     return state
+
+
+def with_pass_options(by_name: dict, settings: tuple[str, ...]) -> dict:
+    """Passes (name -> pass) with fields replaced from PASS.FIELD=VALUE settings (options are
+    frozen-dataclass fields), as `--pass-option` gives them."""
+    import dataclasses
+
+    by_name = dict(by_name)
+    for setting in settings:
+        key, _, text = setting.partition("=")
+        pass_name, _, field_name = key.rpartition(".")
+        step = by_name.get(pass_name)
+        fields = {f.name: f for f in dataclasses.fields(step)} if step is not None else {}
+        if not text or field_name not in fields or field_name == "name":
+            raise UsageError(f"--pass-option {setting!r}: expected PASS.FIELD=VALUE with a field "
+                             f"of a pass in the pipeline")
+        current = getattr(step, field_name)
+        try:
+            if isinstance(current, bool):
+                value = {"true": True, "false": False, "1": True, "0": False}[text.lower()]
+            else:
+                value = type(current)(text)
+        except (KeyError, ValueError):
+            raise UsageError(f"--pass-option {setting!r}: {text!r} is not a "
+                             f"{type(current).__name__}") from None
+        by_name[pass_name] = dataclasses.replace(step, **{field_name: value})
+    return by_name
