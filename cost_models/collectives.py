@@ -397,11 +397,11 @@ class CommModel:
         trial[d] = [a for a in axes if a not in gathered]
         whole = self.collective(ALL_GATHER, local_bytes(shape, itemsize, trial, self.mesh),
                                 gathered)
-        staged = 0.0
+        by_stages = 0.0
         trial[d] = list(axes)
         order = list(reversed(axes[len(axes) - len(gathered):]))
         for axis in order:
             trial[d].remove(axis)
-            staged += self.collective(ALL_GATHER, local_bytes(shape, itemsize, trial, self.mesh),
-                                      (axis,))
-        return order if staged < whole else None
+            by_stages += self.collective(ALL_GATHER,
+                                         local_bytes(shape, itemsize, trial, self.mesh), (axis,))
+        return order if by_stages < whole else None

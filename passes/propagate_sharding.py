@@ -32,9 +32,10 @@ class PropagateSharding:
         annotator = ir.Annotator(state.program.module, handles)
         annotator.set_mesh(mesh.axis_names, mesh.axis_sizes)
         per_mlir_op: dict[int, tuple[object, dict[int, tuple]]] = {}
-        operand_constraints: list[tuple[object, int, tuple]] = []
-        chained: list[tuple[object, int, tuple, object, int]] = []
-        pins: list[tuple[object, int, list, list]] = []
+        # (op, operand, the specs to pin in order[, the earlier reader and its operand])
+        operand_constraints: list[tuple[object, int, list]] = []
+        chained: list[tuple[object, int, list, object, int]] = []
+        pins: list[tuple[object, int, list, list]] = []  # (while, carry, at entry, at yield)
         argument_specs: dict[int, tuple] = {}
         for op_index in state.space.strategies:
             op = graph.ops[op_index]
