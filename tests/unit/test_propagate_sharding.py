@@ -39,6 +39,17 @@ def _pick(state, op_index: int, want) -> int:
     return next(i for i, s in enumerate(state.space.strategies[op_index]) if want(s))
 
 
+def _propagate(state, picks) -> str:
+    """Solve by hand (op index -> a test picking its strategy: the first that passes; every
+    other op its first strategy), run propagate-sharding, return the module's text."""
+    choice = [0] * len(state.problem.nodes)
+    for op_index, want in picks.items():
+        choice[state.space.node_of[op_index]] = _pick(state, op_index, want)
+    state.solution = Solution(tuple(choice))
+    PropagateSharding().apply(state)
+    return str(state.program.module)
+
+
 def test_a_read_priced_from_an_earlier_readers_layout_is_emitted_as_a_chain():
     """w stored [x, y]; the first matmul gathers it over x, the second needs it whole. The plan
     prices the second read as a gather over y of the first one's layout; XLA would gather
@@ -49,15 +60,10 @@ def test_a_read_priced_from_an_earlier_readers_layout_is_emitted_as_a_chain():
     first, second = [u for u in dict.fromkeys(graph.values[w].users)
                      if graph.ops[u].name == "stablehlo.dot_general"]
     assert state.space.reads_via[second, 1] == (first, 1)
-    choice = [0] * len(state.problem.nodes)
     picks = {graph.values[w].producer: lambda s: s.results[0] == (X, Y),
              first: lambda s: s.operands[1] == ((), Y),
              second: lambda s: s.operands[1] == ((), ())}
-    for op_index, want in picks.items():
-        choice[state.space.node_of[op_index]] = _pick(state, op_index, want)
-    state.solution = Solution(tuple(choice))
-    PropagateSharding().apply(state)
-    text = str(state.program.module)
+    text = _propagate(state, picks)
     gathered_x = re.search(r'(%\S+) = sdy.sharding_constraint %arg0 <@mesh, \[\{\}, \{"y"\}\]>',
                            text)
     assert gathered_x, text
@@ -75,15 +81,10 @@ def test_a_read_cheaper_from_the_values_own_layout_is_not_chained():
     w = graph.arguments[0]
     first, second = [u for u in dict.fromkeys(graph.values[w].users)
                      if graph.ops[u].name == "stablehlo.dot_general"]
-    choice = [0] * len(state.problem.nodes)
     picks = {graph.values[w].producer: lambda s: s.results[0] == (X, ()),
              first: lambda s: s.operands[1] == ((), X),
              second: lambda s: s.operands[1] == (X, Y)}
-    for op_index, want in picks.items():
-        choice[state.space.node_of[op_index]] = _pick(state, op_index, want)
-    state.solution = Solution(tuple(choice))
-    PropagateSharding().apply(state)
-    text = str(state.program.module)
+    text = _propagate(state, picks)
     assert re.search(r'sdy.sharding_constraint %arg0 <@mesh, \[\{\}, \{"x"\}\]>', text), text
     assert re.search(r'sdy.sharding_constraint %arg0 <@mesh, \[\{"x"\}, \{"y"\}\]>', text), text
 
@@ -176,14 +177,9 @@ def test_a_loop_carry_entered_by_a_staged_gather_is_pinned_stage_by_stage():
     graph = state.graph
     w = graph.arguments[0]
     (carry,) = [u for u in graph.values[w].users if graph.ops[u].name == "while.carry"]
-    choice = [0] * len(state.problem.nodes)
     picks = {graph.values[w].producer: lambda s: s.results[0] == ((0, 1), ()),
              carry: lambda s: s.results[0] == ((), ())}
-    for op_index, want in picks.items():
-        choice[state.space.node_of[op_index]] = _pick(state, op_index, want)
-    state.solution = Solution(tuple(choice))
-    PropagateSharding().apply(state)
-    text = str(state.program.module)
+    text = _propagate(state, picks)
     first = re.search(r'(%\S+) = sdy.sharding_constraint %arg0 <@mesh, \[\{"x"\}, \{\}\]>', text)
     assert first, text
     second = re.search(rf'(%\S+) = sdy.sharding_constraint {re.escape(first.group(1))} '
