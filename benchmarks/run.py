@@ -635,7 +635,7 @@ def search_one(layers: int, hidden: int, heads: int, mesh: str, solver: str,
     import models
 
     from hloplan.compiler import compile_bytes, make_options
-    from hloplan.pipeline import compile_pipeline, with_pass_options
+    from hloplan.pipeline import compile_pipeline
 
     # The limit is inherited by the CBC child process (each process gets its own budget).
     resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_limit), int(cpu_limit) + 5))
@@ -656,12 +656,8 @@ def search_one(layers: int, hidden: int, heads: int, mesh: str, solver: str,
             info["edges"] = len(state.problem.edges)
         print(json.dumps(info), flush=True)
 
-    passes = None
-    if pass_options:
-        passes = list(with_pass_options({p.name: p for p in compile_pipeline()},
-                                        pass_options).values())
     result = compile_bytes(data, f"gpt_L{layers}_H{hidden}", options, after_pass=progress,
-                           passes=passes)
+                           passes=compile_pipeline(pass_options))
     wall, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
     t = result.timings
     passes = sum(v for k, v in t.items() if k not in ("parse", "emit", "solver_seconds"))

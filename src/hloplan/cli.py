@@ -126,7 +126,7 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
     stdin) for a device mesh and write the plan directory."""
     from hloplan import ir
     from hloplan.compiler import compile_bytes, make_options
-    from hloplan.pipeline import PASS_NAMES, compile_pipeline, with_pass_options
+    from hloplan.pipeline import PASS_NAMES, compile_pipeline
 
     filename = input_path
     data = b""
@@ -153,8 +153,7 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
         if donate != "export":
             pass_options = (f"extract-graph.donate={donate}", *pass_options)
         if pass_options:
-            by_name = with_pass_options({p.name: p for p in compile_pipeline()}, pass_options)
-            passes = list(by_name.values())
+            passes = compile_pipeline(pass_options)
         pipeline = _pipeline_options(stages, microbatches, schedule, batch_args)
         with progress:
             result = compile_bytes(data, filename, options, after_pass=after_pass,

@@ -17,8 +17,10 @@ from hloplan.passes.tie_repeated_layers import TieRepeatedLayers
 from hloplan.state import CompileOptions, CompileState, Pass
 
 
-def compile_pipeline() -> list[Pass]:
-    return [
+def compile_pipeline(pass_options: tuple[str, ...] = ()) -> list[Pass]:
+    """The compile pipeline, top to bottom; `pass_options`: PASS.FIELD=VALUE settings
+    (`--pass-option`) applied to it."""
+    passes = [
         InlineCalls(),            # private functions -> main, one copy per call site
         Rematerialize(),          # (when nothing fits) recompute cheap activations after the peak
         ExtractGraph(),           # MLIR -> plain-data graph (shapes, attrs, locations, trip counts)
@@ -27,6 +29,9 @@ def compile_pipeline() -> list[Pass]:
         SolveSharding(),          # ILP: one strategy per op under the memory budget
         PropagateSharding(),      # write sdy shardings and constraints into the module
     ]
+    if not pass_options:
+        return passes
+    return list(with_pass_options({p.name: p for p in passes}, pass_options).values())
 
 
 PASS_NAMES = [p.name for p in compile_pipeline()]
