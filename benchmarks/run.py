@@ -635,7 +635,7 @@ def search_one(layers: int, hidden: int, heads: int, mesh: str, solver: str,
     import models
 
     from hloplan.compiler import compile_bytes, make_options
-    from hloplan.pipeline import compile_pipeline
+    from hloplan.passmanager import pass_pipeline
 
     # The limit is inherited by the CBC child process (each process gets its own budget).
     resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_limit), int(cpu_limit) + 5))
@@ -657,7 +657,7 @@ def search_one(layers: int, hidden: int, heads: int, mesh: str, solver: str,
         print(json.dumps(info), flush=True)
 
     result = compile_bytes(data, f"gpt_L{layers}_H{hidden}", options, after_pass=progress,
-                           passes=compile_pipeline(pass_options))
+                           passes=pass_pipeline(pass_options))
     wall, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
     t = result.timings
     passes = sum(v for k, v in t.items() if k not in ("parse", "emit", "solver_seconds"))

@@ -282,10 +282,10 @@ def _export_cached(c: Config) -> tuple[bytes, float]:
 def _patch_pipeline(case: Case) -> None:
     """Make compile_bytes run the pipeline with tie-repeated-layers as the case says (always
     tying, whatever the size thresholds of the shipped pass), or without it."""
-    import hloplan.pipeline as pipeline
+    import hloplan.passmanager as passmanager
     from hloplan.passes.tie_repeated_layers import TieRepeatedLayers
 
-    original = pipeline.compile_pipeline
+    original = passmanager.pass_pipeline
 
     def patched():
         passes = [p for p in original() if p.name != "tie-repeated-layers"]
@@ -296,7 +296,7 @@ def _patch_pipeline(case: Case) -> None:
                                                 min_edge_cells=0))
         return passes
 
-    pipeline.compile_pipeline = patched
+    passmanager.pass_pipeline = patched
 
 
 _COMPARE_CLOCK = [0.0, 0.0]  # wall and CPU seconds of the untied/tied comparison solves

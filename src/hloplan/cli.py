@@ -126,7 +126,7 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
     stdin) for a device mesh and write the plan directory."""
     from hloplan import ir
     from hloplan.compiler import compile_bytes, make_options
-    from hloplan.pipeline import PASS_NAMES, compile_pipeline
+    from hloplan.passmanager import PASS_NAMES, pass_pipeline
 
     filename = input_path
     data = b""
@@ -153,7 +153,7 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
         if donate != "export":
             pass_options = (f"extract-graph.donate={donate}", *pass_options)
         if pass_options:
-            passes = compile_pipeline(pass_options)
+            passes = pass_pipeline(pass_options)
         pipeline = _pipeline_options(stages, microbatches, schedule, batch_args)
         with progress:
             result = compile_bytes(data, filename, options, after_pass=after_pass,
@@ -228,7 +228,7 @@ class _Progress:
 
 
 def _pipeline_options(stages, microbatches, schedule, batch_args):
-    from hloplan.pipelining import PipelineOptions
+    from hloplan.pipeline_parallel import PipelineOptions
 
     if stages is None and microbatches is None and not batch_args:
         return None
@@ -357,12 +357,12 @@ def opt_command(input_path, pass_list, mesh, device, memory_budget, pass_options
     """Run passes on INPUT and print the module (for golden IR tests)."""
     from hloplan import ir
     from hloplan.compiler import make_options
-    from hloplan.pipeline import compile_pipeline, run_pipeline, with_pass_options
+    from hloplan.passmanager import pass_pipeline, run_passes, with_pass_options
 
     filename = input_path
     try:
         data, filename = _read_input(input_path)
-        by_name = {p.name: p for p in compile_pipeline()}
+        by_name = {p.name: p for p in pass_pipeline()}
         names = [n.strip() for n in pass_list.split(",") if n.strip()]
         for name in names:
             if name not in by_name:
@@ -370,7 +370,7 @@ def opt_command(input_path, pass_list, mesh, device, memory_budget, pass_options
         by_name = with_pass_options(by_name, pass_options)
         options = make_options(mesh, device=device, memory_budget=memory_budget)
         program = ir.load_program(data, filename)
-        state = run_pipeline(program, options, [by_name[n] for n in names])
+        state = run_passes(program, options, [by_name[n] for n in names])
     except HloplanError as exc:
         _fail(exc, filename, "text")
         return

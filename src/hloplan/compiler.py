@@ -17,8 +17,8 @@ from hloplan.emit.artifact import PLAN_FILE, REFERENCE_FILE, render, write_plan_
 from hloplan.mesh import MESH_VIEW_CHOICES, MeshError, MeshSpec, mesh_views, parse_mesh
 from hloplan.passes.extract_graph import ExtractGraph
 from hloplan.passes.inline_calls import InlineCalls
-from hloplan.pipeline import compile_pipeline, run_pipeline
-from hloplan.pipelining import PipelineOptions
+from hloplan.passmanager import pass_pipeline, run_passes
+from hloplan.pipeline_parallel import PipelineOptions
 from hloplan.state import CompileOptions, CompileState
 from hloplan.units import format_bytes, format_seconds, parse_bytes
 
@@ -99,7 +99,7 @@ def compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pas
                   ) -> CompileResult:
     """Plan `data`; with `pipeline` options, also consider (or force) pipeline stages and
     microbatches, keeping whichever plan the cost model prefers. `passes`: the compile
-    pipeline with some passes' options changed (default: pipeline.compile_pipeline())."""
+    pipeline with some passes' options changed (default: passmanager.pass_pipeline())."""
     with _cyclic_gc_paused():
         result, views = _viewed(data, filename, options, after_pass, pipeline, passes)
     if options.verify_memory:
@@ -318,7 +318,7 @@ def _compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pa
     # serialized Exported (that one is its own reference).
     original_text = ir.module_text(program.module) if program.exported is None else None
     try:
-        state = run_pipeline(program, options, passes, after_pass=after_pass)
+        state = run_passes(program, options, passes, after_pass=after_pass)
     except NoPlanFits as error:
         if not fallbacks:
             raise
@@ -346,7 +346,7 @@ def _recomputed_or_accumulated(state: CompileState, data: bytes, filename: str,
     """The recomputing plan fits; accumulating gradients (on the program as it stands) may
     still be faster: it is planned bounded by the recomputing plan's time, and the faster of
     the two that fits is emitted. A program whose batch cannot be split keeps the first."""
-    from hloplan.pipelining import PipelinePlan
+    from hloplan.pipeline_parallel import PipelinePlan
     from hloplan.solver.evaluate import evaluate
 
     timings = {"parse": parse_time, **state.timings}
@@ -385,7 +385,7 @@ NEAR_BUDGET = 0.9
 
 
 def _remark_near_budget(state: CompileState, pipelined) -> None:
-    from hloplan.pipelining import PipelinePlan
+    from hloplan.pipeline_parallel import PipelinePlan
     from hloplan.solver.evaluate import evaluate
 
     plan_ = pipelined[0] if pipelined is not None else None
@@ -419,11 +419,11 @@ def _plan_pipeline(data: bytes, filename: str, options: CompileOptions,
                    pipeline: PipelineOptions, single: CompileState | None):
     """Plan the pipelined alternative on a fresh copy of the program (the single-stage state's
     module already carries its own shardings). `single` None: no single-stage plan fits."""
-    from hloplan.pipelining import plan_pipeline
+    from hloplan.pipeline_parallel import plan_pipeline
     from hloplan.solver.evaluate import evaluate
 
     program = ir.load_program(data, filename)
-    state = run_pipeline(program, options, [InlineCalls(), ExtractGraph()])
+    state = run_passes(program, options, [InlineCalls(), ExtractGraph()])
     single_seconds = None if single is None else evaluate(single.problem, single.solution).total
     return plan_pipeline(state, options, pipeline, single_seconds), state
 
@@ -443,7 +443,7 @@ def _recomputed(data: bytes, filename: str, options: CompileOptions, passes, aft
     from hloplan.passes.rematerialize import Rematerialize
 
     steps = [dataclasses.replace(step, enabled=True) if isinstance(step, Rematerialize) else step
-             for step in (passes if passes is not None else compile_pipeline())]
+             for step in (passes if passes is not None else pass_pipeline())]
     program = ir.load_program(data, filename)
     facts: dict = {}
 
@@ -453,7 +453,7 @@ def _recomputed(data: bytes, filename: str, options: CompileOptions, passes, aft
             after_pass(name, state)
 
     try:
-        state = run_pipeline(program, options, steps, after_pass=keep_facts)
+        state = run_passes(program, options, steps, after_pass=keep_facts)
     except NoPlanFits as error:
         done = facts.get("rematerialized", {})
         if not done.get("values"):
@@ -477,7 +477,7 @@ def _accumulated(data: bytes, filename: str, options: CompileOptions,
     files (module.mlir, sharded.jaxexport) hold the fastest plan without a budget, which does
     not fit; plan.json's pipeline section is the plan the loader runs. `error` is raised, with
     what accumulation found, when nothing fits that way either."""
-    from hloplan.pipelining import PipelinePlan
+    from hloplan.pipeline_parallel import PipelinePlan
 
     started = time.perf_counter()
     popts = pipeline if pipeline is not None else PipelineOptions(stages=1, accumulate=True)
@@ -518,7 +518,7 @@ def _accumulated(data: bytes, filename: str, options: CompileOptions,
             Diagnostic("note", f"no plan fits {what}", None)])
     unbounded = dataclasses.replace(options, memory_budget=float("inf"))
     program = ir.load_program(data, filename)
-    state = run_pipeline(program, unbounded, passes)
+    state = run_passes(program, unbounded, passes)
     state.options = options  # plan.json reports the user's budget
     _warn_accumulated(state, plan_, "the fastest single-program plan, which does not fit, is "
                       "in module.mlir and sharded.jaxexport; hloplan.load runs the accumulated "
@@ -556,7 +556,7 @@ def compile(path_or_bytes, mesh: str | MeshSpec, output: str | None = None, **kw
     passes = None
     if donate != "export":
         passes = [dataclasses.replace(step, donate=donate) if isinstance(step, ExtractGraph)
-                  else step for step in compile_pipeline()]
+                  else step for step in pass_pipeline()]
     result = compile_bytes(data, filename, make_options(mesh, **kwargs), pipeline=pipeline,
                            passes=passes)
     if output is not None:

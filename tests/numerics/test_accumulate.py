@@ -199,23 +199,24 @@ def test_a_loss_normalised_by_the_batch_runs_the_count_once_per_step(tmp_path, s
 
 
 def test_task_budgets_reserve_no_more_than_the_loader_holds(wide_vocab_gpt):
-    """Each task of an accumulated stage is planned under the budget less _reserve (a bound,
-    whatever the plans, on what the loader holds beside it); the stage's estimate then adds
-    what its plans make the loader hold (_held_bytes), which must be at least that."""
+    """Each task of an accumulated stage is planned under the budget less reserve_bytes (a
+    bound, whatever the plans, on what the loader holds beside it); the stage's estimate then
+    adds what its plans make the loader hold (held_bytes), which must be at least that."""
     from hloplan.passes.extract_graph import ExtractGraph
     from hloplan.passes.inline_calls import InlineCalls
-    from hloplan.pipeline import run_pipeline
-    from hloplan.pipelining import _held_bytes, _reserve, plan_pipeline
+    from hloplan.passmanager import run_passes
+    from hloplan.pipeline_parallel import plan_pipeline
+    from hloplan.pipeline_parallel.estimate import held_bytes, reserve_bytes
 
     path, _, _ = wide_vocab_gpt
     options = make_options("8", device="h100")
-    state = run_pipeline(ir.load_program(path.read_bytes(), str(path)), options,
-                         [InlineCalls(), ExtractGraph()])
+    state = run_passes(ir.load_program(path.read_bytes(), str(path)), options,
+                       [InlineCalls(), ExtractGraph()])
     plan = plan_pipeline(state, options, PipelineOptions(stages=1, microbatches=4), None)
     tasks = [tp.task for tp in plan.tasks]
     figures = {tp.task.index: tp.figure for tp in plan.tasks}
-    held = _held_bytes(state.graph, plan.analysis, tasks, figures, 4, options.mesh)
-    reserved = {t.index: _reserve(state.graph, plan.analysis, tasks, t, 4, 8) for t in tasks}
+    held = held_bytes(state.graph, plan.analysis, tasks, figures, 4, options.mesh)
+    reserved = {t.index: reserve_bytes(state.graph, plan.analysis, tasks, t, 4, 8) for t in tasks}
     assert any(reserved.values())
     for t in tasks:
         assert reserved[t.index] <= held[t.index]

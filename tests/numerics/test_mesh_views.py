@@ -168,7 +168,7 @@ def test_views_of_a_mesh_across_hosts_keep_its_links(fixtures_dir):
 
 
 def test_pipeline_options_plan_the_mesh_as_given(fixtures_dir):
-    from hloplan.pipelining import PipelineOptions
+    from hloplan.pipeline_parallel import PipelineOptions
 
     plan = hloplan.compile(fixtures_dir / "mlp_train_step.jaxexport", "8", device="cpu",
                            pipeline=PipelineOptions(stages=1, microbatches=2)).plan

@@ -25,7 +25,7 @@ from hloplan.passes.cut_pipeline import balanced_cut, cut, schedule
 from hloplan.passes.extract_graph import ExtractGraph
 from hloplan.passes.inline_calls import InlineCalls
 from hloplan.passes.label_batch import analyse
-from hloplan.pipeline import run_pipeline
+from hloplan.passmanager import run_passes
 
 pytestmark = pytest.mark.usefixtures("devices8")
 
@@ -101,7 +101,7 @@ def test_unequal_layers_get_the_balanced_cut():
     x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
     exported = export.export(jax.jit(unequal_mlp))(params, x)
     program = ir.load_program(exported.serialize(), "unequal.jaxexport")
-    state = run_pipeline(program, make_options("8", device="toy"), [InlineCalls(), ExtractGraph()])
+    state = run_passes(program, make_options("8", device="toy"), [InlineCalls(), ExtractGraph()])
     graph = state.graph
     pieces = cut(graph, analyse(graph), 2)
     # FLOPs per layer: 32*64*256*2 for each of the first two, 32*64*64*2 for the other five:
@@ -122,7 +122,7 @@ def test_one_f_one_b_keeps_at_most_stages_microbatches_in_flight():
 
     exported = export.export(jax.jit(step))(params, x)
     program = ir.load_program(exported.serialize(), "mlp.jaxexport")
-    state = run_pipeline(program, make_options("8", device="toy"), [InlineCalls(), ExtractGraph()])
+    state = run_passes(program, make_options("8", device="toy"), [InlineCalls(), ExtractGraph()])
     pieces = cut(state.graph, analyse(state.graph), 2)
     order = schedule(pieces, 8, "1f1b")
     first = {t.stage: t.index for t in sorted(pieces.tasks, key=lambda t: t.phase)

@@ -1,4 +1,4 @@
-"""Stages on submeshes of different sizes (the inter-op DP, hloplan.inter_op), run on 8
+"""Stages on submeshes of different sizes (the inter-op DP, hloplan.pipeline_parallel.inter_op), run on 8
 simulated CPU devices: a train step with one heavy part and two light parts gets more devices
 for the heavy stage, and the pipelined step (GPipe and 1F1B) equals the single-device step.
 The same plan on a 2x4 mesh runs as a 2-process jax.distributed job (values cross between

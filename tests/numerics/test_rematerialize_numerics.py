@@ -121,7 +121,7 @@ def test_recomputes_fewer_when_asked_to_free_less(normalized_mlp, tmp_path, help
 
     from hloplan.compiler import compile_bytes, make_options
     from hloplan.passes.rematerialize import Rematerialize
-    from hloplan.pipeline import compile_pipeline
+    from hloplan.passmanager import pass_pipeline
 
     path, args, expected = normalized_mlp
     budget = int(0.95 * _smallest_peak(path))
@@ -129,7 +129,7 @@ def test_recomputes_fewer_when_asked_to_free_less(normalized_mlp, tmp_path, help
     counts = {}
     for fraction in (0.3, 1.0):
         passes = [dataclasses.replace(p, free_fraction=fraction)
-                  if isinstance(p, Rematerialize) else p for p in compile_pipeline()]
+                  if isinstance(p, Rematerialize) else p for p in pass_pipeline()]
         result = compile_bytes(path.read_bytes(), str(path), options, passes=passes)
         assert result.plan["estimate"]["peak_memory_bytes"] <= budget
         counts[fraction] = result.plan["rematerialized"]["values"]

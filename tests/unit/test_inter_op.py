@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from hloplan.inter_op import (
+from hloplan.mesh import MeshSpec
+from hloplan.pipeline_parallel.inter_op import (
     StageCost,
     SubmeshShape,
     in_flight,
@@ -17,7 +18,6 @@ from hloplan.inter_op import (
     submesh_shapes,
     submesh_spec,
 )
-from hloplan.mesh import MeshSpec
 
 
 def brute_force(layers, sizes, devices, cost, microbatches, counts, schedule="1f1b",

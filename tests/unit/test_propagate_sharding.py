@@ -15,7 +15,7 @@ from hloplan.passes.build_sharding_problem import BuildShardingProblem
 from hloplan.passes.extract_graph import ExtractGraph
 from hloplan.passes.inline_calls import InlineCalls
 from hloplan.passes.propagate_sharding import PropagateSharding
-from hloplan.pipeline import run_pipeline
+from hloplan.passmanager import run_passes
 from hloplan.solver.problem import Solution
 
 X, Y = (0,), (1,)
@@ -30,7 +30,7 @@ def _state():
     exported = export.export(jax.jit(_two_readers), platforms=("cpu",))(
         s((64, 64), jnp.float32), s((32, 64), jnp.float32), s((32, 64), jnp.float32))
     program = ir.load_program(bytes(exported.serialize()), "two_readers.jaxexport")
-    return run_pipeline(program, make_options("2x4", device="toy"),
+    return run_passes(program, make_options("2x4", device="toy"),
                         [InlineCalls(), ExtractGraph(), BuildShardingProblem()])
 
 
@@ -98,7 +98,7 @@ def _donated_state():
     exported = export.export(jax.jit(_scaled, donate_argnums=(0,)), platforms=("cpu",))(
         s((64, 64), jnp.float32))
     program = ir.load_program(bytes(exported.serialize()), "scaled.jaxexport")
-    return run_pipeline(program, make_options("2x4", device="toy"),
+    return run_passes(program, make_options("2x4", device="toy"),
                         [InlineCalls(), ExtractGraph(), BuildShardingProblem()])
 
 
@@ -140,9 +140,9 @@ def test_a_donated_arguments_result_in_its_layout_is_left_alone():
 
 def test_boundary_layouts_are_priced_as_the_loader_moves_them():
     """A task's input that another task made [(x, y), -] reaches it through jax.device_put,
-    which XLA reshards in one all-gather over (x, y): PriceBoundaryLayouts prices that, not the
+    which XLA reshards in one all-gather over (x, y): price_boundary_layouts prices that, not the
     cheaper staged gathers that only pinned layouts inside a program get."""
-    from hloplan.pipelining import PriceBoundaryLayouts
+    from hloplan.pipeline_parallel.tasks import price_boundary_layouts
 
     state = _state()
     assert state.comm.staged_gathers
@@ -150,7 +150,7 @@ def test_boundary_layouts_are_priced_as_the_loader_moves_them():
     node = state.space.node_of[state.graph.values[w].producer]
     before = [s.communication_cost for s in state.problem.nodes[node].strategies]
     made = ((0, 1), ())
-    PriceBoundaryLayouts(incoming=((0, made, 1.0),)).apply(state)
+    price_boundary_layouts(state, incoming=((0, made, 1.0),))
     after = [s.communication_cost for s in state.problem.nodes[node].strategies]
     layouts = [s.results[0] for s in state.space.strategies[state.graph.values[w].producer]]
     replicated = layouts.index(((), ()))
@@ -172,7 +172,7 @@ def test_a_loop_carry_entered_by_a_staged_gather_is_pinned_stage_by_stage():
     exported = export.export(jax.jit(_looped), platforms=("cpu",))(
         s((64, 64), jnp.float32), s((32, 64), jnp.float32))
     program = ir.load_program(bytes(exported.serialize()), "looped.jaxexport")
-    state = run_pipeline(program, make_options("2x4", device="toy"),
+    state = run_passes(program, make_options("2x4", device="toy"),
                          [InlineCalls(), ExtractGraph(), BuildShardingProblem()])
     graph = state.graph
     w = graph.arguments[0]

@@ -21,7 +21,7 @@ from hloplan.op_rules import fused_values, unmaterialized_values
 from hloplan.passes.build_sharding_problem import BuildShardingProblem
 from hloplan.passes.extract_graph import ExtractGraph
 from hloplan.passes.inline_calls import InlineCalls
-from hloplan.pipeline import run_pipeline
+from hloplan.passmanager import run_passes
 from hloplan.solver import axes, ilp
 from hloplan.solver.evaluate import evaluate
 from hloplan.solver.ilp import available_solvers, solve
@@ -87,7 +87,7 @@ def built_state(request):
     donate = (0,) if request.param == "donated" else ()
     exported = export.export(jax.jit(_train_step, donate_argnums=donate), platforms=("cpu",))(*args)
     program = ir.load_program(bytes(exported.serialize()), "step.jaxexport")
-    return run_pipeline(program, make_options("2x4", device="toy"),
+    return run_passes(program, make_options("2x4", device="toy"),
                         [InlineCalls(), ExtractGraph(), BuildShardingProblem()])
 
 

@@ -26,7 +26,7 @@ from hloplan.passes.tie_repeated_layers import (
     structural_colors,
     tie_ids,
 )
-from hloplan.pipeline import run_pipeline
+from hloplan.passmanager import run_passes
 from hloplan.solver.evaluate import evaluate
 from hloplan.solver.problem import (
     Edge,
@@ -79,7 +79,7 @@ FRONT = [InlineCalls(), ExtractGraph(), BuildShardingProblem()]
 
 
 def _run(program: ir.Program, passes, mesh: str = "2x4"):
-    return run_pipeline(program, make_options(mesh, device="toy"), passes)
+    return run_passes(program, make_options(mesh, device="toy"), passes)
 
 
 @pytest.fixture(scope="module")
@@ -339,7 +339,7 @@ def _square_stack_program() -> ir.Program:
 def test_period_two_lets_identical_layers_alternate():
     facts = {}
     for period in (1, 2):
-        state = run_pipeline(_square_stack_program(), make_options("4", device="h100"), [
+        state = run_passes(_square_stack_program(), make_options("4", device="h100"), [
             *FRONT, TieRepeatedLayers(compare_untied=True, min_decisions=0, period=period)])
         facts[period] = state.facts
         assert state.facts["tied_gap_exact"]

@@ -94,7 +94,7 @@ def render(state: CompileState, input_bytes: bytes, original_module_text: str | 
     }
     pipeline_section = None
     if pipelined is not None:
-        from hloplan.pipelining import PipelinePlan, describe, task_files
+        from hloplan.pipeline_parallel import PipelinePlan, describe, task_files
 
         plan_, pipe_state = pipelined
         if isinstance(plan_, PipelinePlan):

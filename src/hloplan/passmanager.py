@@ -1,4 +1,5 @@
-"""The compile pipeline, top to bottom. Each step's name labels --print-after and --time-passes."""
+"""The pass pipeline: the passes `hloplan compile` runs, top to bottom, and the loop running them.
+Each pass's name labels --print-after and --time-passes."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from hloplan.passes.tie_repeated_layers import TieRepeatedLayers
 from hloplan.state import CompileOptions, CompileState, Pass
 
 
-def compile_pipeline(pass_options: tuple[str, ...] = ()) -> list[Pass]:
-    """The compile pipeline, top to bottom; `pass_options`: PASS.FIELD=VALUE settings
+def pass_pipeline(pass_options: tuple[str, ...] = ()) -> list[Pass]:
+    """The pass pipeline, top to bottom; `pass_options`: PASS.FIELD=VALUE settings
     (`--pass-option`) applied to it."""
     passes = [
         InlineCalls(),            # private functions -> main, one copy per call site
@@ -34,7 +35,7 @@ def compile_pipeline(pass_options: tuple[str, ...] = ()) -> list[Pass]:
     return list(with_pass_options({p.name: p for p in passes}, pass_options).values())
 
 
-PASS_NAMES = [p.name for p in compile_pipeline()]
+PASS_NAMES = [p.name for p in pass_pipeline()]
 
 
 # What each pass needs to have run before it.
@@ -46,10 +47,10 @@ PREREQUISITES = {
 }
 
 
-def run_pipeline(program: ir.Program, options: CompileOptions, passes: list[Pass] | None = None,
+def run_passes(program: ir.Program, options: CompileOptions, passes: list[Pass] | None = None,
                  after_pass: Callable[[str, CompileState], None] | None = None) -> CompileState:
     state = CompileState(program=program, options=options)
-    steps = passes if passes is not None else compile_pipeline()
+    steps = passes if passes is not None else pass_pipeline()
     names = [step.name for step in steps]
     for position, name in enumerate(names):
         needed = PREREQUISITES.get(name)
