@@ -160,7 +160,7 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
                                    pipeline=pipeline, passes=passes)
         if reproducer:
             _write_problem_reproducer(reproducer, data, filename, result.state)
-        if output:
+        if output is not None:
             result.write(output)
     except HloplanError as exc:
         _fail(exc, filename, fmt)

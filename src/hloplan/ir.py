@@ -76,7 +76,9 @@ def _located_parse_error(filename: str, messages: list[tuple[str, str]], fallbac
     diags = []
     for location, message in messages:
         loc = _parse_loc_text(location, filename)
-        diags.append(Diagnostic("error", message, loc))
+        if loc is not None and loc.line == 0:  # bytecode has no lines: point at the file
+            loc = SourceLoc(loc.file, 1, 1)
+        diags.append(Diagnostic("error", message, loc or SourceLoc(filename, 1, 1)))
     if not diags:
         diags.append(Diagnostic("error", fallback, SourceLoc(filename, 1, 1)))
     return HloplanError(diags)
@@ -101,8 +103,10 @@ def load_program(data: bytes, filename: str) -> Program:
     if data.startswith(MLIR_BYTECODE_MAGIC):
         return _load_bytecode(ctx, data, filename)
     text = _as_text(data)
-    if text is not None and ("func.func" in text or "module" in text):
+    if text is not None and (_looks_like_mlir(text) or "func.func" in text or "module" in text):
         return _load_text(ctx, text, filename)
+    if text is None and _looks_like_mlir(data[:4096].decode("utf-8", "replace")):
+        raise _not_utf8(data, filename)
     return _load_exported(ctx, data, filename)
 
 
@@ -112,6 +116,33 @@ def _as_text(data: bytes) -> str | None:
     except UnicodeDecodeError:
         return None
     return text if "\x00" not in text else None
+
+
+def _looks_like_mlir(text: str) -> bool:
+    """The start of MLIR assembly (a module, a function, an attribute alias, a comment), so
+    that a truncated or mis-encoded text file is reported as text, not as some other format."""
+    head = text.lstrip("\ufeff \t\r\n")[:200]
+    return head.startswith(("module", "func.func", "#", "//", '"builtin.module"', "sdy.mesh"))
+
+
+def _not_utf8(data: bytes, filename: str) -> HloplanError:
+    """Where the first byte that is not UTF-8 is, as line:col of the text."""
+    try:
+        data.decode("utf-8")
+        offset = data.index(b"\x00")
+        what = "a NUL byte"
+    except UnicodeDecodeError as exc:
+        offset = exc.start
+        what = f"byte 0x{data[offset]:02x}, which is not UTF-8"
+    except ValueError:  # pragma: no cover - decodes and has no NUL: not called then
+        offset, what = 0, "text"
+    before = data[:offset]
+    line = before.count(b"\n") + 1
+    col = offset - (before.rfind(b"\n") + 1) + 1
+    return HloplanError(Diagnostic(
+        "error", f"MLIR text holds {what}", SourceLoc(filename, line, col),
+        notes=("MLIR assembly is UTF-8 text; save it with exported.mlir_module() or "
+               "lowered.as_text()",)))
 
 
 def _load_text(ctx: ir.Context, text: str, filename: str) -> Program:
@@ -165,8 +196,19 @@ def _load_exported(ctx: ir.Context, data: bytes, filename: str) -> Program:
                    "exported.serialize(), exported.mlir_module() or "
                    "exported.mlir_module_serialized"),
         )) from None
-    with ctx:
-        module = stablehlo.deserialize_portable_artifact(ctx, exported.mlir_module_serialized)
+    collector = _DiagnosticCollector(ctx)
+    try:
+        with ctx:
+            module = stablehlo.deserialize_portable_artifact(ctx, exported.mlir_module_serialized)
+    except Exception as exc:
+        raise HloplanError(Diagnostic(
+            "error", "the serialized Exported holds a StableHLO module that cannot be read",
+            SourceLoc(filename, 1, 1),
+            notes=tuple(f"{message}" for _, message in collector.messages[:3])
+            + (f"{type(exc).__name__}: {exc}", "the file is damaged, or was written by an "
+               "incompatible jax; export it again"))) from None
+    finally:
+        collector.detach()
     return Program(ctx, module, filename, "jax-exported", exported=exported)
 
 
@@ -197,13 +239,14 @@ def main_function(module: ir.Module, filename: str):
     funcs = functions(module)
     if "main" in funcs:
         return funcs["main"]
-    public = [f for f in funcs.values() if not _is_private(f)]
-    if len(public) == 1:
-        return public[0]
+    public = [name for name, f in funcs.items() if not _is_private(f)]
+    # The plan's programs are called through jax.export, which runs @main: a module whose entry
+    # point has another name would plan, then fail to run.
     raise HloplanError(Diagnostic(
-        "error", "the module has no @main function" if not public else
-        "the module has several public functions and none is named @main",
-        SourceLoc(filename, 1, 1)))
+        "error", "the module has no @main function", SourceLoc(filename, 1, 1),
+        notes=(f"public functions: {', '.join('@' + n for n in public)}; rename the entry "
+               "point to @main" if public else "jax.jit(f).lower(...) names the entry point "
+               "@main",)))
 
 
 def walk_location(loc: ir.Location) -> tuple[SourceLoc | None, str]:
@@ -466,6 +509,13 @@ class Handles:
     top_ops: dict[int, object] = field(default_factory=dict)  # top-level unit op index -> MLIR op
 
 
+# Host callbacks: their Python function lives only in the tracing process.
+_HOST_CALLBACKS = frozenset({"xla_python_cpu_callback", "xla_python_gpu_callback",
+                             "xla_ffi_python_cpu_callback", "xla_ffi_python_gpu_callback",
+                             "xla_ffi_partitioned_python_cpu_callback",
+                             "xla_ffi_partitioned_python_gpu_callback"})
+
+
 class _Extractor:
     def __init__(self, module: ir.Module, filename: str):
         self.module = module
@@ -493,6 +543,13 @@ class _Extractor:
                     "error", f"argument {index} ({label or 'unnamed'}) has a {exc}; hloplan plans "
                     "static shapes only", loc or SourceLoc(self.filename, 1, 1),
                     notes=("export with concrete shapes (no jax.export.symbolic_shape)",))) from None
+            if type_ is None:
+                raise HloplanError(Diagnostic(
+                    "error", f"argument {index} ({label or 'unnamed'}) has type {arg.type}; "
+                    "hloplan plans @main functions of tensor arguments and results only",
+                    loc or SourceLoc(self.filename, 1, 1),
+                    notes=("jax.export passes a pytree as separate tensor arguments; tuples "
+                           "and tokens are not",)))
             op = self.graph.add_op("arg", (), [type_], location=loc, label=label or f"arg{index}",
                                    attrs={"index": index})
             self.values[arg] = op.results[0]
@@ -544,6 +601,10 @@ class _Extractor:
         if name in ("func.return", "stablehlo.return"):
             self._returned = [self.value(op, v) for v in op.operation.operands]
             if is_main:
+                for i, v in enumerate(op.operation.operands):
+                    if not isinstance(v.type, ir.RankedTensorType):
+                        raise self.fail(op, f"result {i} has type {v.type}; hloplan plans @main "
+                                        "functions of tensor arguments and results only")
                 self.graph.outputs = self._returned
             return
         if name == "func.call":
@@ -571,6 +632,15 @@ class _Extractor:
 
     def plain_op(self, op, parent, region, multiplier) -> None:
         name = op_name(op)
+        attrs = op.operation.attributes
+        if name == "stablehlo.custom_call" and "call_target_name" in attrs:
+            target = ir.StringAttr(attrs["call_target_name"]).value
+            if target in _HOST_CALLBACKS:
+                raise self.fail(op, f"custom_call @{target} calls back into the Python process "
+                                "that traced it (jax.pure_callback, io_callback or "
+                                "jax.debug.callback); a plan cannot carry that function",
+                                ("remove the callback (jax.debug.print included) before "
+                                 "exporting",))
         if op.operation.regions and name not in _COMBINER_OPS:
             raise self.fail(op, f"op with regions '{name}' is not supported")
         operands = tuple(self.value(op, v) for v in op.operation.operands)

@@ -62,6 +62,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def isolated_python(module: str) -> list[str]:
+    """The command that runs `python -m module` in isolated mode (-I): neither the working
+    directory, nor PYTHONPATH, nor user site-packages comes onto sys.path, so a json.py or an
+    hloplan/ in the directory a user runs from (a plan directory, say) is never imported. The
+    directory this process imported hloplan from is appended after the standard library and
+    the installed packages, so the worker runs the same hloplan."""
+    import hloplan
+
+    root = str(Path(hloplan.__file__).resolve().parents[1])
+    boot = (f"import sys; sys.path.append({root!r}); import runpy; "
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+    return [sys.executable, "-I", "-u", "-c", boot]
+
+
 def cpu_worker_env(devices_per_process: int, base: dict | None = None) -> dict:
     """The environment of a loopback worker: `devices_per_process` simulated CPU devices."""
     env = dict(os.environ if base is None else base)
@@ -270,7 +284,7 @@ def run_plan_processes(plan_dir: str, processes: int, *, inputs: str | None = No
     commands, envs = [], []
     env = cpu_worker_env(devices // processes)
     for i in range(processes):
-        argv = [sys.executable, "-m", "hloplan.multiprocess", "worker", str(Path(plan_dir).resolve()),
+        argv = [*isolated_python("hloplan.multiprocess"), "worker", str(Path(plan_dir).resolve()),
                 "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes),
                 "--process-id", str(i), "--report", str(log_dir / f"report{i}.json"),
                 "--seed", str(seed), "--rtol", repr(rtol), "--atol", repr(atol),
@@ -282,7 +296,8 @@ def run_plan_processes(plan_dir: str, processes: int, *, inputs: str | None = No
         commands.append(argv)
         envs.append(env)
     try:
-        outcomes, seconds = launch(commands, envs, timeout=timeout, log_dir=log_dir)
+        outcomes, seconds = launch(commands, envs, timeout=timeout, log_dir=log_dir,
+                                   cwd=str(log_dir))
     except JobFailure as exc:
         error = _worker_error(exc, log_dir)
         if error is not None:  # a worker reported an hloplan error (bad inputs, unsupported plan)
