@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from hloplan.cli import MESH_HELP, main
-from hloplan.diagnostics import HloplanError, UsageError
+from hloplan.diagnostics import HloplanError, UsageError, escape_strings
 from hloplan.mesh import MESH_VIEW_CHOICES
 
 
@@ -50,7 +50,8 @@ def _plan_input(target: str, mesh: str, device: str, memory_budget, time_limit: 
     options = make_options(mesh, device=device, memory_budget=memory_budget,
                            time_limit=time_limit, hosts=hosts, mesh_views=mesh_views)
     result = compile_bytes(data, filename, options)
-    return result.plan, result.files["sharded.jaxexport"], result.state.log.entries
+    return (escape_strings(result.plan), result.files["sharded.jaxexport"],
+            result.state.log.entries)
 
 
 @main.command("explain")

@@ -337,7 +337,7 @@ def _worker_error(exc: JobFailure, log_dir: Path) -> dict | None:
 def merge_reports(reports: list[dict], seconds: float | None = None) -> dict:
     """One report from the per-process ones: verdict over all, compiled stats of process 0."""
     merged = {key: value for key, value in reports[0].items()
-              if key not in ("process", "local_devices", "match", "max_abs_error")}
+              if key not in ("process", "local_devices", "match", "max_abs_error", "differing")}
     merged["processes"] = len(reports)
     per_process = []
     for i, report in enumerate(reports):
@@ -350,6 +350,12 @@ def merge_reports(reports: list[dict], seconds: float | None = None) -> dict:
     if all("match" in report for report in reports):
         merged["match"] = all(report["match"] for report in reports)
         merged["max_abs_error"] = max(report["max_abs_error"] for report in reports)
+        worst: dict[str, float] = {}  # each differing result, its largest error in any process
+        for report in reports:
+            for entry in report.get("differing", []):
+                worst[entry["leaf"]] = max(worst.get(entry["leaf"], 0.0), entry["max_abs_error"])
+        merged["differing"] = [{"leaf": leaf, "max_abs_error": error}
+                               for leaf, error in worst.items()]
     if seconds is not None:
         merged["wall_s"] = round(seconds, 3)
     return merged
