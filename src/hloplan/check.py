@@ -73,12 +73,12 @@ def _compare(got, want: np.ndarray, rtol: float, atol: float) -> tuple[float, bo
             # Equal non-finite values (the same inf, or nan on both sides) are no error; a
             # non-finite value on one side only, or inf against -inf, is an infinite one.
             same = (g64 == w64) | (np.isnan(g64) & np.isnan(w64))
+            finite = np.isfinite(g64) & np.isfinite(w64)
             with np.errstate(invalid="ignore", over="ignore"):
-                diff = np.where(same, 0.0, np.abs(g64 - w64))
-            diff = np.where(np.isfinite(g64) & np.isfinite(w64) | same, diff, np.inf)
+                diff = np.where(finite, np.abs(g64 - w64), np.inf)
+                close = same | (finite & (diff <= atol + rtol * np.abs(w64)))
+            diff = np.where(same, 0.0, diff)
             error = max(error, float(np.max(diff)))
-            with np.errstate(invalid="ignore", over="ignore"):
-                close = same | (np.abs(g64 - w64) <= atol + rtol * np.abs(w64))
             match &= bool(np.all(close))
         else:
             error = max(error, float(np.max(np.abs(g.astype(np.int64) - w.astype(np.int64)))))
