@@ -124,3 +124,10 @@ def explain_command(target, mesh, device, memory_budget, time_limit, hosts, mesh
                 click.echo(f"wrote {svg_path}", err=True)
     except HloplanError as exc:
         _error(exc, where, fmt)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, ArithmeticError) as exc:
+        if not isinstance(exported_source, Path):  # planned in memory: an internal error
+            raise
+        # plan.json edited by hand past what load_plan_dir checks: a usage error, not a crash
+        _error(report.PlanDirError(f"{report.PLAN_FILE} holds a field explain cannot show "
+                                   f"({type(exc).__name__}: {exc}); compile the plan again",
+                                   where), where, fmt)
