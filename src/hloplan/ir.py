@@ -8,6 +8,7 @@ the section marked "Private JAX APIs" at the bottom.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -86,8 +87,6 @@ def _located_parse_error(filename: str, messages: list[tuple[str, str]], fallbac
 
 def _parse_loc_text(text: str, filename: str) -> SourceLoc | None:
     # MLIR prints parse locations as loc("file":line:col).
-    import re
-
     match = re.search(r'"([^"]*)":(\d+):(\d+)', text)
     if not match:
         return None
@@ -100,14 +99,49 @@ def _parse_loc_text(text: str, filename: str) -> SourceLoc | None:
 def load_program(data: bytes, filename: str) -> Program:
     """Parse StableHLO text, MLIR bytecode, a VHLO portable artifact or a serialized Exported."""
     ctx = make_context()
+    text = None
     if data.startswith(MLIR_BYTECODE_MAGIC):
-        return _load_bytecode(ctx, data, filename)
-    text = _as_text(data)
-    if text is not None and (_looks_like_mlir(text) or "func.func" in text or "module" in text):
-        return _load_text(ctx, text, filename)
-    if text is None and _looks_like_mlir(data[:4096].decode("utf-8", "replace")):
-        raise _not_utf8(data, filename)
-    return _load_exported(ctx, data, filename)
+        program = _load_bytecode(ctx, data, filename)
+    else:
+        text = _as_text(data)
+        if text is not None and (_looks_like_mlir(text) or "func.func" in text
+                                 or "module" in text):
+            program = _load_text(ctx, text, filename)
+        elif text is None and _looks_like_mlir(data[:4096].decode("utf-8", "replace")):
+            raise _not_utf8(data, filename)
+        else:
+            program = _load_exported(ctx, data, filename)
+    _check_strings(program.module, filename, text)
+    return program
+
+
+# MLIR prints a string's bytes outside printable ASCII as \XX; "\\" and "\"" are the others.
+_STRING_LITERAL = re.compile(rb'"((?:[^"\\]|\\.)*)"', re.S)
+_ESCAPE = re.compile(rb"\\([0-9A-Fa-f]{2})|\\(.)", re.S)
+_HIGH_ESCAPE = re.compile(rb"\\[89A-Fa-f][0-9A-Fa-f]")
+
+
+def _check_strings(module: ir.Module, filename: str, text: str | None) -> None:
+    """Refuse a module with a string (a location's name or file, an attribute, a symbol) that
+    is not UTF-8: the Python bindings abort the process when such a string is read."""
+    asm = module.operation.get_asm(binary=True, enable_debug_info=True)
+    if not _HIGH_ESCAPE.search(asm):
+        return  # printable ASCII only: nothing to decode
+    for match in _STRING_LITERAL.finditer(asm):
+        raw = _ESCAPE.sub(lambda m: bytes([int(m.group(1), 16)]) if m.group(1) else m.group(2),
+                          match.group(1))
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            literal = match.group(0).decode("ascii", "replace")
+            loc = SourceLoc(filename, 1, 1)
+            if text is not None and literal in text:
+                before = text[:text.index(literal)]
+                loc = SourceLoc(filename, before.count("\n") + 1,
+                                len(before) - (before.rfind("\n") + 1) + 1)
+            raise HloplanError(Diagnostic(
+                "error", f"the module holds a string that is not UTF-8: {literal[:60]}", loc,
+                notes=("names, locations and string attributes must be UTF-8",))) from None
 
 
 def _as_text(data: bytes) -> str | None:
@@ -163,7 +197,60 @@ def _mlir_error_messages(exc: Exception) -> list[tuple[str, str]]:
     return [(str(d.location), str(d.message)) for d in details]
 
 
+def _crashes_reader(read, filename: str, what: str) -> None:
+    """Run `read()` first in a forked child: malformed bytecode can abort MLIR's reader (a
+    native assertion, not a Python exception), which would take the whole process down. A
+    child killed by a signal becomes a located error; otherwise the caller reads in-process."""
+    import os
+    import signal
+    import time
+
+    if not hasattr(os, "fork"):
+        return
+    try:
+        pid = os.fork()
+    except OSError:
+        return
+    if pid == 0:  # the child: silent, never returns
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 2)
+            os.dup2(null, 1)
+            read()
+        except BaseException:
+            os._exit(1)
+        os._exit(0)
+    deadline = time.monotonic() + _PROBE_TIMEOUT_S
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:  # hung: let the caller read it in-process
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return
+        time.sleep(0.002)
+    if os.WIFSIGNALED(status):
+        name = signal.Signals(os.WTERMSIG(status)).name
+        raise HloplanError(Diagnostic(
+            "error", f"{what} is malformed: MLIR's reader crashed on it ({name})",
+            SourceLoc(filename, 1, 1),
+            notes=("the file is damaged, or was not written by StableHLO's serializer; "
+                   "export it again",)))
+
+
+# A child reading bytecode this long is assumed stuck, not crashed.
+_PROBE_TIMEOUT_S = 120.0
+
+
 def _load_bytecode(ctx: ir.Context, data: bytes, filename: str) -> Program:
+    # The child runs exactly what this process then runs: reading the diagnostics of
+    # malformed bytecode can abort too (a message that is not UTF-8).
+    _crashes_reader(lambda: _read_bytecode(ctx, data, filename), filename, "the MLIR bytecode")
+    return _read_bytecode(ctx, data, filename)
+
+
+def _read_bytecode(ctx: ir.Context, data: bytes, filename: str) -> Program:
     collector = _DiagnosticCollector(ctx)
     try:
         with ctx:
@@ -196,6 +283,13 @@ def _load_exported(ctx: ir.Context, data: bytes, filename: str) -> Program:
                    "exported.serialize(), exported.mlir_module() or "
                    "exported.mlir_module_serialized"),
         )) from None
+    _crashes_reader(lambda: _read_exported_module(ctx, exported, filename), filename,
+                    "the Exported's StableHLO module")
+    module = _read_exported_module(ctx, exported, filename)
+    return Program(ctx, module, filename, "jax-exported", exported=exported)
+
+
+def _read_exported_module(ctx: ir.Context, exported, filename: str):
     collector = _DiagnosticCollector(ctx)
     try:
         with ctx:
@@ -209,7 +303,7 @@ def _load_exported(ctx: ir.Context, data: bytes, filename: str) -> Program:
                "incompatible jax; export it again"))) from None
     finally:
         collector.detach()
-    return Program(ctx, module, filename, "jax-exported", exported=exported)
+    return module
 
 
 # --------------------------------------------------------------------------------------------

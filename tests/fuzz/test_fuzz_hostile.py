@@ -79,6 +79,8 @@ def mutated(draw, data: bytes) -> bytes:
 
 def _compile_holds(kind: str, data: bytes) -> None:
     COUNTS[f"compile.{kind}.tried"] += 1
+    if os.environ.get("HLOPLAN_FUZZ_LAST"):  # what to replay if the process dies
+        Path(os.environ["HLOPLAN_FUZZ_LAST"]).write_bytes(data)
     options = make_options("2", device="toy", time_limit=5.0, mesh_views="off")
     try:
         compile_bytes(data, f"fuzz.{kind}", options)

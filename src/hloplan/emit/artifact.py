@@ -332,10 +332,11 @@ def _swap_in(staging: Path, target: Path) -> Path | None:
                      "try again")
 
 
-def write_plan_dir(output: str | os.PathLike, files: dict[str, bytes], timings: dict) -> Path:
-    """Replace `output` with the given files, all or nothing (module docstring). Refuses (exit
-    code 2) a directory that is not an hloplan plan, a plan directory holding files of the
-    user's, the working directory, and places that cannot be written."""
+def check_output(output: str | os.PathLike) -> Path:
+    """The absolute path of `output`; UsageError (exit code 2) now, before any planning, for an
+    output that write_plan_dir would refuse: an empty name, the working directory or one
+    holding it, a file, a directory that is not a plan or holds files of the user's, a parent
+    that is a file."""
     if not str(output).strip():
         raise UsageError("-o: the output directory name is empty")
     target = Path(os.path.abspath(output))
@@ -347,6 +348,19 @@ def write_plan_dir(output: str | os.PathLike, files: dict[str, bytes], timings: 
         raise UsageError(f"output {output} is the working directory or holds it; hloplan "
                          "replaces the whole output directory",
                          notes=("run from outside it, or choose another -o directory",))
+    _check_target(target)
+    for parent in target.parents:
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise UsageError(f"output {target}: {parent} is not a directory")
+            break
+    return target
+
+
+def write_plan_dir(output: str | os.PathLike, files: dict[str, bytes], timings: dict) -> Path:
+    """Replace `output` with the given files, all or nothing (module docstring). Refuses (exit
+    code 2) what check_output refuses, and places that cannot be written."""
+    target = check_output(output)
     try:
         return _write(target, files, timings)
     except OSError as exc:
@@ -356,10 +370,7 @@ def write_plan_dir(output: str | os.PathLike, files: dict[str, bytes], timings: 
 
 
 def _write(target: Path, files: dict[str, bytes], timings: dict) -> Path:
-    _check_target(target)
     parent = target.parent
-    if parent.exists() and not parent.is_dir():
-        raise UsageError(f"output {target}: {parent} is not a directory")
     parent.mkdir(parents=True, exist_ok=True)
     clean_stale(target)
     import tempfile
