@@ -232,6 +232,8 @@ def _number(value: Any, source: str, field_name: str, *, positive: bool = True) 
         raise _fail(source, f"field '{field_name}' must be positive, got {value!r}")
     if not positive and value < 0:
         raise _fail(source, f"field '{field_name}' must not be negative, got {value!r}")
+    if value and not 1e-30 <= abs(value) <= 1e30:  # estimates in such units overflow
+        raise _fail(source, f"field '{field_name}' is {value!r}, outside 1e-30 to 1e30")
     return float(value)
 
 
@@ -416,6 +418,10 @@ def load_device_model(name_or_path: str | os.PathLike[str]) -> DeviceModel:
         except OSError as exc:
             raise DeviceModelError(
                 f"cannot read device model file {str(path)!r}: {exc.strerror or exc}"
+            ) from None
+        except UnicodeDecodeError as exc:
+            raise DeviceModelError(
+                f"device model file {str(path)!r} is not UTF-8 text (byte {exc.start})"
             ) from None
         return _load_text(text, str(path))
     file_name = _resolve_name(str(name_or_path))

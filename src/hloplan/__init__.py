@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from hloplan.emit.loader import PlanLoadError
+
 __version__ = "0.1.0"
 
 
@@ -20,10 +22,12 @@ def compile(path_or_bytes, mesh, output=None, **options):
 
 def load(plan_dir, devices=None, donate=True):
     """A callable running the plan in `plan_dir` on the mesh; takes the original pytrees. It
-    donates the arguments the export donates, unless `donate=False`."""
+    donates the arguments the export donates, unless `donate=False`. Raises PlanLoadError
+    (naming the file and the plan.json field) for a plan directory that is malformed or whose
+    artifacts do not match the digests plan.json records."""
     from hloplan.emit.loader import load as _load
 
     return _load(plan_dir, devices, donate=donate)
 
 
-__all__ = ["__version__", "compile", "load"]
+__all__ = ["PlanLoadError", "__version__", "compile", "load"]

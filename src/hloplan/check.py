@@ -10,6 +10,7 @@ import numpy as np
 from hloplan.diagnostics import HloplanError, UsageError
 
 REFERENCE_FILE = "reference.jaxexport"
+DIFFERING_SHOWN = 8  # results that differ, named in the text report
 
 
 def random_inputs(avals, seed: int):
@@ -28,12 +29,23 @@ def random_inputs(avals, seed: int):
     return leaves
 
 
-def load_inputs(path: str, count: int):
-    data = np.load(path)
+def load_inputs(path: str, count: int, avals=()):
+    """Arrays arg0..arg{count-1} of an .npz (never unpickled: an .npz of object arrays is
+    refused), each of the shape the program takes."""
     try:
-        return [data[f"arg{i}"] for i in range(count)]
+        with np.load(path, allow_pickle=False) as data:
+            leaves = [data[f"arg{i}"] for i in range(count)]
     except KeyError as exc:
         raise UsageError(f"{path}: expected arrays arg0..arg{count - 1}: missing {exc}") from None
+    except (OSError, ValueError, EOFError) as exc:  # not an npz, truncated, or object arrays
+        raise UsageError(f"{path}: cannot read the inputs: {exc}") from None
+    except Exception as exc:  # zipfile.BadZipFile and the like
+        raise UsageError(f"{path}: not an .npz file: {type(exc).__name__}: {exc}") from None
+    for i, (leaf, aval) in enumerate(zip(leaves, avals)):
+        if tuple(leaf.shape) != tuple(aval.shape):
+            raise UsageError(f"{path}: arg{i} has shape {tuple(leaf.shape)}, the program takes "
+                             f"{tuple(aval.shape)}")
+    return leaves
 
 
 def _compare(got, want: np.ndarray, rtol: float, atol: float) -> tuple[float, bool] | None:
@@ -56,16 +68,28 @@ def _compare(got, want: np.ndarray, rtol: float, atol: float) -> tuple[float, bo
     for g, w in pairs:
         if g.size == 0:
             continue
-        if np.issubdtype(g.dtype, np.inexact):
-            g64, w64 = g.astype(np.float64), w.astype(np.float64)
-            diff = np.where(np.isnan(g64) & np.isnan(w64), 0.0, np.abs(g64 - w64))
-            # A NaN on one side only is an infinite error, never hidden by max().
-            error = max(error, float(np.max(np.nan_to_num(diff, nan=np.inf))))
-            match &= bool(np.allclose(g, w, rtol=rtol, atol=atol, equal_nan=True))
+        if np.issubdtype(g.dtype, np.inexact) or np.issubdtype(w.dtype, np.inexact):
+            g64, w64 = _as_float64(g), _as_float64(w)
+            # Equal non-finite values (the same inf, or nan on both sides) are no error; a
+            # non-finite value on one side only, or inf against -inf, is an infinite one.
+            same = (g64 == w64) | (np.isnan(g64) & np.isnan(w64))
+            finite = np.isfinite(g64) & np.isfinite(w64)
+            with np.errstate(invalid="ignore", over="ignore"):
+                diff = np.where(finite, np.abs(g64 - w64), np.inf)
+                close = same | (finite & (diff <= atol + rtol * np.abs(w64)))
+            diff = np.where(same, 0.0, diff)
+            error = max(error, float(np.max(diff)))
+            match &= bool(np.all(close))
         else:
             error = max(error, float(np.max(np.abs(g.astype(np.int64) - w.astype(np.int64)))))
             match &= bool(np.array_equal(g, w))
     return error, match
+
+
+def _as_float64(array: np.ndarray) -> np.ndarray:
+    if np.issubdtype(array.dtype, np.complexfloating):
+        return np.abs(array).astype(np.float64)  # magnitudes: enough to flag a difference
+    return array.astype(np.float64)
 
 
 def check_plan(plan_dir: str, *, inputs: str | None = None, seed: int = 0, rtol: float = 1e-4,
@@ -77,9 +101,8 @@ def check_plan(plan_dir: str, *, inputs: str | None = None, seed: int = 0, rtol:
     this process's part of them, the per-process data-loading path), and compares the shards of
     the results it holds with the reference run on one of its own devices."""
     import jax
-    from jax import export
 
-    from hloplan.emit.loader import PlanLoadError, Runner
+    from hloplan.emit.loader import PlanLoadError, Runner, deserialize
     from hloplan.hlo_stats import collective_stats, memory_stats
 
     if placement not in ("global", "local"):
@@ -89,7 +112,7 @@ def check_plan(plan_dir: str, *, inputs: str | None = None, seed: int = 0, rtol:
     except PlanLoadError as exc:
         raise UsageError(str(exc)) from None
     exported = runner.exported
-    leaves = (load_inputs(inputs, len(exported.in_avals)) if inputs
+    leaves = (load_inputs(inputs, len(exported.in_avals), exported.in_avals) if inputs
               else random_inputs(exported.in_avals, seed))
     args, kwargs = jax.tree.unflatten(exported.in_tree, leaves)
     try:
@@ -103,9 +126,12 @@ def check_plan(plan_dir: str, *, inputs: str | None = None, seed: int = 0, rtol:
     pipeline = runner.plan.get("pipeline", {})
     pipelined = None
     if pipeline.get("tasks"):
-        from hloplan.emit.pipeline_loader import PipelineRunner
+        from hloplan.emit.loader import pipeline_runner
 
-        pipelined = PipelineRunner(plan_dir)
+        try:
+            pipelined = pipeline_runner(plan_dir, runner.plan)
+        except PlanLoadError as exc:
+            raise UsageError(str(exc)) from None
         outputs = pipelined(*args, **kwargs)
         if jax.process_count() > 1:
             # The results live on the stage submeshes, each on some of the processes: gather
@@ -120,19 +146,32 @@ def check_plan(plan_dir: str, *, inputs: str | None = None, seed: int = 0, rtol:
         report.update(process=jax.process_index(), processes=jax.process_count(),
                       local_devices=len(runner.mesh.local_devices), cross_process_axes=crossing)
     if compare:
-        reference = export.deserialize(bytearray((Path(plan_dir) / REFERENCE_FILE).read_bytes()))
+        try:
+            reference = deserialize(Path(plan_dir) / REFERENCE_FILE)
+        except PlanLoadError as exc:
+            raise UsageError(str(exc)) from None
         device = jax.local_devices()[0]
         with jax.default_device(device):
             expected = jax.jit(reference.call)(*args, **kwargs)
         errors = []
         match = True
-        for got, want in zip(jax.tree.leaves(outputs), jax.tree.leaves(expected)):
+        differing = []
+        got_leaves = jax.tree_util.tree_flatten_with_path(outputs)[0]
+        want_leaves = jax.tree.leaves(expected)
+        if len(got_leaves) != len(want_leaves):
+            raise HloplanError(f"the plan returns {len(got_leaves)} results, the single-device "
+                               f"program {len(want_leaves)}")
+        for (path, got), want in zip(got_leaves, want_leaves):
             result = _compare(got, np.asarray(want), rtol, atol)
             if result is not None:
                 errors.append(result[0])
                 match &= result[1]
+                if not result[1]:
+                    differing.append({"leaf": jax.tree_util.keystr(path) or "result",
+                                      "max_abs_error": result[0]})
         report["max_abs_error"] = max(errors, default=0.0)
         report["match"] = match
+        report["differing"] = differing
     if pipelined is not None:
         return _pipeline_report(report, pipelined, pipeline)
     compiled = runner.lower(*args, **kwargs).compile()
@@ -197,6 +236,11 @@ def format_report(report: dict) -> str:
         verdict = "matches" if report["match"] else "DIFFERS FROM"
         lines.append(f"result {verdict} the single-device program "
                      f"(max abs error {report['max_abs_error']:.3g})")
+        for entry in report.get("differing", [])[:DIFFERING_SHOWN]:
+            lines.append(f"  differs: {entry['leaf']} (max abs error "
+                         f"{entry['max_abs_error']:.3g})")
+        if len(report.get("differing", [])) > DIFFERING_SHOWN:
+            lines.append(f"  ... and {len(report['differing']) - DIFFERING_SHOWN} more")
     if report.get("processes", 1) > 1 and "cross_process_axes" in report:
         line = f"mesh axes across processes: {', '.join(report['cross_process_axes']) or 'none'}"
         if report.get("planned_links"):

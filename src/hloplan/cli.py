@@ -155,12 +155,16 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
         if pass_options:
             passes = pass_pipeline(pass_options)
         pipeline = _pipeline_options(stages, microbatches, schedule, batch_args)
+        if output is not None:  # refuse an unusable -o before planning, not after
+            from hloplan.emit.artifact import check_output
+
+            check_output(output)
         with progress:
             result = compile_bytes(data, filename, options, after_pass=after_pass,
                                    pipeline=pipeline, passes=passes)
         if reproducer:
             _write_problem_reproducer(reproducer, data, filename, result.state)
-        if output:
+        if output is not None:
             result.write(output)
     except HloplanError as exc:
         _fail(exc, filename, fmt)

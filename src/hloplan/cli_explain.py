@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from hloplan.cli import MESH_HELP, main
-from hloplan.diagnostics import HloplanError, UsageError
+from hloplan.diagnostics import HloplanError, UsageError, escape_strings
 from hloplan.mesh import MESH_VIEW_CHOICES
 
 
@@ -50,7 +50,8 @@ def _plan_input(target: str, mesh: str, device: str, memory_budget, time_limit: 
     options = make_options(mesh, device=device, memory_budget=memory_budget,
                            time_limit=time_limit, hosts=hosts, mesh_views=mesh_views)
     result = compile_bytes(data, filename, options)
-    return result.plan, result.files["sharded.jaxexport"], result.state.log.entries
+    return (escape_strings(result.plan), result.files["sharded.jaxexport"],
+            result.state.log.entries)
 
 
 @main.command("explain")
@@ -123,3 +124,10 @@ def explain_command(target, mesh, device, memory_budget, time_limit, hosts, mesh
                 click.echo(f"wrote {svg_path}", err=True)
     except HloplanError as exc:
         _error(exc, where, fmt)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, ArithmeticError) as exc:
+        if not isinstance(exported_source, Path):  # planned in memory: an internal error
+            raise
+        # plan.json edited by hand past what load_plan_dir checks: a usage error, not a crash
+        _error(report.PlanDirError(f"{report.PLAN_FILE} holds a field explain cannot show "
+                                   f"({type(exc).__name__}: {exc}); compile the plan again",
+                                   where), where, fmt)

@@ -14,7 +14,7 @@ from hloplan import ir
 from hloplan.cost_models import DeviceModelError, load_device_model
 from hloplan.diagnostics import Diagnostic, HloplanError, NoPlanFits, UsageError
 from hloplan.emit.artifact import PLAN_FILE, REFERENCE_FILE, render, write_plan_dir
-from hloplan.mesh import MESH_VIEW_CHOICES, MeshError, MeshSpec, mesh_views, parse_mesh
+from hloplan.mesh import MESH_VIEW_CHOICES, MeshError, MeshSpec, idle_axes, mesh_views, parse_mesh
 from hloplan.passes.extract_graph import ExtractGraph
 from hloplan.passes.inline_calls import InlineCalls
 from hloplan.passmanager import pass_pipeline, run_passes
@@ -65,6 +65,8 @@ def make_options(mesh: str | MeshSpec, device: str = "h100", memory_budget: str 
             raise UsageError(f"--memory-budget: {exc}") from None
     if solver not in ("auto", "cbc", "highs"):
         raise UsageError(f"unknown solver {solver!r} (auto, cbc, highs)")
+    if not 0 < time_limit < float("inf"):  # also refuses nan
+        raise UsageError(f"--time-limit {time_limit}: expected a positive number of seconds")
     if not 0 <= gap < 1:
         raise UsageError(f"--gap {gap}: expected a fraction in [0, 1), e.g. 0.01 for 1%")
     if decompose not in ("auto", "always", "never"):
@@ -331,6 +333,7 @@ def _compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pa
         if pipeline is None:
             return _recomputed_or_accumulated(state, data, filename, options, parse_time,
                                               original_text)
+    _warn_idle_axes(state)
     timings = {"parse": parse_time, **state.timings}
     pipelined = None
     if pipeline is not None:
@@ -338,6 +341,16 @@ def _compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pa
         pipelined = _plan_pipeline(data, filename, options, pipeline, state)
         timings["pipeline"] = time.perf_counter() - pipe_start
     return _emitted(state, data, original_text, pipelined, timings)
+
+
+def _warn_idle_axes(state: CompileState) -> None:
+    mesh = state.options.mesh
+    idle = idle_axes(mesh, [v.type.shape for v in state.graph.values if v.type is not None])
+    if idle:
+        sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+        state.log.warn(f"mesh axes {', '.join(f'{a}={sizes[a]}' for a in idle)} divide no "
+                       "dimension of any tensor of the program: the plan replicates over them",
+                       notes=("choose axis sizes that divide the batch or hidden dimensions",))
 
 
 def _recomputed_or_accumulated(state: CompileState, data: bytes, filename: str,

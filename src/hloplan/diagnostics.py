@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 # Exit codes shared by the CLI and the Python API.
@@ -97,3 +98,26 @@ class DiagnosticLog:
 
     def to_json(self) -> str:
         return json.dumps([d.to_json() for d in self.entries], indent=2)
+
+
+# C0 and C1 control characters, DEL, and the Unicode line separators and bidirectional
+# overrides: in a string from a file (plan.json, an op's name) they could move the cursor, recolour
+# or rewrite what a terminal shows.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def escape_control(text: str) -> str:
+    """`text` with control characters written as escapes (ESC -> \\x1b), safe to print."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                        else f"\\u{ord(m.group()):04x}", text)
+
+
+def escape_strings(value):
+    """A copy of a JSON value (plan.json) with every string, keys included, escaped."""
+    if isinstance(value, str):
+        return escape_control(value)
+    if isinstance(value, dict):
+        return {escape_strings(k): escape_strings(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [escape_strings(v) for v in value]
+    return value

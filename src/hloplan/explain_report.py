@@ -85,7 +85,15 @@ def load_plan_dir(plan_dir: str | Path) -> dict:
     except json.JSONDecodeError as exc:
         raise PlanDirError(f"{PLAN_FILE} is not valid JSON: {exc}", directory) from None
     check_plan(plan, directory)
-    return plan
+    from hloplan.diagnostics import escape_strings
+    from hloplan.emit.loader import PlanLoadError, check_plan_fields, verify_files
+
+    try:  # the fields run reads, and the artifacts against their digests
+        check_plan_fields(plan, path)
+        verify_files(plan, directory)
+    except PlanLoadError as exc:
+        raise PlanDirError(str(exc), directory) from None
+    return escape_strings(plan)
 
 
 def check_plan(plan: object, directory: str | Path | None = None) -> None:

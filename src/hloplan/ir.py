@@ -8,6 +8,7 @@ the section marked "Private JAX APIs" at the bottom.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -76,7 +77,9 @@ def _located_parse_error(filename: str, messages: list[tuple[str, str]], fallbac
     diags = []
     for location, message in messages:
         loc = _parse_loc_text(location, filename)
-        diags.append(Diagnostic("error", message, loc))
+        if loc is not None and loc.line == 0:  # bytecode has no lines: point at the file
+            loc = SourceLoc(loc.file, 1, 1)
+        diags.append(Diagnostic("error", message, loc or SourceLoc(filename, 1, 1)))
     if not diags:
         diags.append(Diagnostic("error", fallback, SourceLoc(filename, 1, 1)))
     return HloplanError(diags)
@@ -84,8 +87,6 @@ def _located_parse_error(filename: str, messages: list[tuple[str, str]], fallbac
 
 def _parse_loc_text(text: str, filename: str) -> SourceLoc | None:
     # MLIR prints parse locations as loc("file":line:col).
-    import re
-
     match = re.search(r'"([^"]*)":(\d+):(\d+)', text)
     if not match:
         return None
@@ -98,12 +99,49 @@ def _parse_loc_text(text: str, filename: str) -> SourceLoc | None:
 def load_program(data: bytes, filename: str) -> Program:
     """Parse StableHLO text, MLIR bytecode, a VHLO portable artifact or a serialized Exported."""
     ctx = make_context()
+    text = None
     if data.startswith(MLIR_BYTECODE_MAGIC):
-        return _load_bytecode(ctx, data, filename)
-    text = _as_text(data)
-    if text is not None and ("func.func" in text or "module" in text):
-        return _load_text(ctx, text, filename)
-    return _load_exported(ctx, data, filename)
+        program = _load_bytecode(ctx, data, filename)
+    else:
+        text = _as_text(data)
+        if text is not None and (_looks_like_mlir(text) or "func.func" in text
+                                 or "module" in text):
+            program = _load_text(ctx, text, filename)
+        elif text is None and _looks_like_mlir(data[:4096].decode("utf-8", "replace")):
+            raise _not_utf8(data, filename)
+        else:
+            program = _load_exported(ctx, data, filename)
+    _check_strings(program.module, filename, text)
+    return program
+
+
+# MLIR prints a string's bytes outside printable ASCII as \XX; "\\" and "\"" are the others.
+_STRING_LITERAL = re.compile(rb'"((?:[^"\\]|\\.)*)"', re.S)
+_ESCAPE = re.compile(rb"\\([0-9A-Fa-f]{2})|\\(.)", re.S)
+_HIGH_ESCAPE = re.compile(rb"\\[89A-Fa-f][0-9A-Fa-f]")
+
+
+def _check_strings(module: ir.Module, filename: str, text: str | None) -> None:
+    """Refuse a module with a string (a location's name or file, an attribute, a symbol) that
+    is not UTF-8: the Python bindings abort the process when such a string is read."""
+    asm = module.operation.get_asm(binary=True, enable_debug_info=True)
+    if not _HIGH_ESCAPE.search(asm):
+        return  # printable ASCII only: nothing to decode
+    for match in _STRING_LITERAL.finditer(asm):
+        raw = _ESCAPE.sub(lambda m: bytes([int(m.group(1), 16)]) if m.group(1) else m.group(2),
+                          match.group(1))
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            literal = match.group(0).decode("ascii", "replace")
+            loc = SourceLoc(filename, 1, 1)
+            if text is not None and literal in text:
+                before = text[:text.index(literal)]
+                loc = SourceLoc(filename, before.count("\n") + 1,
+                                len(before) - (before.rfind("\n") + 1) + 1)
+            raise HloplanError(Diagnostic(
+                "error", f"the module holds a string that is not UTF-8: {literal[:60]}", loc,
+                notes=("names, locations and string attributes must be UTF-8",))) from None
 
 
 def _as_text(data: bytes) -> str | None:
@@ -112,6 +150,33 @@ def _as_text(data: bytes) -> str | None:
     except UnicodeDecodeError:
         return None
     return text if "\x00" not in text else None
+
+
+def _looks_like_mlir(text: str) -> bool:
+    """The start of MLIR assembly (a module, a function, an attribute alias, a comment), so
+    that a truncated or mis-encoded text file is reported as text, not as some other format."""
+    head = text.lstrip("\ufeff \t\r\n")[:200]
+    return head.startswith(("module", "func.func", "#", "//", '"builtin.module"', "sdy.mesh"))
+
+
+def _not_utf8(data: bytes, filename: str) -> HloplanError:
+    """Where the first byte that is not UTF-8 is, as line:col of the text."""
+    try:
+        data.decode("utf-8")
+        offset = data.index(b"\x00")
+        what = "a NUL byte"
+    except UnicodeDecodeError as exc:
+        offset = exc.start
+        what = f"byte 0x{data[offset]:02x}, which is not UTF-8"
+    except ValueError:  # pragma: no cover - decodes and has no NUL: not called then
+        offset, what = 0, "text"
+    before = data[:offset]
+    line = before.count(b"\n") + 1
+    col = offset - (before.rfind(b"\n") + 1) + 1
+    return HloplanError(Diagnostic(
+        "error", f"MLIR text holds {what}", SourceLoc(filename, line, col),
+        notes=("MLIR assembly is UTF-8 text; save it with exported.mlir_module() or "
+               "lowered.as_text()",)))
 
 
 def _load_text(ctx: ir.Context, text: str, filename: str) -> Program:
@@ -132,7 +197,60 @@ def _mlir_error_messages(exc: Exception) -> list[tuple[str, str]]:
     return [(str(d.location), str(d.message)) for d in details]
 
 
+def _crashes_reader(read, filename: str, what: str) -> None:
+    """Run `read()` first in a forked child: malformed bytecode can abort MLIR's reader (a
+    native assertion, not a Python exception), which would take the whole process down. A
+    child killed by a signal becomes a located error; otherwise the caller reads in-process."""
+    import os
+    import signal
+    import time
+
+    if not hasattr(os, "fork"):
+        return
+    try:
+        pid = os.fork()
+    except OSError:
+        return
+    if pid == 0:  # the child: silent, never returns
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 2)
+            os.dup2(null, 1)
+            read()
+        except BaseException:
+            os._exit(1)
+        os._exit(0)
+    deadline = time.monotonic() + _PROBE_TIMEOUT_S
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:  # hung: let the caller read it in-process
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return
+        time.sleep(0.002)
+    if os.WIFSIGNALED(status):
+        name = signal.Signals(os.WTERMSIG(status)).name
+        raise HloplanError(Diagnostic(
+            "error", f"{what} is malformed: MLIR's reader crashed on it ({name})",
+            SourceLoc(filename, 1, 1),
+            notes=("the file is damaged, or was not written by StableHLO's serializer; "
+                   "export it again",)))
+
+
+# A child reading bytecode this long is assumed stuck, not crashed.
+_PROBE_TIMEOUT_S = 120.0
+
+
 def _load_bytecode(ctx: ir.Context, data: bytes, filename: str) -> Program:
+    # The child runs exactly what this process then runs: reading the diagnostics of
+    # malformed bytecode can abort too (a message that is not UTF-8).
+    _crashes_reader(lambda: _read_bytecode(ctx, data, filename), filename, "the MLIR bytecode")
+    return _read_bytecode(ctx, data, filename)
+
+
+def _read_bytecode(ctx: ir.Context, data: bytes, filename: str) -> Program:
     collector = _DiagnosticCollector(ctx)
     try:
         with ctx:
@@ -165,9 +283,27 @@ def _load_exported(ctx: ir.Context, data: bytes, filename: str) -> Program:
                    "exported.serialize(), exported.mlir_module() or "
                    "exported.mlir_module_serialized"),
         )) from None
-    with ctx:
-        module = stablehlo.deserialize_portable_artifact(ctx, exported.mlir_module_serialized)
+    _crashes_reader(lambda: _read_exported_module(ctx, exported, filename), filename,
+                    "the Exported's StableHLO module")
+    module = _read_exported_module(ctx, exported, filename)
     return Program(ctx, module, filename, "jax-exported", exported=exported)
+
+
+def _read_exported_module(ctx: ir.Context, exported, filename: str):
+    collector = _DiagnosticCollector(ctx)
+    try:
+        with ctx:
+            module = stablehlo.deserialize_portable_artifact(ctx, exported.mlir_module_serialized)
+    except Exception as exc:
+        raise HloplanError(Diagnostic(
+            "error", "the serialized Exported holds a StableHLO module that cannot be read",
+            SourceLoc(filename, 1, 1),
+            notes=tuple(f"{message}" for _, message in collector.messages[:3])
+            + (f"{type(exc).__name__}: {exc}", "the file is damaged, or was written by an "
+               "incompatible jax; export it again"))) from None
+    finally:
+        collector.detach()
+    return module
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,13 +333,14 @@ def main_function(module: ir.Module, filename: str):
     funcs = functions(module)
     if "main" in funcs:
         return funcs["main"]
-    public = [f for f in funcs.values() if not _is_private(f)]
-    if len(public) == 1:
-        return public[0]
+    public = [name for name, f in funcs.items() if not _is_private(f)]
+    # The plan's programs are called through jax.export, which runs @main: a module whose entry
+    # point has another name would plan, then fail to run.
     raise HloplanError(Diagnostic(
-        "error", "the module has no @main function" if not public else
-        "the module has several public functions and none is named @main",
-        SourceLoc(filename, 1, 1)))
+        "error", "the module has no @main function", SourceLoc(filename, 1, 1),
+        notes=(f"public functions: {', '.join('@' + n for n in public)}; rename the entry "
+               "point to @main" if public else "jax.jit(f).lower(...) names the entry point "
+               "@main",)))
 
 
 def walk_location(loc: ir.Location) -> tuple[SourceLoc | None, str]:
@@ -466,6 +603,13 @@ class Handles:
     top_ops: dict[int, object] = field(default_factory=dict)  # top-level unit op index -> MLIR op
 
 
+# Host callbacks: their Python function lives only in the tracing process.
+_HOST_CALLBACKS = frozenset({"xla_python_cpu_callback", "xla_python_gpu_callback",
+                             "xla_ffi_python_cpu_callback", "xla_ffi_python_gpu_callback",
+                             "xla_ffi_partitioned_python_cpu_callback",
+                             "xla_ffi_partitioned_python_gpu_callback"})
+
+
 class _Extractor:
     def __init__(self, module: ir.Module, filename: str):
         self.module = module
@@ -493,6 +637,13 @@ class _Extractor:
                     "error", f"argument {index} ({label or 'unnamed'}) has a {exc}; hloplan plans "
                     "static shapes only", loc or SourceLoc(self.filename, 1, 1),
                     notes=("export with concrete shapes (no jax.export.symbolic_shape)",))) from None
+            if type_ is None:
+                raise HloplanError(Diagnostic(
+                    "error", f"argument {index} ({label or 'unnamed'}) has type {arg.type}; "
+                    "hloplan plans @main functions of tensor arguments and results only",
+                    loc or SourceLoc(self.filename, 1, 1),
+                    notes=("jax.export passes a pytree as separate tensor arguments; tuples "
+                           "and tokens are not",)))
             op = self.graph.add_op("arg", (), [type_], location=loc, label=label or f"arg{index}",
                                    attrs={"index": index})
             self.values[arg] = op.results[0]
@@ -544,6 +695,10 @@ class _Extractor:
         if name in ("func.return", "stablehlo.return"):
             self._returned = [self.value(op, v) for v in op.operation.operands]
             if is_main:
+                for i, v in enumerate(op.operation.operands):
+                    if not isinstance(v.type, ir.RankedTensorType):
+                        raise self.fail(op, f"result {i} has type {v.type}; hloplan plans @main "
+                                        "functions of tensor arguments and results only")
                 self.graph.outputs = self._returned
             return
         if name == "func.call":
@@ -571,6 +726,15 @@ class _Extractor:
 
     def plain_op(self, op, parent, region, multiplier) -> None:
         name = op_name(op)
+        attrs = op.operation.attributes
+        if name == "stablehlo.custom_call" and "call_target_name" in attrs:
+            target = ir.StringAttr(attrs["call_target_name"]).value
+            if target in _HOST_CALLBACKS:
+                raise self.fail(op, f"custom_call @{target} calls back into the Python process "
+                                "that traced it (jax.pure_callback, io_callback or "
+                                "jax.debug.callback); a plan cannot carry that function",
+                                ("remove the callback (jax.debug.print included) before "
+                                 "exporting",))
         if op.operation.regions and name not in _COMBINER_OPS:
             raise self.fail(op, f"op with regions '{name}' is not supported")
         operands = tuple(self.value(op, v) for v in op.operation.operands)

@@ -11,8 +11,8 @@ import math
 import re
 from dataclasses import dataclass
 
-__all__ = ["MAX_AXES", "MESH_VIEW_CHOICES", "MeshError", "MeshSpec", "check_devices", "mesh_views",
-           "parse_mesh"]
+__all__ = ["MAX_AXES", "MESH_VIEW_CHOICES", "MeshError", "MeshSpec", "check_devices", "idle_axes",
+           "mesh_views", "parse_mesh"]
 
 MAX_AXES = 3
 _DEFAULT_NAMES = ("x", "y", "z")
@@ -31,13 +31,18 @@ def _validate(names: tuple[str, ...], sizes: tuple[int, ...], label: str) -> Non
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise MeshError(f"mesh {label}: axis sizes must be positive integers")
     for name in names:
-        if not isinstance(name, str) or not name.isidentifier():
-            raise MeshError(f"mesh {label}: axis name {name!r} is not an identifier")
+        if not _is_axis_name(name):
+            raise MeshError(f"mesh {label}: axis name {name!r} is not an identifier (ASCII)")
     seen: set[str] = set()
     for name in names:
         if name in seen:
             raise MeshError(f"mesh {label}: axis name {name!r} is used twice")
         seen.add(name)
+
+
+def _is_axis_name(name) -> bool:
+    # ASCII only: XLA aborts the process on other axis names when the plan runs.
+    return isinstance(name, str) and name.isascii() and name.isidentifier()
 
 
 @dataclass(frozen=True)
@@ -113,8 +118,9 @@ def parse_mesh(text: str) -> MeshSpec:
                     f"mesh {text!r}: expected comma-separated name=size pairs, got {part.strip()!r}"
                 )
             name, size = (p.strip() for p in part.split("="))
-            if not name.isidentifier():
-                raise MeshError(f"mesh {text!r}: axis name {name!r} is not an identifier")
+            if not _is_axis_name(name):
+                raise MeshError(f"mesh {text!r}: axis name {name!r} is not an identifier "
+                                "(ASCII letters, digits and '_', not starting with a digit)")
             names.append(name)
             sizes.append(_parse_size(size, text))
     else:
@@ -176,3 +182,11 @@ def mesh_views(mesh: MeshSpec, how: str = "auto") -> list[MeshSpec]:
             sizes = mesh.axis_sizes[:index] + (major, size // major) + mesh.axis_sizes[index + 1:]
             views.append(MeshSpec(names, sizes))
     return views
+
+
+def idle_axes(mesh: MeshSpec, shapes) -> list[str]:
+    """Axes of `mesh` (size > 1) that divide no dimension of any of `shapes`: no tensor can be
+    split over them, alone or with other axes, so the plan replicates over them."""
+    sizes = {size for shape in shapes for size in shape}
+    return [name for name, size in zip(mesh.axis_names, mesh.axis_sizes, strict=True)
+            if size > 1 and not any(dim % size == 0 for dim in sizes)]

@@ -62,6 +62,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def isolated_python(module: str) -> list[str]:
+    """The command that runs `python -m module` in isolated mode (-I): neither the working
+    directory, nor PYTHONPATH, nor user site-packages comes onto sys.path, so a json.py or an
+    hloplan/ in the directory a user runs from (a plan directory, say) is never imported. The
+    directory this process imported hloplan from is appended after the standard library and
+    the installed packages, so the worker runs the same hloplan."""
+    import hloplan
+
+    root = str(Path(hloplan.__file__).resolve().parents[1])
+    boot = (f"import sys; sys.path.append({root!r}); import runpy; "
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+    return [sys.executable, "-I", "-u", "-c", boot]
+
+
 def cpu_worker_env(devices_per_process: int, base: dict | None = None) -> dict:
     """The environment of a loopback worker: `devices_per_process` simulated CPU devices."""
     env = dict(os.environ if base is None else base)
@@ -270,7 +284,7 @@ def run_plan_processes(plan_dir: str, processes: int, *, inputs: str | None = No
     commands, envs = [], []
     env = cpu_worker_env(devices // processes)
     for i in range(processes):
-        argv = [sys.executable, "-m", "hloplan.multiprocess", "worker", str(Path(plan_dir).resolve()),
+        argv = [*isolated_python("hloplan.multiprocess"), "worker", str(Path(plan_dir).resolve()),
                 "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes),
                 "--process-id", str(i), "--report", str(log_dir / f"report{i}.json"),
                 "--seed", str(seed), "--rtol", repr(rtol), "--atol", repr(atol),
@@ -282,7 +296,8 @@ def run_plan_processes(plan_dir: str, processes: int, *, inputs: str | None = No
         commands.append(argv)
         envs.append(env)
     try:
-        outcomes, seconds = launch(commands, envs, timeout=timeout, log_dir=log_dir)
+        outcomes, seconds = launch(commands, envs, timeout=timeout, log_dir=log_dir,
+                                   cwd=str(log_dir))
     except JobFailure as exc:
         error = _worker_error(exc, log_dir)
         if error is not None:  # a worker reported an hloplan error (bad inputs, unsupported plan)
@@ -322,7 +337,7 @@ def _worker_error(exc: JobFailure, log_dir: Path) -> dict | None:
 def merge_reports(reports: list[dict], seconds: float | None = None) -> dict:
     """One report from the per-process ones: verdict over all, compiled stats of process 0."""
     merged = {key: value for key, value in reports[0].items()
-              if key not in ("process", "local_devices", "match", "max_abs_error")}
+              if key not in ("process", "local_devices", "match", "max_abs_error", "differing")}
     merged["processes"] = len(reports)
     per_process = []
     for i, report in enumerate(reports):
@@ -335,6 +350,12 @@ def merge_reports(reports: list[dict], seconds: float | None = None) -> dict:
     if all("match" in report for report in reports):
         merged["match"] = all(report["match"] for report in reports)
         merged["max_abs_error"] = max(report["max_abs_error"] for report in reports)
+        worst: dict[str, float] = {}  # each differing result, its largest error in any process
+        for report in reports:
+            for entry in report.get("differing", []):
+                worst[entry["leaf"]] = max(worst.get(entry["leaf"], 0.0), entry["max_abs_error"])
+        merged["differing"] = [{"leaf": leaf, "max_abs_error": error}
+                               for leaf, error in worst.items()]
     if seconds is not None:
         merged["wall_s"] = round(seconds, 3)
     return merged

@@ -103,6 +103,8 @@ def format_seconds(s: float) -> str:
         return "0 s"
     sign = "-" if s < 0 else ""
     s = abs(s)
+    if s >= 1e5 or s < 1e-12:  # absurd device models: keep the text short
+        return f"{sign}{s:.3g} s"
     for unit, scale in _TIME_UNITS:
         # Round first so that 0.9996 s prints as '1.00 s', not '1000 ms'.
         rounded = float(f"{s / scale:.3g}")

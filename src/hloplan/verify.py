@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 from hloplan.diagnostics import HloplanError
+from hloplan.multiprocess import isolated_python
 
 # A compile of the largest benchmark programs on 1,024 simulated devices takes a minute.
 TIMEOUT_S = 1800.0
@@ -85,7 +86,7 @@ def measure_files(files: dict[str, bytes], devices: int, timeout: float = TIMEOU
             + [f"--xla_force_host_platform_device_count={devices}"])
         env["JAX_PLATFORMS"] = "cpu"
         try:
-            done = subprocess.run([sys.executable, "-m", "hloplan.verify", tmp], env=env,
+            done = subprocess.run([*isolated_python("hloplan.verify"), tmp], env=env, cwd=tmp,
                                   capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             raise VerifyError(f"--verify-memory: XLA did not compile the plan within "

@@ -211,3 +211,123 @@ def test_gap_flag_is_checked_and_reported(tmp_path):
     bad = run("compile", MLP, "--mesh", "2x4", "--gap", "2", "-o", tmp_path / "bad")
     assert bad.exit_code == 2 and "--gap" in bad.output
     assert not (tmp_path / "bad").exists()
+
+
+# --------------------------------------------------------------------------- hostile inputs
+
+MLP_FORWARD = FIXTURES / "mlp_forward.mlir"
+TUPLE_MAIN = """func.func public @main(%arg0: tuple<tensor<4xf32>, tensor<4xf32>>) -> tensor<4xf32> {
+  %0 = stablehlo.get_tuple_element %arg0[0] : (tuple<tensor<4xf32>, tensor<4xf32>>) -> tensor<4xf32>
+  return %0 : tensor<4xf32>
+}
+"""
+NO_MAIN = """func.func public @step(%arg0: tensor<8x4xf32>) -> tensor<8x4xf32> {
+  %0 = stablehlo.add %arg0, %arg0 : tensor<8x4xf32>
+  return %0 : tensor<8x4xf32>
+}
+"""
+# jax.jit(f).lower(x).as_text() of f(x) = 2 * jax.pure_callback(np.sin, ...)(x)
+CALLBACK = """module @jit_f attributes {mhlo.num_partitions = 1 : i32, mhlo.num_replicas = 1 : i32} {
+  sdy.mesh @maximal_mesh_0 = <[], device_ids=[0]>
+  func.func public @main(%arg0: tensor<8x4xf32>) -> (tensor<8x4xf32> {jax.result_info = "result"}) {
+    %0 = stablehlo.custom_call @xla_ffi_python_cpu_callback(%arg0) {backend_config = "", mhlo.backend_config = {index = 0 : ui64}, operand_layouts = [dense<[1, 0]> : tensor<2xindex>], result_layouts = [dense<[1, 0]> : tensor<2xindex>], sdy.sharding = #sdy.sharding_per_value<[<@maximal_mesh_0, []>]>} : (tensor<8x4xf32>) -> tensor<8x4xf32>
+    %1 = stablehlo.add %0, %0 : tensor<8x4xf32>
+    return %1 : tensor<8x4xf32>
+  }
+}
+"""
+
+
+def _corrupted_exported() -> bytes:
+    data = bytearray((FIXTURES / "mlp_forward.jaxexport").read_bytes())
+    for i in range(1000, 1100):
+        data[i] ^= 0xA5
+    return bytes(data)
+
+
+def _non_utf8_mlir() -> bytes:
+    text = MLP_FORWARD.read_bytes()
+    cut = text.index(b"\n", 200) + 1
+    return text[:cut] + b"\xff\xfe" + text[cut:]
+
+
+@pytest.mark.parametrize("name,data,where,message", [
+    ("corrupt.jaxexport", _corrupted_exported(), ":1:1:", "cannot be read"),
+    ("tuple.mlir", TUPLE_MAIN.encode(), ":1:", "argument 0 (unnamed) has type tuple<"),
+    ("nomain.mlir", NO_MAIN.encode(), ":1:1:", "no @main function"),
+    ("callback.mlir", CALLBACK.encode(), ":4:10:", "calls back into the Python process"),
+    ("truncated.mlir", MLP_FORWARD.read_bytes()[:40], ":", "error:"),
+    ("latin1.mlir", _non_utf8_mlir(), None, "not UTF-8"),
+    ("truncated.vhlo", (FIXTURES / "mlp_train_step.vhlo").read_bytes()[:1500], ":1:1:",
+     "error:"),
+])
+def test_hostile_input_is_a_located_error(tmp_path, name, data, where, message):
+    path = tmp_path / name
+    path.write_bytes(data)
+    result = run("compile", path, "--mesh", "2", "-o", tmp_path / "plan")
+    assert result.exit_code == 1, result.output
+    assert "internal compiler error" not in result.output and message in result.output
+    if where is None:  # the line and column of the first byte that is not UTF-8
+        text = MLP_FORWARD.read_bytes()
+        line = text[:text.index(b"\n", 200) + 1].count(b"\n") + 1
+        where = f":{line}:1:"
+    assert f"{path}{where}" in result.output and ":0:0:" not in result.output
+    assert not (tmp_path / "plan").exists()
+    explained = run("explain", path, "--mesh", "2")
+    assert explained.exit_code == 1 and "Traceback" not in explained.output
+
+
+def test_non_utf8_device_file_is_a_usage_error(tmp_path):
+    device = tmp_path / "dev.toml"
+    device.write_bytes(b'name = "\xff\xfe"\n')
+    result = run("compile", MLP_FORWARD, "--mesh", "2", "--device", device)
+    assert result.exit_code == 2 and "not UTF-8" in result.output
+
+
+def test_absurd_device_numbers_are_refused(tmp_path):
+    device = tmp_path / "slow.toml"
+    toy = (Path(__file__).resolve().parents[2] / "cost_models" / "toy.toml").read_text()
+    device.write_text(toy.replace("f32 = 1e8", "f32 = 1e-300"))
+    result = run("compile", MLP_FORWARD, "--mesh", "2", "--device", device)
+    assert result.exit_code == 2 and "flops.f32" in result.output
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--mesh", "\u00e9=8"), "is not an identifier"),
+    (("--mesh", "2", "--time-limit", "-1"), "--time-limit"),
+    (("--mesh", "2", "--time-limit", "nan"), "--time-limit"),
+    (("--mesh", "2", "-o", ""), "output directory name is empty"),
+])
+def test_bad_options_are_usage_errors(args, message):
+    result = run("compile", MLP_FORWARD, *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_unwritable_outputs_are_usage_errors(tmp_path, monkeypatch):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for output in (afile / "sub", afile, "/proc/hloplan-plan", "/sys/hloplan-plan"):
+        result = run("compile", MLP_FORWARD, "--mesh", "2", "-o", output)
+        assert result.exit_code == 2, (output, result.output)
+        assert "internal compiler error" not in result.output
+    plan = tmp_path / "plan"
+    assert run("compile", MLP_FORWARD, "--mesh", "2", "-o", plan).exit_code == 0
+    monkeypatch.chdir(plan)
+    result = run("compile", MLP_FORWARD, "--mesh", "2", "-o", ".")
+    assert result.exit_code == 2 and "working directory" in result.output
+    assert (plan / "plan.json").exists()
+
+
+def test_mesh_axes_nothing_can_use_are_named(tmp_path):
+    program = tmp_path / "prime.mlir"
+    program.write_text(
+        "func.func public @main(%arg0: tensor<7x11xf32>, %arg1: tensor<11x7xf32>) -> tensor<7x7xf32> {\n"
+        "  %0 = stablehlo.dot_general %arg0, %arg1, contracting_dims = [1] x [0] : "
+        "(tensor<7x11xf32>, tensor<11x7xf32>) -> tensor<7x7xf32>\n"
+        "  return %0 : tensor<7x7xf32>\n}\n")
+    result = run("compile", program, "--mesh", "3x5", "-o", tmp_path / "plan")
+    assert result.exit_code == 0
+    assert "warning: mesh axes x=3, y=5 divide no dimension" in result.output
+    result = run("compile", MLP_FORWARD, "--mesh", "2", "-o", tmp_path / "plan2")
+    assert "divide no dimension" not in result.output

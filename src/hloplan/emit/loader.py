@@ -29,16 +29,202 @@ process.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
-from pathlib import Path
+import re
+from pathlib import Path, PurePosixPath
 
 PLAN_FILE = "plan.json"
 EXPORTED_FILE = "sharded.jaxexport"
+PLAN_FORMATS = (1,)
+_AXIS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 
 
 class PlanLoadError(RuntimeError):
-    pass
+    """A plan directory that cannot be loaded. `file`: the file at fault (a path), `field`: the
+    plan.json field (e.g. "mesh.axis_sizes[1]"), when known."""
+
+    def __init__(self, message: str, file: str | os.PathLike | None = None,
+                 field: str | None = None):
+        self.message = message
+        self.file = None if file is None else str(file)
+        self.field = field
+        where = ": ".join(part for part in (self.file, field) if part)
+        super().__init__(f"{where}: {message}" if where else message)
+
+
+def _fail(path, field, message):
+    raise PlanLoadError(message, path, field)
+
+
+def safe_name(name, path, field) -> str:
+    """A file name from plan.json: relative, inside the plan directory (no '..', no absolute
+    path, no drive or backslash), so that a crafted plan cannot make a loader open other
+    files."""
+    if not isinstance(name, str) or not name:
+        _fail(path, field, f"expected a file name, got {name!r}")
+    pure = PurePosixPath(name)
+    if (pure.is_absolute() or ".." in pure.parts or "\\" in name or ":" in name
+            or name.startswith("~") or "\x00" in name):
+        _fail(path, field, f"file name {name!r} leaves the plan directory")
+    return name
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _is_int(value, minimum=None) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool)
+            and (minimum is None or value >= minimum))
+
+
+def _is_number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and not (isinstance(value, float) and math.isnan(value)))
+
+
+def _check_mesh_fields(mesh, path, field) -> tuple[tuple, tuple]:
+    if not isinstance(mesh, dict):
+        _fail(path, field, "expected an object with axis_names and axis_sizes")
+    names, sizes = mesh.get("axis_names"), mesh.get("axis_sizes")
+    if not isinstance(names, list) or not names:
+        _fail(path, f"{field}.axis_names", "expected a non-empty list of axis names")
+    if not isinstance(sizes, list) or len(sizes) != len(names):
+        _fail(path, f"{field}.axis_sizes", f"expected a list of {len(names)} axis sizes")
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not _AXIS_NAME.match(name) or names.index(name) != i:
+            _fail(path, f"{field}.axis_names[{i}]",
+                  f"{name!r} is not a distinct ASCII identifier")
+    for i, size in enumerate(sizes):
+        if not _is_int(size, 1) or size > 1 << 20:
+            _fail(path, f"{field}.axis_sizes[{i}]", f"{size!r} is not a positive device count")
+    return tuple(names), tuple(sizes)
+
+
+def _check_specs(entries, axes, path, field) -> None:
+    if not isinstance(entries, list):
+        _fail(path, field, "expected a list")
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            _fail(path, f"{field}[{i}]", "expected an object")
+        spec = entry.get("spec", [])
+        if not isinstance(spec, list):
+            _fail(path, f"{field}[{i}].spec", "expected a list (mesh axes per dimension)")
+        for d, dim in enumerate(spec):
+            if not isinstance(dim, list):
+                _fail(path, f"{field}[{i}].spec[{d}]", "expected a list of mesh axes")
+            for axis in dim:
+                if axis not in axes:
+                    _fail(path, f"{field}[{i}].spec[{d}]",
+                          f"names mesh axis {axis!r}, which the mesh {list(axes)} does not have")
+
+
+def check_plan_fields(plan, path) -> None:
+    """Raise PlanLoadError (with the field) unless `plan` has the fields the loaders, `run` and
+    `explain` read, of the right types."""
+    if not isinstance(plan, dict):
+        _fail(path, None, f"expected a JSON object, got {type(plan).__name__}")
+    for key in ("format", "mesh", "files", "digests", "arguments", "results", "estimate"):
+        if key not in plan:
+            _fail(path, key, "missing")
+    if plan["format"] not in PLAN_FORMATS or not _is_int(plan["format"]):
+        _fail(path, "format", f"unsupported plan format {plan['format']!r} (this loader reads "
+                              f"{', '.join(map(str, PLAN_FORMATS))})")
+    axes, sizes = _check_mesh_fields(plan["mesh"], path, "mesh")
+    devices = math.prod(sizes)
+    if "devices" in plan["mesh"] and plan["mesh"]["devices"] != devices:
+        _fail(path, "mesh.devices", f"{plan['mesh']['devices']!r} is not the product of the "
+                                    f"axis sizes ({devices})")
+    files, digests = plan["files"], plan["digests"]
+    if not isinstance(files, dict):
+        _fail(path, "files", "expected an object")
+    if not isinstance(digests, dict):
+        _fail(path, "digests", "expected an object of file name -> sha256")
+    for key, name in files.items():
+        safe_name(name, path, f"files.{key}")
+        if name not in digests:
+            _fail(path, "digests", f"no digest for {name}")
+    for name, value in digests.items():
+        safe_name(name, path, f"digests.{name}")
+        if not isinstance(value, str) or not _SHA256.match(value):
+            _fail(path, f"digests.{name}", f"{value!r} is not a sha256 hex digest")
+    if EXPORTED_FILE not in digests:
+        _fail(path, "digests", f"no digest for {EXPORTED_FILE}")
+    _check_specs(plan["arguments"], axes, path, "arguments")
+    _check_specs(plan["results"], axes, path, "results")
+    estimate = plan["estimate"]
+    if not isinstance(estimate, dict):
+        _fail(path, "estimate", "expected an object")
+    for key in ("step_time_s", "peak_memory_bytes"):
+        if not _is_number(estimate.get(key)):
+            _fail(path, f"estimate.{key}", f"expected a number, got {estimate.get(key)!r}")
+    collectives = estimate.get("collectives", [])
+    if not isinstance(collectives, list):
+        _fail(path, "estimate.collectives", "expected a list")
+    for i, entry in enumerate(collectives):
+        if (not isinstance(entry, dict) or not isinstance(entry.get("kind"), str)
+                or not _is_int(entry.get("count"), 0) or not _is_number(entry.get("bytes"))):
+            _fail(path, f"estimate.collectives[{i}]", "expected {kind, count, bytes}")
+    donation = plan.get("donation", {})
+    donated = donation.get("arguments", []) if isinstance(donation, dict) else None
+    if not isinstance(donated, list) or not all(_is_int(i, 0) for i in donated):
+        _fail(path, "donation.arguments", "expected a list of argument indices")
+    remat = plan.get("rematerialized")
+    if remat is not None and not (isinstance(remat, dict)
+                                  and all(_is_int(remat.get(k), 0) for k in ("values", "ops"))):
+        _fail(path, "rematerialized", "expected an object with counts 'values' and 'ops'")
+    pipeline = plan.get("pipeline")
+    if pipeline is not None:
+        _check_pipeline(pipeline, devices, digests, path)
+
+
+def _check_pipeline(pipeline, devices, digests, path) -> None:
+    if not isinstance(pipeline, dict):
+        _fail(path, "pipeline", "expected an object")
+    tasks = pipeline.get("tasks")
+    if not tasks:
+        return
+    if not isinstance(tasks, list):
+        _fail(path, "pipeline.tasks", "expected a list")
+    submeshes = pipeline.get("submeshes")
+    if not isinstance(submeshes, list) or not submeshes:
+        _fail(path, "pipeline.submeshes", "expected a non-empty list")
+    for s, sub in enumerate(submeshes):
+        _, sizes = _check_mesh_fields(sub, path, f"pipeline.submeshes[{s}]")
+        ids = sub.get("devices")
+        if (not isinstance(ids, list) or len(ids) != math.prod(sizes)
+                or not all(_is_int(i, 0) and i < devices for i in ids)):
+            _fail(path, f"pipeline.submeshes[{s}].devices",
+                  f"expected {math.prod(sizes)} device indices below {devices}")
+    for t, task in enumerate(tasks):
+        if not isinstance(task, dict):
+            _fail(path, f"pipeline.tasks[{t}]", "expected an object")
+        name = safe_name(task.get("file"), path, f"pipeline.tasks[{t}].file")
+        if name not in digests:
+            _fail(path, f"pipeline.tasks[{t}].file", f"{name} has no digest in plan.json")
+        if not _is_int(task.get("stage"), 0) or task["stage"] >= len(submeshes):
+            _fail(path, f"pipeline.tasks[{t}].stage", f"{task.get('stage')!r} is not a stage")
+
+
+def verify_files(plan: dict, plan_dir: str | os.PathLike) -> None:
+    """Raise PlanLoadError naming the first artifact whose sha256 is not the one plan.json
+    records (a missing, truncated, edited or swapped file)."""
+    directory = Path(plan_dir)
+    for name, expected in sorted(plan["digests"].items()):
+        path = directory / name
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise PlanLoadError(f"cannot read: {exc.strerror or exc}", path) from None
+        if digest(data) != expected:
+            raise PlanLoadError(
+                f"does not match plan.json (sha256 {digest(data)[:12]}..., plan.json records "
+                f"{expected[:12]}...): the file was changed, truncated or taken from another "
+                "plan; compile the plan again", path, f"digests.{name}")
 
 
 def compiler_options(plan: dict, platform: str) -> dict:
@@ -52,12 +238,42 @@ def compiler_options(plan: dict, platform: str) -> dict:
     return {}
 
 
-def read_plan(plan_dir: str | os.PathLike) -> dict:
+def read_plan(plan_dir: str | os.PathLike, verify: bool = True) -> dict:
+    """plan.json, its fields checked, and (with `verify`) every artifact it lists checked
+    against its sha256. Raises PlanLoadError naming the file and the field."""
     path = Path(plan_dir) / PLAN_FILE
     try:
-        return json.loads(path.read_text())
+        data = path.read_bytes()
     except FileNotFoundError:
-        raise PlanLoadError(f"{path}: no such file; is {plan_dir} an hloplan plan directory?") from None
+        raise PlanLoadError(f"no such file; is {plan_dir} an hloplan plan directory?",
+                            path) from None
+    except OSError as exc:
+        raise PlanLoadError(f"cannot read: {exc.strerror or exc}", path) from None
+    try:
+        plan = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise PlanLoadError(f"not UTF-8 text (byte {exc.start})", path) from None
+    except ValueError as exc:  # JSONDecodeError; also an empty or truncated file
+        raise PlanLoadError(f"not valid JSON: {exc}", path) from None
+    except RecursionError:
+        raise PlanLoadError("not valid JSON: nested too deeply", path) from None
+    check_plan_fields(plan, path)
+    if verify:
+        verify_files(plan, plan_dir)
+    return plan
+
+
+def deserialize(path: Path):
+    """The jax.export.Exported in `path` (an artifact already checked against its digest)."""
+    from jax import export
+
+    try:
+        return export.deserialize(bytearray(path.read_bytes()))
+    except OSError as exc:
+        raise PlanLoadError(f"cannot read: {exc.strerror or exc}", path) from None
+    except Exception as exc:  # a file plan.json vouches for, but jax cannot read
+        raise PlanLoadError(f"not a serialized jax.export.Exported: {type(exc).__name__}: {exc}",
+                            path) from None
 
 
 def build_mesh(plan: dict, devices=None):
@@ -127,22 +343,33 @@ def _take(array, picks):
 class Runner:
     """Calls the sharded program with the original function's pytrees of arguments."""
 
-    def __init__(self, plan_dir: str | os.PathLike, devices=None, donate: bool = True):
+    def __init__(self, plan_dir: str | os.PathLike, devices=None, donate: bool = True,
+                 plan: dict | None = None):
         import jax
-        from jax import export
 
         self.plan_dir = Path(plan_dir)
-        self.plan = read_plan(plan_dir)
-        self.exported = export.deserialize(bytearray((self.plan_dir / EXPORTED_FILE).read_bytes()))
+        self.plan = read_plan(plan_dir) if plan is None else plan
+        self.exported = deserialize(self.plan_dir / EXPORTED_FILE)
         self.mesh = build_mesh(self.plan, devices)
-        self.in_shardings = self.exported.in_shardings_jax(self.mesh)
-        self.out_shardings = self.exported.out_shardings_jax(self.mesh)
+        if self.exported.nr_devices != self.mesh.size:
+            raise PlanLoadError(f"the program is compiled for {self.exported.nr_devices} devices, "
+                                f"the mesh has {self.mesh.size}", self.plan_dir / PLAN_FILE,
+                                "mesh.axis_sizes")
+        try:
+            self.in_shardings = self.exported.in_shardings_jax(self.mesh)
+            self.out_shardings = self.exported.out_shardings_jax(self.mesh)
+        except Exception as exc:  # axis names of plan.json that the program does not use
+            raise PlanLoadError(f"the program's shardings do not fit the mesh: {exc}",
+                                self.plan_dir / PLAN_FILE, "mesh") from None
         platform = self.mesh.devices.flat[0].platform
         # The arguments the export donates (jax.jit's donate_argnums, kept by jax.export): their
         # buffers are handed to the program, which writes results into them, as in the
         # original jax.jit. The program is called on the flat argument list so that single
         # leaves of a pytree can be donated.
         self.donated = tuple(self.plan.get("donation", {}).get("arguments", ())) if donate else ()
+        if any(i >= len(self.exported.in_avals) for i in self.donated):
+            raise PlanLoadError("names an argument the program does not take",
+                                self.plan_dir / PLAN_FILE, "donation.arguments")
         exported = self.exported
 
         def flat_call(*leaves):
@@ -309,18 +536,36 @@ def load(plan_dir: str | os.PathLike, devices=None, donate: bool = True):
     program; in a pipelined plan, to the once-per-step tasks that read them last)."""
     plan = read_plan(plan_dir)
     if plan.get("pipeline", {}).get("tasks"):
-        return _pipeline_loader(plan_dir).load(plan_dir, devices, donate=donate)
-    return Runner(plan_dir, devices, donate=donate)
+        return pipeline_runner(plan_dir, plan, devices, donate)
+    return Runner(plan_dir, devices, donate=donate, plan=plan)
 
 
-def _pipeline_loader(plan_dir):
-    """hloplan's pipeline runner, or the copy in the plan directory on a deployment host."""
+def pipeline_runner(plan_dir, plan: dict, devices=None, donate: bool = True):
+    """The pipelined plan's runner, from its plan.json already checked by read_plan."""
+    runner_class = _pipeline_loader().PipelineRunner
+    try:
+        return runner_class(plan_dir, devices, donate=donate, plan=plan)
+    except PlanLoadError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise PlanLoadError(f"the pipeline section does not fit the plan's programs: "
+                            f"{type(exc).__name__}: {exc}", Path(plan_dir) / PLAN_FILE,
+                            "pipeline") from None
+
+
+def _pipeline_loader():
+    """hloplan's pipeline runner, or on a deployment host the copy beside this loader.py: never
+    the plan directory's own copy, which would run code from whichever plan is loaded."""
     try:
         from hloplan.emit import pipeline_loader
     except ImportError:
         import importlib.util
 
-        path = Path(plan_dir) / "pipeline_loader.py"
+        path = Path(__file__).resolve().with_name("pipeline_loader.py")
+        if not path.is_file():
+            raise PlanLoadError("the plan is pipelined and this loader has no pipeline_loader.py "
+                                "beside it; use the plan's own loader.py or install hloplan",
+                                path) from None
         spec = importlib.util.spec_from_file_location("hloplan_pipeline_loader", path)
         pipeline_loader = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(pipeline_loader)

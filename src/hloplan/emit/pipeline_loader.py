@@ -35,14 +35,15 @@ from pathlib import Path
 
 
 class PipelineRunner:
-    def __init__(self, plan_dir, devices=None, donate=True):
+    def __init__(self, plan_dir, devices=None, donate=True, plan=None):
         import jax
         import numpy as np
         from jax import export
         from jax.sharding import AxisType, Mesh
 
         self.plan_dir = Path(plan_dir)
-        self.plan = json.loads((self.plan_dir / "plan.json").read_text())
+        # `plan`: plan.json as the loader read and checked it (file names, digests).
+        self.plan = json.loads((self.plan_dir / "plan.json").read_text()) if plan is None else plan
         self.pipe = self.plan["pipeline"]
         self.reference = export.deserialize(
             bytearray((self.plan_dir / "sharded.jaxexport").read_bytes()))
@@ -562,5 +563,5 @@ def _shard_shapes(sharding, shape) -> set:
             for indices in sharding.devices_indices_map(tuple(shape)).values()}
 
 
-def load(plan_dir, devices=None, donate=True) -> PipelineRunner:
-    return PipelineRunner(plan_dir, devices, donate=donate)
+def load(plan_dir, devices=None, donate=True, plan=None) -> PipelineRunner:
+    return PipelineRunner(plan_dir, devices, donate=donate, plan=plan)
