@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from hloplan.diagnostics import Diagnostic, HloplanError
 from hloplan.graph import Graph, Op
-from hloplan.op_rules import FREE_IF_INPUTS_FREE, free_values, rule_for
+from hloplan.op_rules import FREE_IF_INPUTS_FREE, rule_for
 from hloplan.state import CompileState
 
 SUM_OPS = {"stablehlo.dot_general", "stablehlo.convolution", "stablehlo.reduce",
@@ -140,7 +140,6 @@ def _propagate(graph: Graph, batch_args: list[int], assumed: set[int],
     for position in batch_args:
         label[graph.arguments[position]] = 0
     rules = {}
-    free = free_values(graph)
     zeros = zero_values(graph)
     tainted: set[int] = set()  # computed from partial sums non-linearly: part B
     for _ in range(8):  # loops carry labels around: iterate to a fixpoint
@@ -171,7 +170,7 @@ def _propagate(graph: Graph, batch_args: list[int], assumed: set[int],
                     raise BatchError(op, "a loop carries the batch in different dimensions")
                 new = {op.results[0]: dims[0]}
             else:
-                new, summed = _through(graph, op, rule, labelled, label, free)
+                new, summed = _through(graph, op, rule, labelled, label)
                 if summed:
                     for result in op.results:
                         if result not in frontier and result not in prologue:
@@ -236,37 +235,82 @@ def _linear_in_frontier(graph: Graph, op: Op, inputs: list[int], frontier: set[i
     return False
 
 
-def _broadcast_to_batch(graph: Graph, value_id: int, dim: int, label: dict[int, int],
-                        free: set[int]) -> bool:
-    """Whether `value_id` got its batch-sized dim `dim` without batch data: from a broadcast (a
-    bias added to every example), a constant, or a loop buffer initialised so. If so it is
-    labelled too, so that microbatching resizes it."""
-    if value_id in label:
-        return label[value_id] == dim
+# Ops whose result varies along a dim no operand carries (random bits, opaque calls): never
+# the same in every example.
+_UNKNOWN_ALONG = {"stablehlo.rng", "stablehlo.rng_bit_generator", "stablehlo.custom_call",
+                  "stablehlo.infeed", "stablehlo.recv", "stablehlo.while", "stablehlo.case",
+                  "stablehlo.if", "arg"}
+
+
+def _broadcast_to_batch(graph: Graph, value_id: int, dim: int, label: dict[int, int]) -> bool:
+    """Whether `value_id` got its batch-sized dim `dim` without batch data and is the same at
+    every position along it (a bias broadcast to every example, `jnp.ones_like(input_ids)`,
+    position ids broadcast from an iota over the sequence, embeddings gathered with them): its
+    microbatch-sized version, made by the same ops, is then every microbatch's slice of it.
+    If so, it and the values it is made from along that dim are labelled, so that microbatching
+    resizes them; nothing is labelled otherwise."""
+    found: dict[int, int] = {}
+    if not _same_along(graph, value_id, dim, label, found):
+        return False
+    label.update(found)
+    return True
+
+
+def _same_along(graph: Graph, value_id: int, dim: int, label: dict[int, int],
+                found: dict[int, int]) -> bool:
+    """`_broadcast_to_batch`'s check, collecting into `found` the labels it would add."""
+    known = label.get(value_id, found.get(value_id))
+    if known is not None:
+        return known == dim
     op = graph.producer(value_id)
-    ok = False
-    if value_id in free:
-        ok = True
+    type_ = graph.type_of(value_id)
+    if op.name in _UNKNOWN_ALONG or op.name.startswith("while.") and op.name != "while.carry":
+        return False
+    if op.name == "stablehlo.constant":
+        ok = "splat" in op.attrs  # resizable, and the same everywhere
+    elif op.name == "stablehlo.iota":
+        ok = op.attrs.get("iota_dimension") != dim  # counts along another dim
     elif op.name == "stablehlo.broadcast_in_dim":
         mapped = op.attrs.get("broadcast_dimensions", [])
         operand = graph.type_of(op.operands[0])
         source = [i for i, d in enumerate(mapped) if d == dim and operand.shape[i] > 1]
-        ok = not source or _broadcast_to_batch(graph, op.operands[0], source[0], label, free)
+        ok = not source or _same_along(graph, op.operands[0], source[0], label, found)
     elif op.name == "stablehlo.transpose":
-        ok = _broadcast_to_batch(graph, op.operands[0], op.attrs["permutation"][dim], label, free)
+        ok = _same_along(graph, op.operands[0], op.attrs["permutation"][dim], label, found)
     elif op.name == "while.carry":  # a loop buffer (scan outputs)
-        ok = _broadcast_to_batch(graph, op.operands[0], dim, label, free)
-    elif op.name != "arg" and op.operands and rule_for(graph, op).pointwise:
-        rank = graph.type_of(value_id).rank
-        ok = all(graph.type_of(v) is not None and (
-            graph.type_of(v).rank != rank or _broadcast_to_batch(graph, v, dim, label, free))
-            for v in op.operands)
-    if ok:
-        label[value_id] = dim
+        ok = _same_along(graph, op.operands[0], dim, label, found)
+    else:
+        ok = _same_along_factor(graph, op, value_id, dim, label, found)
+    if ok and type_ is not None:
+        found[value_id] = dim
     return ok
 
 
-def _through(graph: Graph, op: Op, rule, labelled, label, free) -> tuple[dict[int, int], bool]:
+def _same_along_factor(graph: Graph, op: Op, value_id: int, dim: int, label: dict[int, int],
+                       found: dict[int, int]) -> bool:
+    """Through any other op by its factor rule: the result dim's factor passes through
+    (no reduction, window or sort over it), and every operand dim holding that factor is the
+    same along it; operands without the factor (a gathered table, a weight) do not vary
+    with it."""
+    rule = rule_for(graph, op)
+    if rule.fallback is not None or value_id not in op.results:
+        return False
+    dims = rule.results[op.results.index(value_id)]
+    if dim >= len(dims) or len(dims[dim]) != 1:
+        return False
+    factor = dims[dim][0]
+    if rule.factors[factor].kind != "pass":
+        return False
+    for operand, operand_dims in zip(op.operands, rule.operands):
+        for d, fs in enumerate(operand_dims or ()):
+            if factor not in fs:
+                continue
+            if fs != (factor,) or not _same_along(graph, operand, d, label, found):
+                return False
+    return True
+
+
+def _through(graph: Graph, op: Op, rule, labelled, label) -> tuple[dict[int, int], bool]:
     factors = set()
     for k, value_id in labelled:
         dims = rule.operands[k] if k < len(rule.operands) else None
@@ -289,7 +333,7 @@ def _through(graph: Graph, op: Op, rule, labelled, label, free) -> tuple[dict[in
         if value_id in label or not dims:
             continue
         dim = next((d for d, fs in enumerate(dims) if fs and fs[0] == factor), None)
-        if dim is not None and not _broadcast_to_batch(graph, value_id, dim, label, free):
+        if dim is not None and not _broadcast_to_batch(graph, value_id, dim, label):
             raise BatchError(op, f"'{op.name}' combines the batch with operand {k}, which has the "
                              "batch size but does not come from the batch inputs")
     if kind == "reduce":

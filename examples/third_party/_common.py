@@ -43,10 +43,11 @@ def export_step(step, args) -> bytes:
     """`jax.export` the jitted step for `args`; the serialized bytes `hloplan compile` reads.
     The step is jitted as a training loop jits it, its state donated so that the new state is
     written into the old one's buffers: the parameters and optimizer state of a
-    `step(params, opt, x, y)`, the state of a `step(state, data)`."""
+    `step(params, opt, x, y)`, the state of a `step(state, data)`; an inference function
+    (marked by a `donate_argnums` attribute, usually `()`) donates what that says."""
     import jax
 
-    donated = (0, 1) if len(args) == 4 else (0,)
+    donated = getattr(step, "donate_argnums", (0, 1) if len(args) == 4 else (0,))
     exported = jax.export.export(jax.jit(step, donate_argnums=donated))(*args)
     return bytes(exported.serialize())
 

@@ -118,7 +118,63 @@ def linen_mlp():
     return step, (params, opt_leaves, x, y)
 
 
-MODELS = {"nnx_transformer": nnx_transformer, "linen_mlp": linen_mlp}
+def linen_resnet(size: str = "tiny", batch: int = BATCH):
+    """A linen ResNet (v2 pre-activation blocks) with GroupNorm, the normalisation of
+    big_vision's BiT ResNets (it uses no batch statistics), global average pooling, softmax
+    cross entropy."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    widths, image, classes = ((64, 128, 256, 512), 64, 1000) if size == "real" else \
+        ((8, 16), 16, 10)
+
+    class Block(nn.Module):
+        width: int
+        stride: int
+
+        @nn.compact
+        def __call__(self, x):
+            h = nn.relu(nn.GroupNorm(num_groups=4)(x))
+            skip = x
+            if self.stride != 1 or x.shape[-1] != self.width:
+                skip = nn.Conv(self.width, (1, 1), (self.stride, self.stride), use_bias=False)(h)
+            h = nn.Conv(self.width, (3, 3), (self.stride, self.stride), use_bias=False)(h)
+            h = nn.relu(nn.GroupNorm(num_groups=4)(h))
+            return skip + nn.Conv(self.width, (3, 3), use_bias=False)(h)
+
+    class ResNet(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Conv(widths[0], (3, 3), use_bias=False)(x)
+            for i, width in enumerate(widths):
+                x = Block(width, 1 if i == 0 else 2)(x)
+            x = nn.relu(nn.GroupNorm(num_groups=4)(x))
+            return nn.Dense(classes)(x.mean(axis=(1, 2)))
+
+    model = ResNet()
+    key_p, key_x, key_y = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(key_x, (batch, image, image, 3), jnp.float32)
+    y = jax.random.randint(key_y, (batch,), 0, classes, jnp.int32)
+    params = model.init(key_p, x)["params"]
+    tx = optax.adamw(1e-3, weight_decay=1e-2)
+    opt_leaves, opt_tree = jax.tree.flatten(tx.init(params))
+
+    def step(params, opt_leaves, x, y):
+        def loss_fn(params):
+            logits = model.apply({"params": params}, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, jax.tree.unflatten(opt_tree, opt_leaves), params)
+        return optax.apply_updates(params, updates), jax.tree.leaves(opt_state), loss
+
+    return step, (params, opt_leaves, x, y)
+
+
+MODELS = {"nnx_transformer": nnx_transformer, "linen_mlp": linen_mlp,
+          "linen_resnet": linen_resnet}
 
 if __name__ == "__main__":
     sys.exit(_common.main(MODELS))

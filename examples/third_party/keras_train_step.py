@@ -1,4 +1,5 @@
-"""Keras 3 train steps (MLP, CNN with BatchNormalization) on the JAX backend, exported for hloplan.
+"""Keras 3 train steps (MLP, CNN with BatchNormalization, a Gemma-style decoder, a
+Mixtral-style mixture of experts) on the JAX backend, exported for hloplan.
 
     pip install keras            # no tensorflow needed: KERAS_BACKEND=jax
     KERAS_BACKEND=jax python examples/third_party/keras_train_step.py -o exports/ --check
@@ -94,7 +95,124 @@ def keras_cnn(image=16, channels=(8, 16), classes=8, batch=BATCH, convs_per_stag
     return step, (state, (x, y))
 
 
-MODELS = {"keras_mlp": keras_mlp, "keras_cnn": keras_cnn}
+def _decoder_layers():
+    """Keras layers of a Gemma-style decoder block and of a Mixtral-style sparse MoE block,
+    written with keras.layers and keras.ops as a keras user writes them (keras-hub has such
+    models, but it requires tensorflow-text, hence tensorflow, even on the JAX backend)."""
+    import keras
+    from keras import ops
+
+    class GatedMLP(keras.layers.Layer):  # Gemma: GeGLU
+        def __init__(self, hidden, **kwargs):
+            super().__init__(**kwargs)
+            self.hidden = hidden
+
+        def build(self, shape):
+            self.gate = keras.layers.Dense(self.hidden, use_bias=False)
+            self.up = keras.layers.Dense(self.hidden, use_bias=False)
+            self.down = keras.layers.Dense(shape[-1], use_bias=False)
+
+        def call(self, x):
+            return self.down(ops.gelu(self.gate(x), approximate=True) * self.up(x))
+
+    class SparseMoE(keras.layers.Layer):  # Mixtral: top-2 of `experts` SwiGLU experts
+        def __init__(self, experts, hidden, top_k=2, **kwargs):
+            super().__init__(**kwargs)
+            self.experts, self.hidden, self.top_k = experts, hidden, top_k
+
+        def build(self, shape):
+            d = shape[-1]
+            self.router = keras.layers.Dense(self.experts, use_bias=False)
+            init = keras.initializers.GlorotUniform()
+            self.w_gate = self.add_weight((self.experts, d, self.hidden), init, name="w_gate")
+            self.w_up = self.add_weight((self.experts, d, self.hidden), init, name="w_up")
+            self.w_down = self.add_weight((self.experts, self.hidden, d), init, name="w_down")
+
+        def call(self, x):
+            logits = self.router(x)  # (batch, seq, experts)
+            weights, chosen = ops.top_k(logits, self.top_k)
+            weights = ops.softmax(weights, axis=-1)
+            # Dense dispatch: every expert runs on every token, weighted by its routing weight
+            # (zero for the experts a token was not routed to).
+            combine = ops.sum(ops.one_hot(chosen, self.experts) * weights[..., None], axis=-2)
+            gate = ops.einsum("bsd,edh->bseh", x, self.w_gate)
+            up = ops.einsum("bsd,edh->bseh", x, self.w_up)
+            out = ops.einsum("bseh,ehd->bsed", ops.silu(gate) * up, self.w_down)
+            return ops.einsum("bsed,bse->bsd", out, combine)
+
+    class Block(keras.layers.Layer):
+        def __init__(self, heads, kv_heads, ffn, **kwargs):
+            super().__init__(**kwargs)
+            self.heads, self.kv_heads, self.ffn = heads, kv_heads, ffn
+
+        def build(self, shape):
+            d = shape[-1]
+            self.norm1 = keras.layers.RMSNormalization()
+            self.attn = keras.layers.GroupQueryAttention(d // self.heads, self.heads,
+                                                         self.kv_heads, use_bias=False)
+            self.norm2 = keras.layers.RMSNormalization()
+
+        def call(self, x):
+            h = self.norm1(x)
+            x = x + self.attn(h, h, use_causal_mask=True)
+            return x + self.ffn(self.norm2(x))
+
+    return GatedMLP, SparseMoE, Block
+
+
+def _decoder(name, vocab, seq, d, layers, heads, kv_heads, ffn_of, batch, seed=0):
+    """A decoder LM: embedding scaled by sqrt(d) (Gemma), `layers` blocks, RMSNorm, logits
+    through the tied embedding; the next-token loss."""
+    import keras
+    import numpy as np
+    from keras import ops
+
+    _, _, Block = _decoder_layers()
+
+    class Decoder(keras.Model):
+        def __init__(self):
+            super().__init__(name=name)
+            self.embedding = keras.layers.ReversibleEmbedding(vocab, d)
+            self.blocks = [Block(heads, kv_heads, ffn_of()) for _ in range(layers)]
+            self.norm = keras.layers.RMSNormalization()
+
+        def call(self, tokens, training=False):
+            x = self.embedding(tokens) * ops.sqrt(ops.cast(d, "float32"))
+            for block in self.blocks:
+                x = block(x)
+            return self.embedding(self.norm(x), reverse=True)
+
+    keras.utils.set_random_seed(seed)
+    model = Decoder()
+    model.build((None, seq))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    step, state = _train_step(model, loss, keras.optimizers.AdamW(learning_rate=1e-3))
+    rng = np.random.default_rng(seed + 1)
+    tokens = rng.integers(0, vocab, (batch, seq + 1)).astype("int32")
+    return step, (state, (tokens[:, :-1], tokens[:, 1:]))
+
+
+def keras_gemma(size="tiny", batch=BATCH, seq=16):
+    """A Gemma-style decoder: GeGLU MLP, RMSNorm, grouped-query attention, tied embedding."""
+    GatedMLP, _, _ = _decoder_layers()
+    if size == "real":  # Gemma-2B-like widths, 6 layers
+        return _decoder("keras_gemma", 32000, seq, 2048, 6, 8, 1, lambda: GatedMLP(16384),
+                        batch)
+    return _decoder("keras_gemma", 128, seq, 32, 2, 4, 1, lambda: GatedMLP(64), batch)
+
+
+def keras_moe(size="tiny", batch=BATCH, seq=16):
+    """A Mixtral-style decoder: top-2 routing (`keras.ops.top_k`, i.e. `jax.lax.top_k`) over 4
+    SwiGLU experts, grouped-query attention."""
+    _, SparseMoE, _ = _decoder_layers()
+    if size == "real":  # Mixtral-like widths, 8 experts, 4 layers
+        return _decoder("keras_moe", 32000, seq, 1024, 4, 16, 4,
+                        lambda: SparseMoE(8, 3584), batch)
+    return _decoder("keras_moe", 128, seq, 32, 2, 4, 2, lambda: SparseMoE(4, 32), batch)
+
+
+MODELS = {"keras_mlp": keras_mlp, "keras_cnn": keras_cnn, "keras_gemma": keras_gemma,
+          "keras_moe": keras_moe}
 
 if __name__ == "__main__":
     sys.exit(_common.main(MODELS))

@@ -1,0 +1,85 @@
+"""The corpus of programs from libraries hloplan did not write: which example builds each one,
+the library it comes from, and what hloplan is expected to do with its batch.
+
+    python examples/third_party/corpus.py            # list the corpus
+
+Used by tests/third_party/ (tiny configurations, compiled, run and checked on 8 simulated CPU
+devices) and benchmarks/corpus.py (the same programs at realistic sizes, compile-only).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Program:
+    name: str
+    library: str  # the library the model comes from (optax is the optimizer of most)
+    script: str  # the example module defining MODELS[name]
+    kind: str = "train"  # "train" step or "inference" function
+    # Why the batch does not split into microbatches (None: it does, and pipelines and
+    # gradient accumulation must compile, run and match).
+    no_split: str | None = None
+    # A known hloplan limitation the corpus keeps visible: its cases are expected to fail.
+    xfail: str | None = None
+    requires: tuple[str, ...] = ()  # importable modules the program needs
+
+    def build(self, **kwargs):
+        """(function, example arguments) of the program, tiny unless kwargs say otherwise."""
+        if self.script.startswith("keras"):
+            os.environ["KERAS_BACKEND"] = "jax"  # keras picks its backend once, at import
+        module = importlib.import_module(self.script)
+        return module.MODELS[self.name](**kwargs)
+
+    def export(self, **kwargs) -> tuple[bytes, tuple]:
+        """(serialized jax.export of the jitted program, its example arguments)."""
+        import _common
+
+        function, args = self.build(**kwargs)
+        return _common.export_step(function, args), args
+
+
+BATCH_STATISTICS = "BatchNorm normalises with statistics of the whole batch"
+TOP_K = ("jax.lax.top_k lowers to a chlo.top_k composite whose decomposition function "
+         "inline-calls drops")
+HF = ("transformers", "flax", "optax")
+
+PROGRAMS = [
+    Program("hf_gpt2", "transformers (Flax GPT-2)", "transformers_train_step", requires=HF),
+    Program("hf_bert", "transformers (Flax BERT)", "transformers_train_step", requires=HF),
+    Program("hf_llama", "transformers (Flax Llama)", "transformers_train_step", requires=HF),
+    Program("hf_bart", "transformers (Flax BART)", "transformers_train_step", requires=HF),
+    Program("hf_vit", "transformers (Flax ViT)", "transformers_train_step", requires=HF),
+    Program("hf_gpt2_generate", "transformers (Flax GPT-2)", "transformers_train_step",
+            kind="inference", no_split="generation is not a train step (no gradients)",
+            requires=HF),
+    Program("hf_bert_classify", "transformers (Flax BERT)", "transformers_train_step",
+            kind="inference", no_split="inference: no gradients to accumulate", requires=HF),
+    Program("nnx_transformer", "flax.nnx + optax", "flax_train_step", requires=("flax", "optax")),
+    Program("linen_mlp", "flax.linen + optax", "flax_train_step", requires=("flax", "optax")),
+    Program("linen_resnet", "flax.linen + optax", "flax_train_step", requires=("flax", "optax")),
+    Program("eqx_mlp", "equinox + optax", "equinox_train_step", requires=("equinox", "optax")),
+    Program("eqx_cnn", "equinox + optax", "equinox_train_step", requires=("equinox", "optax")),
+    Program("haiku_transformer", "haiku + optax", "haiku_train_step", requires=("haiku", "optax")),
+    Program("haiku_resnet", "haiku + optax", "haiku_train_step", no_split=BATCH_STATISTICS,
+            requires=("haiku", "optax")),
+    Program("keras_mlp", "keras 3", "keras_train_step", requires=("keras",)),
+    Program("keras_cnn", "keras 3", "keras_train_step", no_split=BATCH_STATISTICS,
+            requires=("keras",)),
+    Program("keras_gemma", "keras 3", "keras_train_step", requires=("keras",)),
+    Program("keras_moe", "keras 3", "keras_train_step", xfail=TOP_K, requires=("keras",)),
+]
+
+BY_NAME = {p.name: p for p in PROGRAMS}
+
+
+if __name__ == "__main__":
+    for p in PROGRAMS:
+        print(f"{p.name:20} {p.kind:9} {p.library:28} "
+              f"{'batch splits' if p.no_split is None else p.no_split}")

@@ -1,0 +1,152 @@
+"""The corpus of programs from libraries hloplan did not write (examples/third_party/corpus.py:
+transformers, flax, equinox, haiku, keras, with optax), exported as their users export them,
+planned in-process and checked against the single-device program on 8 simulated CPU devices.
+
+Every program compiles, runs and matches on meshes 8, 2x4 and 2x2x2; where its batch splits,
+`stages=2, microbatches=4` pipelines (GPipe and 1F1B) and the memory-budget fallback to
+gradient accumulation do too; a program normalising with batch statistics is refused at the
+op that reads them.  Each program is exported once per session.  A library that is not
+installed skips its programs.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import importlib.util  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "third_party"
+sys.path.insert(0, str(EXAMPLES))
+
+import corpus  # noqa: E402
+
+MESHES = ("8", "2x4", "2x2x2")
+SCHEDULES = ("gpipe", "1f1b")
+TIME_LIMIT = 5.0  # ILP seconds: the tiny programs solve in well under that
+
+
+def _marks(program) -> list:
+    return [pytest.mark.xfail(strict=True, reason=program.xfail)] if program.xfail else []
+
+
+def _params(programs, *extra):
+    out = []
+    for program in programs:
+        for values in ([()] if not extra else [(v,) for v in extra[0]]):
+            out.append(pytest.param(program.name, *values, marks=_marks(program),
+                                    id="-".join([program.name, *values])))
+    return out
+
+
+SPLITTING = [p for p in corpus.PROGRAMS if p.no_split is None]
+TRAIN_SPLITTING = [p for p in SPLITTING if p.kind == "train"]
+BATCH_STATISTICS = [p for p in corpus.PROGRAMS if p.no_split == corpus.BATCH_STATISTICS]
+
+
+@pytest.fixture(scope="session")
+def corpus_program(devices8, helpers):
+    """name -> (serialized export, example arguments, the single-device result), each
+    program exported and run unsharded once per session."""
+    cache: dict = {}
+
+    def get(name: str):
+        if name not in cache:
+            program = corpus.BY_NAME[name]
+            for module in program.requires:
+                if module == "keras":
+                    os.environ["KERAS_BACKEND"] = "jax"
+                if importlib.util.find_spec(module) is None:
+                    pytest.skip(f"{module} is not installed")
+            data, args = program.export()
+            want = helpers.single_device_call(helpers.load_exported(data), args)
+            cache[name] = (data, args, want)
+        return cache[name]
+
+    return get
+
+
+def _run_and_match(plan_dir, args, want, devices, helpers, context: str) -> None:
+    import jax
+
+    got = jax.device_get(__import__("hloplan").load(plan_dir, devices=devices)(*args))
+    helpers.assert_trees_close(got, want, rtol=2e-4, atol=2e-5, context=context)
+
+
+@pytest.mark.parametrize("name, mesh", _params(corpus.PROGRAMS, MESHES))
+def test_compiles_runs_and_matches(name, mesh, corpus_program, devices8, helpers, tmp_path):
+    import hloplan
+
+    data, args, want = corpus_program(name)
+    result = hloplan.compile(data, mesh, output=tmp_path / "plan", device="toy",
+                             time_limit=TIME_LIMIT)
+    plan = result.plan
+    errors = [entry.format(name) for entry in result.state.log.entries
+              if entry.severity == "error"]
+    assert not errors, errors
+    assert helpers.plan_is_sharded(plan), "no argument of the plan is sharded"
+    _run_and_match(tmp_path / "plan", args, want, devices8, helpers, f"{name} on mesh {mesh}")
+
+
+@pytest.mark.parametrize("name, schedule", _params(SPLITTING, SCHEDULES))
+def test_pipelined(name, schedule, corpus_program, devices8, helpers, tmp_path):
+    import hloplan
+    from hloplan.compiler import PipelineOptions
+
+    data, args, want = corpus_program(name)
+    result = hloplan.compile(data, "8", output=tmp_path / "plan", device="toy",
+                             time_limit=TIME_LIMIT, pipeline=PipelineOptions(2, 4, schedule))
+    pipe = result.plan["pipeline"]
+    assert (pipe["stages"], pipe["microbatches"], pipe["schedule"]) == (2, 4, schedule)
+    _run_and_match(tmp_path / "plan", args, want, devices8, helpers,
+                   f"{name}, 2 stages x 4 microbatches, {schedule}")
+
+
+def _smallest_single_peak(data) -> int:
+    """The smallest estimated peak of any single-program plan on 8 devices, activations
+    recomputed or not, from the diagnostic of a budget nothing fits."""
+    import hloplan
+    from hloplan.diagnostics import HloplanError
+    from hloplan.units import parse_bytes
+
+    with pytest.raises(HloplanError) as info:
+        hloplan.compile(data, "8", device="toy", time_limit=TIME_LIMIT, memory_budget=1)
+    text = str(info.value)
+    peaks = re.findall(r"smallest (?:achievable )?peak (?:is )?(?:at least )?([\d.]+ \w+)", text)
+    assert peaks, text
+    return min(parse_bytes(p.replace(" ", "")) for p in peaks)
+
+
+@pytest.mark.parametrize("name", _params(TRAIN_SPLITTING))
+def test_accumulates_where_nothing_else_fits(name, corpus_program, devices8, helpers, tmp_path):
+    import hloplan
+
+    data, args, want = corpus_program(name)
+    budget = int(0.95 * _smallest_single_peak(data))
+    result = hloplan.compile(data, "8", output=tmp_path / "plan", device="toy",
+                             time_limit=TIME_LIMIT, memory_budget=budget)
+    pipe = result.plan["pipeline"]
+    assert pipe["stages"] == 1 and pipe["microbatches"] > 1, pipe
+    assert max(pipe["estimate"]["memory_per_stage_bytes"]) <= budget
+    _run_and_match(tmp_path / "plan", args, want, devices8, helpers,
+                   f"{name}, gradients accumulated over {pipe['microbatches']} microbatches")
+
+
+@pytest.mark.parametrize("name", _params(BATCH_STATISTICS))
+def test_batch_statistics_are_refused(name, corpus_program):
+    import hloplan
+    from hloplan.compiler import PipelineOptions
+    from hloplan.diagnostics import HloplanError
+
+    data, _, _ = corpus_program(name)
+    with pytest.raises(HloplanError) as info:
+        hloplan.compile(data, "8", device="toy", time_limit=TIME_LIMIT,
+                        pipeline=PipelineOptions(2, 4, "1f1b"))
+    text = str(info.value)
+    assert "batch statistics" in text, text
