@@ -19,7 +19,7 @@ from hloplan import ir
 from hloplan.diagnostics import UsageError
 from hloplan.emit.launch_scripts import launch_scripts
 from hloplan.emit.loader import EXPORTED_FILE, PLAN_FILE
-from hloplan.plan import build_plan, dumps, value_spec
+from hloplan.plan import build_plan, value_spec
 from hloplan.state import CompileState
 
 MODULE_FILE = "module.mlir"
@@ -79,9 +79,11 @@ def sharded_exported(state: CompileState, reference):
 
 
 def render(state: CompileState, input_bytes: bytes, original_module_text: str | None,
-           pipelined=None) -> dict[str, bytes]:
-    """All files of the plan directory. `pipelined` is (PipelinePlan | marker | None, the state
-    the pipeline was cut from) when pipelining was considered."""
+           pipelined=None) -> tuple[dict, dict[str, bytes]]:
+    """plan.json's content, as a dict (the compiler adds what it decided beyond this plan and
+    writes it, PLAN_FILE), and every other file of the plan directory. `pipelined` is
+    (PipelinePlan | NoPipeline | None, the state the pipeline was cut from) when pipelining
+    was considered."""
     reference = reference_exported(state, original_module_text)
     sharded = sharded_exported(state, reference)
     package = resources.files("hloplan.emit")
@@ -111,8 +113,7 @@ def render(state: CompileState, input_bytes: bytes, original_module_text: str | 
             # read it last; the tasks' estimates count their results in buffers of their own.
             plan["donation"] = {**plan["donation"], "aliases": [], "resharded_results": [],
                                 "loader": "pipelined: to the update tasks that read it last"}
-    files[PLAN_FILE] = dumps(plan).encode()
-    return files
+    return plan, files
 
 
 def write_plan_dir(output: str | os.PathLike, files: dict[str, bytes], timings: dict) -> Path:
