@@ -73,7 +73,8 @@ class Rematerialize:
     # At most this many ops are cloned to recompute one value.
     max_chain: int = 64
     # Recompute only until this fraction of the unsharded peak is freed (cheapest per byte
-    # first): compile asks for what the budget needs first, then for everything that pays.
+    # first). compile recomputes everything that pays (1.0) when no plan fits as the program
+    # stands; --pass-option rematerialize.free_fraction=F asks for less.
     free_fraction: float = 1.0
 
     def apply(self, state: CompileState) -> None:

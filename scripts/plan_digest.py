@@ -109,6 +109,17 @@ def cases():
                 {"device": "toy", "memory_budget": ACCUMULATE_BUDGET}))
     out.append(("recompute-or-accumulate/wide_vocab_gpt@8", _wide_vocab_gpt, "8",
                 {"device": "toy", "memory_budget": WEIGH_BUDGET}))
+    # Recomputing fits, with the user's pipeline options on top.
+    out.append(("recompute+pipeline/wide_vocab_gpt@8", _wide_vocab_gpt, "8",
+                {"device": "toy", "memory_budget": WEIGH_BUDGET,
+                 "pipeline": PipelineOptions(2, 4, "1f1b")}))
+    # Nothing fits: the error and its notes (one per way tried).
+    out.append(("no-plan/wide_vocab_gpt@8", _wide_vocab_gpt, "8",
+                {"device": "toy", "memory_budget": 1}))
+    out.append(("no-plan/normalized_mlp@8", _normalized_mlp, "8",
+                {"device": "toy", "memory_budget": 1}))
+    out.append(("no-plan-pipeline/wide_vocab_gpt@8", _wide_vocab_gpt, "8",
+                {"device": "toy", "memory_budget": 1, "pipeline": PipelineOptions(2, 4)}))
     # Pipelines: given stages and microbatches; automatic stages; accumulation as asked.
     out.append(("pipeline-2x4/gpt_train_step@8", lambda: _fixture("gpt_train_step"), "8",
                 {"device": "toy", "pipeline": PipelineOptions(2, 4, "1f1b")}))
@@ -138,6 +149,8 @@ def _kind(plan: dict) -> str:
     if pipe.get("tasks"):
         return f"pipelined S={pipe['stages']} M={pipe['microbatches']}"
     kind = "recomputed" if plan.get("rematerialized") else "single"
+    if plan.get("pipeline"):
+        kind += " (pipeline search recorded)"
     return f"{kind} on {plan['mesh'].get('axis_sizes')}"
 
 
@@ -171,8 +184,9 @@ def main(argv=None) -> int:
         files = {f: hashlib.sha256(body).hexdigest() for f, body in sorted(result.files.items())}
         whole = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
         digests[name] = {"all": whole, **files}
+        warned = [d.message[:60] for d in result.state.log.warnings]
         print(f"{name:48s} {whole[:16]}  ({time.perf_counter() - t0:.1f}s, {len(files)} files, "
-              f"{_kind(result.plan)})", flush=True)
+              f"{_kind(result.plan)}) {warned[-1] if warned else ''}", flush=True)
     total = hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()
     print(f"{'TOTAL':48s} {total[:16]}  ({time.perf_counter() - started:.0f}s)")
     if args.out:

@@ -8,25 +8,10 @@ from pathlib import Path
 import numpy as np
 
 from hloplan.diagnostics import HloplanError, UsageError
+from hloplan.emit.loader import random_inputs
 
 REFERENCE_FILE = "reference.jaxexport"
 DIFFERING_SHOWN = 8  # results that differ, named in the text report
-
-
-def random_inputs(avals, seed: int):
-    rng = np.random.default_rng(seed)
-    leaves = []
-    for aval in avals:
-        dtype = np.dtype(aval.dtype)
-        if dtype == np.bool_:
-            leaves.append(rng.random(aval.shape) < 0.5)
-        elif np.issubdtype(dtype, np.integer):
-            leaves.append(rng.integers(0, 8, size=aval.shape).astype(dtype))
-        else:
-            # Small and non-negative: optimizer second moments stay valid (sqrt(v)), and long
-            # float32 sums do not cancel catastrophically in the single-device reference.
-            leaves.append(rng.uniform(0.0, 0.1, size=aval.shape).astype(dtype))
-    return leaves
 
 
 def load_inputs(path: str, count: int, avals=()):

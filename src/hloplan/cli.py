@@ -16,6 +16,8 @@ from pathlib import Path
 
 import click
 
+from hloplan.cli_common import MESH_HELP
+from hloplan.cli_explain import explain_command
 from hloplan.diagnostics import (
     EXIT_DIAGNOSTICS,
     EXIT_INTERNAL,
@@ -26,8 +28,6 @@ from hloplan.diagnostics import (
 )
 from hloplan.graph import DONATE_CHOICES
 from hloplan.mesh import MESH_VIEW_CHOICES, MeshSpec
-
-MESH_HELP = "mesh axis sizes ('8', '2x4', '16x8x8') or named axes ('data=8,model=4')"
 
 
 def _read_input(path: str) -> tuple[bytes, str]:
@@ -75,6 +75,9 @@ def main() -> None:
     """Automatic sharding of exported JAX programs."""
 
 
+main.add_command(explain_command)
+
+
 @main.command("compile")
 @click.argument("input_path", metavar="INPUT")
 @click.option("--mesh", required=True, help=MESH_HELP)
@@ -97,7 +100,8 @@ def main() -> None:
                    "one-axis mesh such as 8 as 2x4 and 4x2) and keep the fastest plan")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("--print-after", "print_after", multiple=True, metavar="PASS",
-              help="print the module after PASS to stderr (repeatable; 'all' for every pass)")
+              help="print the module after PASS to stderr, or what an analysis pass produced (the "
+                   "graph, the sharding problem, the solution) (repeatable; 'all' for every pass)")
 @click.option("--time-passes", is_flag=True, help="print the wall time of each step to stderr")
 @click.option("--reproducer", "reproducer", default=None, metavar="DIR",
               help="save input, options and the sharding problem to DIR for a bug report")
@@ -124,7 +128,7 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
                     quiet):
     """Plan INPUT (StableHLO .mlir, bytecode, portable artifact or serialized Exported; '-' for
     stdin) for a device mesh and write the plan directory."""
-    from hloplan import ir
+    from hloplan import pass_dump
     from hloplan.compiler import compile_bytes, make_options
     from hloplan.passmanager import PASS_NAMES, pass_pipeline
 
@@ -146,8 +150,7 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
         def after_pass(name, state):
             progress.step(name, state)
             if "all" in print_after or name in print_after:
-                click.echo(f"// -----// IR Dump After {name} //----- //", err=True)
-                click.echo(ir.module_text(state.program.module), err=True)
+                click.echo(pass_dump.after_pass(name, state), err=True)
 
         passes = None
         if donate != "export":
@@ -382,26 +385,8 @@ def opt_command(input_path, pass_list, mesh, device, memory_budget, pass_options
     click.echo(ir.module_text(program.module, debug_info=False), nl=False)
 
 
-def entry() -> None:
-    try:
-        main(standalone_mode=True)
-    except SystemExit:
-        raise
-
-
 if __name__ == "__main__":  # pragma: no cover
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     main()
 
 __all__ = ["main", "EXIT_USAGE"]
-
-
-def _register_subcommands() -> None:
-    """Commands that live in their own modules register on `main` here."""
-    from hloplan import cli_explain  # noqa: F401  (registers `explain`)
-
-
-try:
-    _register_subcommands()
-except ImportError:  # pragma: no cover - during development, before the module exists
-    pass

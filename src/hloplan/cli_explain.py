@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from hloplan.cli import MESH_HELP, main
+from hloplan.cli_common import MESH_HELP
 from hloplan.diagnostics import HloplanError, UsageError, escape_strings
 from hloplan.mesh import MESH_VIEW_CHOICES
 
@@ -54,7 +54,7 @@ def _plan_input(target: str, mesh: str, device: str, memory_budget, time_limit: 
             result.state.log.entries)
 
 
-@main.command("explain")
+@click.command("explain")
 @click.argument("target", metavar="PLAN_DIR|INPUT")
 @click.option("--mesh", default=None, help=MESH_HELP + "; plans INPUT in memory")
 @click.option("--device", default="h100", show_default=True,

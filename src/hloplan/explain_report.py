@@ -84,7 +84,7 @@ def load_plan_dir(plan_dir: str | Path) -> dict:
         plan = json.loads(text)
     except json.JSONDecodeError as exc:
         raise PlanDirError(f"{PLAN_FILE} is not valid JSON: {exc}", directory) from None
-    check_plan(plan, directory)
+    validate_plan(plan, directory)
     from hloplan.diagnostics import escape_strings
     from hloplan.emit.loader import PlanLoadError, check_plan_fields, verify_files
 
@@ -96,7 +96,7 @@ def load_plan_dir(plan_dir: str | Path) -> dict:
     return escape_strings(plan)
 
 
-def check_plan(plan: object, directory: str | Path | None = None) -> None:
+def validate_plan(plan: object, directory: str | Path | None = None) -> None:
     """Raise PlanDirError unless `plan` looks like a plan.json this module can render."""
     if not isinstance(plan, dict):
         raise PlanDirError(f"{PLAN_FILE} does not hold a plan (expected a JSON object)", directory)
@@ -314,7 +314,7 @@ def _mesh_text(plan: dict) -> str:
 
 
 def mesh_views_lines(plan: dict) -> list[str]:
-    """One line per mesh view planned (compiler._viewed): its estimate, and which was kept."""
+    """One line per mesh view planned (compiler.plan_on_views): its estimate, and which was kept."""
     views = plan.get("mesh_views") or {}
     lines = []
     for index, view in enumerate(views.get("tried", [])):
@@ -898,7 +898,7 @@ def _tuple_source(values) -> str:
 
 
 def _mesh_source(plan: dict) -> list[str]:
-    """Comment lines building the plan's mesh; for a view (compiler._viewed), the mesh asked for
+    """Comment lines building the plan's mesh; for a view (compiler.plan_on_views), the mesh asked for
     reshaped, so that every device keeps its place."""
     mesh, view_of = plan["mesh"], plan["mesh"].get("view_of")
     shape = _tuple_source([int(s) for s in mesh["axis_sizes"]])

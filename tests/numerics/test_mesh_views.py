@@ -1,5 +1,5 @@
 """Mesh views: a one-axis mesh such as "8" is also planned as 2x4 and 4x2 over the same devices
-(compiler._viewed), and the fastest estimate is kept. A plan on a view runs on the devices the
+(compiler.plan_on_views), and the fastest estimate is kept. A plan on a view runs on the devices the
 user gave, in the same order, and computes the single-device answer."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 import hloplan
 from hloplan.cli import main
-from hloplan.compiler import VIEW_GAIN, _view_floor
+from hloplan.compiler import VIEW_GAIN, view_floor
 from hloplan.diagnostics import HloplanError
 
 
@@ -96,7 +96,7 @@ def test_views_are_skipped_when_none_can_beat_the_margin(fixtures_dir):
     # devices can go below (each op's cheapest strategy, or its work split 8 ways).
     result = hloplan.compile(fixtures_dir / "gpt_train_step.jaxexport", "8", device="toy")
     assert "mesh_views" not in result.plan and "mesh_views" not in result.timings
-    floor = _view_floor(result, result.plan)
+    floor = view_floor(result.state)
     assert (1 - VIEW_GAIN) * result.plan["estimate"]["step_time_s"] <= floor
 
 
@@ -105,7 +105,7 @@ def test_the_floor_bounds_every_view(fixtures_dir, name):
     result = hloplan.compile(fixtures_dir / f"{name}.jaxexport", "8", device="cpu")
     given = hloplan.compile(fixtures_dir / f"{name}.jaxexport", "8", device="cpu",
                             mesh_views="off")
-    floor = _view_floor(given, given.plan)
+    floor = view_floor(given.state)
     tried = result.plan["mesh_views"]["tried"]
     assert tried[0]["step_time_s"] == given.plan["estimate"]["step_time_s"]
     assert all(floor <= t["step_time_s"] for t in tried)

@@ -105,11 +105,13 @@ def sharded_exported(state: CompileState, reference):
 
 
 def render(state: CompileState, input_bytes: bytes, original_module_text: str | None,
-           pipelined=None) -> dict[str, bytes]:
-    """All files of the plan directory. `pipelined` is (PipelinePlan | marker | None, the state
-    the pipeline was cut from) when pipelining was considered."""
+           pipelined=None) -> tuple[dict, dict[str, bytes]]:
+    """plan.json's content, as a dict (the compiler adds what it decided beyond this plan and
+    writes it, PLAN_FILE), and every other file of the plan directory. `pipelined` is
+    (PipelinePlan | NoPipeline | None, the state the pipeline was cut from) when pipelining
+    was considered."""
     from hloplan import ir
-    from hloplan.plan import build_plan, dumps
+    from hloplan.plan import build_plan
 
     reference = reference_exported(state, original_module_text)
     sharded = sharded_exported(state, reference)
@@ -141,8 +143,7 @@ def render(state: CompileState, input_bytes: bytes, original_module_text: str | 
             # read it last; the tasks' estimates count their results in buffers of their own.
             plan["donation"] = {**plan["donation"], "aliases": [], "resharded_results": [],
                                 "loader": "pipelined: to the update tasks that read it last"}
-    files[PLAN_FILE] = dumps(plan).encode()
-    return files
+    return plan, files
 
 
 STAGING_TAG = ".hloplan-"

@@ -570,3 +570,23 @@ def _pipeline_loader():
         pipeline_loader = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(pipeline_loader)
     return pipeline_loader
+
+
+def random_inputs(avals, seed: int) -> list:
+    """Seeded arrays for the program's flat inputs (`hloplan run --check`, run_distributed.py
+    without --inputs): the same arrays for the same seed in every process. Floats are small and
+    non-negative, so that optimizer second moments stay valid (sqrt(v)) and long float32 sums
+    do not cancel catastrophically in the single-device reference."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    leaves = []
+    for aval in avals:
+        dtype = np.dtype(aval.dtype)
+        if dtype == np.bool_:
+            leaves.append(rng.random(aval.shape) < 0.5)
+        elif np.issubdtype(dtype, np.integer):
+            leaves.append(rng.integers(0, 8, size=aval.shape).astype(dtype))
+        else:
+            leaves.append(rng.uniform(0.0, 0.1, size=aval.shape).astype(dtype))
+    return leaves

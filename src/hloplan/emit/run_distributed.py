@@ -79,23 +79,6 @@ def initialize(args) -> None:
             "JAX_PROCESS_ID in every process (or pass --local for one process)") from None
 
 
-def random_inputs(avals, seed: int):
-    """The same seeded arrays in every process (and as `hloplan run --check` makes them)."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    leaves = []
-    for aval in avals:
-        dtype = np.dtype(aval.dtype)
-        if dtype == np.bool_:
-            leaves.append(rng.random(aval.shape) < 0.5)
-        elif np.issubdtype(dtype, np.integer):
-            leaves.append(rng.integers(0, 8, size=aval.shape).astype(dtype))
-        else:
-            leaves.append(rng.standard_normal(aval.shape).astype(dtype))
-    return leaves
-
-
 def read_npz(path: str, count: int):
     import numpy as np
 
@@ -158,7 +141,7 @@ def main(argv=None) -> int:
     elif args.inputs:
         leaves = read_npz(args.inputs, count)
     else:
-        leaves = random_inputs(exported.in_avals, args.seed)
+        leaves = loader.random_inputs(exported.in_avals, args.seed)
     tree_args, tree_kwargs = jax.tree.unflatten(exported.in_tree, leaves)
     print(f"{tag} {len(runner.mesh.local_devices)} of {runner.mesh.size} devices, mesh "
           f"{dict(zip(runner.mesh.axis_names, runner.mesh.devices.shape))}", flush=True)
