@@ -207,8 +207,14 @@ def _crashes_reader(read, filename: str, what: str) -> None:
 
     if not hasattr(os, "fork"):
         return
+    import warnings
+
     try:
-        pid = os.fork()
+        with warnings.catch_warnings():
+            # JAX warns of forking a multithreaded process: the child only reads MLIR and
+            # exits, never touching JAX's threads or devices.
+            warnings.simplefilter("ignore", RuntimeWarning)
+            pid = os.fork()
     except OSError:
         return
     if pid == 0:  # the child: silent, never returns
@@ -240,7 +246,7 @@ def _crashes_reader(read, filename: str, what: str) -> None:
 
 
 # A child reading bytecode this long is assumed stuck, not crashed.
-_PROBE_TIMEOUT_S = 120.0
+_PROBE_TIMEOUT_S = 60.0
 
 
 def _load_bytecode(ctx: ir.Context, data: bytes, filename: str) -> Program:
