@@ -39,7 +39,7 @@ def _run(*args):
 
 def test_text_names_every_argument_and_the_mesh(compiled):
     result, plan_dir = compiled
-    out = _run(plan_dir)
+    out = _run(plan_dir, "--verbose")
     assert out.exit_code == 0, out.output
     text = out.stdout
     for argument in result.plan["arguments"]:
@@ -48,8 +48,22 @@ def test_text_names_every_argument_and_the_mesh(compiled):
     for section in ("Mesh", "Device model", "Arguments", "Results", "Estimated step time",
                     "Peak memory", "Top", "Decisions"):
         assert section in text
-    assert "fixtures/models.py:45" in text  # the top ops carry their source lines
+    assert "models.py:45" in text  # the top ops carry their source lines
     assert "█" in text  # the bars
+
+
+def test_text_opens_with_the_strategy_and_stays_short(compiled):
+    result, plan_dir = compiled
+    out = _run(plan_dir)
+    assert out.exit_code == 0, out.output
+    lines = out.stdout.splitlines()
+    first = " ".join(lines[1:3])
+    assert explain_report.strategy_paragraph(result.plan)[:40] in first
+    assert "parallel" in first or "replicated" in first
+    assert len(lines) < len(_run(plan_dir, "--verbose").stdout.splitlines())
+    assert "--verbose lists all" in out.stdout
+    assert "Device model" not in out.stdout  # verbose only
+    assert "models.py:45" in out.stdout  # source lines: the file's name and the line
 
 
 def test_plan_records_the_collective_merging_it_was_priced_with(compiled):
