@@ -117,7 +117,11 @@ def explain_command(target, mesh, device, memory_budget, time_limit, hosts, mesh
         if fmt == "json":
             click.echo(json.dumps(report.summary(plan, top or 10), indent=1, sort_keys=True))
         elif fmt == "jax":
-            click.echo(report.jax_source(plan, report.load_exported(exported_source)), nl=False)
+            reference = None
+            if isinstance(exported_source, Path) and (exported_source / "reference.jaxexport").is_file():
+                reference = (exported_source / "reference.jaxexport").resolve()
+            click.echo(report.jax_source(plan, report.load_exported(exported_source), reference),
+                       nl=False)
         else:
             report.render_text(plan, _console(), top, verbose=verbose)
         for picture_path, kind in ((svg_path, "svg"), (png_path, "png")):

@@ -1125,23 +1125,30 @@ def _tuple_source(values) -> str:
 
 
 def _mesh_source(plan: dict) -> list[str]:
-    """Comment lines building the plan's mesh; for a view (compiler._viewed), the mesh asked for
-    reshaped, so that every device keeps its place."""
+    """Lines building the plan's mesh over jax.devices(), row-major as hloplan.load builds it
+    (a view of the mesh asked for, compiler._viewed, reshapes the same devices in the same
+    order, so every device keeps its place)."""
     mesh, view_of = plan["mesh"], plan["mesh"].get("view_of")
-    shape = _tuple_source([int(s) for s in mesh["axis_sizes"]])
-    names = _tuple_source(mesh["axis_names"])
-    types = f"axis_types=(AxisType.Auto,) * {len(mesh['axis_names'])}"
-    if not view_of:
-        return [f"#   mesh = jax.make_mesh({shape}, {names}, {types})"]
-    return [f"#   given = jax.make_mesh({_tuple_source(view_of['axis_sizes'])}, "
-            f"{_tuple_source(view_of['axis_names'])})  # the mesh asked for; the plan is on "
-            "this view of it:",
-            f"#   mesh = jax.sharding.Mesh(given.devices.reshape{shape}, {names}, {types})"]
+    sizes = [int(s) for s in mesh["axis_sizes"]]
+    lines = []
+    if view_of:
+        lines.append(f"# a view of the mesh {_axes_text(view_of)}: the same devices in the "
+                     "same order")
+    lines += [
+        f"devices = np.array(jax.devices()[:{math.prod(sizes)}]).reshape{_tuple_source(sizes)}",
+        f"mesh = Mesh(devices, {_tuple_source(mesh['axis_names'])}, "
+        f"axis_types=(AxisType.Auto,) * {len(sizes)})",
+    ]
+    return lines
 
 
-def jax_source(plan: dict, exported) -> str:
-    """Python source defining `in_shardings` (the positional arguments' pytree) and
-    `out_shardings` (the results' pytree) as PartitionSpecs, with how to use them."""
+def jax_source(plan: dict, exported, reference: str | Path | None = None) -> str:
+    """Python source that runs as pasted: the plan's mesh over jax.devices(), `in_shardings`
+    (the positional arguments' pytree) and `out_shardings` (the results') as NamedShardings,
+    and `jit(f)`, jax.jit with them and the export's donation. `reference`: a serialized
+    Exported of the original program (a plan directory's reference.jaxexport), jitted as `step`
+    so that the code runs end to end; without it the code jits nothing until you call
+    `jit(your_function)`."""
     import jax
 
     in_leaves = [_Spec(partition_spec_text(s)) for s in _flat_specs(exported, "in")]
@@ -1152,40 +1159,58 @@ def jax_source(plan: dict, exported) -> str:
     lines = [
         f"# Shardings planned by hloplan for {source.get('file', 'the program')} on mesh "
         f"{_mesh_text(plan)} ({plan['device_model'].get('name', '?')}).",
+        "import jax",
+        "import numpy as np",
+        "from jax.sharding import AxisType, Mesh, NamedSharding",
         "from jax.sharding import PartitionSpec as P",
         "",
+        *_mesh_source(plan),
+        "",
+        "",
+        "def named(tree):",
+        "    return jax.tree.map(lambda p: NamedSharding(mesh, p), tree,",
+        "                        is_leaf=lambda x: isinstance(x, P))",
+        "",
+        "",
     ]
+    custom: list[str] = []
     try:
-        lines.append(f"in_shardings = {_source(tuple(args))}")
+        lines.append(f"in_shardings = named({_source(tuple(args))})")
         if kwargs:
-            lines.append(f"in_shardings_kwargs = {_source(dict(kwargs))}")
-        lines.append(f"out_shardings = {_source(results)}")
+            lines.append(f"in_shardings_kwargs = named({_source(dict(kwargs))})")
+        lines.append(f"out_shardings = named({_source(results)})")
         custom = sorted(_namedtuple_types((args, kwargs, results), set()))
     except _CustomNode as exc:
-        # Custom pytree nodes have no literal syntax: give the flat leaves, in pytree order.
+        # Custom pytree nodes have no literal syntax: the flat leaves, in pytree order, are
+        # rebuilt into the trees with the program's own tree structure.
         lines += [
-            f"# The arguments or results contain custom pytree nodes ({exc}); these are the",
-            "# leaves in pytree order: rebuild the trees with jax.tree.unflatten(jax.tree.structure(",
-            "# (args, kwargs)), in_shardings_flat) and likewise for the results.",
-            f"in_shardings_flat = {_source(list(in_leaves))}",
-            f"out_shardings_flat = {_source(list(out_leaves))}",
+            f"# The arguments or results contain custom pytree nodes ({exc}): the shardings",
+            "# are given flat, in pytree order, for jax.tree.unflatten with your trees' structure.",
+            f"in_shardings_flat = named({_source(list(in_leaves))})",
+            f"out_shardings_flat = named({_source(list(out_leaves))})",
+            "in_shardings = out_shardings = None  # rebuild them from the flat lists",
         ]
-        custom = []
     if custom:
-        lines.insert(2, "# named tuples used below (import them from your code): "
+        lines.insert(1, "# named tuples used below (import them from your code): "
                      + ", ".join(custom))
     lines += [
         "",
-        "# Use them with jax.jit and a Mesh of the same axes (Auto axes, as planned):",
-        "#   import jax",
-        "#   from jax.sharding import AxisType, NamedSharding",
-        *_mesh_source(plan),
-        "#   named = lambda tree: jax.tree.map(lambda p: NamedSharding(mesh, p), tree,",
-        "#                                     is_leaf=lambda x: isinstance(x, P))",
-        "#   step = jax.jit(f, in_shardings=named(in_shardings), "
-        f"out_shardings=named(out_shardings){_donate_text(plan, args)})",
-        "# or load the compiled plan itself: step = hloplan.load(PLAN_DIR)",
+        "",
+        "def jit(f):",
+        '    """jax.jit of your function (the one exported) with the planned shardings."""',
+        "    return jax.jit(f, in_shardings=in_shardings, out_shardings=out_shardings"
+        f"{_donate_text(plan, args)})",
     ]
+    if reference is not None:
+        lines += [
+            "",
+            "",
+            "# The plan's copy of the original program; jit your own function the same way.",
+            f"with open({str(reference)!r}, 'rb') as _f:",
+            "    step = jit(jax.export.deserialize(bytearray(_f.read())).call)",
+        ]
+    else:
+        lines += ["", "# step = jit(your_function); outputs = step(*args)"]
     return "\n".join(lines) + "\n"
 
 

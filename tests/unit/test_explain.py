@@ -13,7 +13,6 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import hloplan  # noqa: E402
 from hloplan import decisions, explain_report  # noqa: E402
@@ -127,26 +126,42 @@ def test_plan_json_decisions_are_deterministic(compiled):
     assert [d["rank"] for d in again] == list(range(1, 11))
 
 
-def test_jax_format_is_python_matching_the_argument_tree(compiled):
+def test_jax_format_runs_as_pasted(compiled):
+    """The emitted code builds the mesh over jax.devices(), NamedShardings matching the
+    argument and result trees, and a jitted step that gives the single-device answer."""
+    import numpy as np
+    from jax.sharding import NamedSharding
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     _, plan_dir = compiled
     out = _run(plan_dir, "--format", "jax")
     assert out.exit_code == 0, out.output
-    assert "from jax.sharding import PartitionSpec as P" in out.stdout
     namespace: dict = {}
     exec(compile(out.stdout, "<explain --format jax>", "exec"), namespace)
     exported = explain_report.load_exported(plan_dir)
     args, _ = jax.tree.unflatten(exported.in_tree, [0] * exported.in_tree.num_leaves)
-    is_spec = lambda x: isinstance(x, P)  # noqa: E731
-    assert (jax.tree.structure(namespace["in_shardings"], is_leaf=is_spec)
+    is_named = lambda x: isinstance(x, NamedSharding)  # noqa: E731
+    assert (jax.tree.structure(namespace["in_shardings"], is_leaf=is_named)
             == jax.tree.structure(tuple(args)))
     results = jax.tree.unflatten(exported.out_tree, [0] * exported.out_tree.num_leaves)
-    assert (jax.tree.structure(namespace["out_shardings"], is_leaf=is_spec)
+    assert (jax.tree.structure(namespace["out_shardings"], is_leaf=is_named)
             == jax.tree.structure(results))
-    flat = jax.tree.leaves(namespace["in_shardings"], is_leaf=is_spec)
-    assert all(isinstance(s, P) for s in flat)
     plan = json.loads((plan_dir / "plan.json").read_text())
     by_name = {a["name"]: decisions.partition_spec_text(a["spec"]) for a in plan["arguments"]}
-    assert repr(namespace["in_shardings"][1]).replace("PartitionSpec", "P") == by_name["x"]
+    assert repr(namespace["in_shardings"][1].spec).replace("PartitionSpec", "P") == by_name["x"]
+    assert namespace["mesh"].shape == {"x": 2, "y": 4}
+
+    inputs = np.load(FIXTURES / "mlp_train_step.inputs.npz")
+    flat = [inputs[f"arg{i}"] for i in range(len(inputs.files))]
+    call_args = jax.tree.unflatten(jax.tree.structure(tuple(args)), flat)
+    got = namespace["step"](*call_args)
+    reference = jax.export.deserialize(bytearray((plan_dir / "reference.jaxexport").read_bytes()))
+    want = reference.call(*call_args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+    sharded = [leaf for leaf in jax.tree.leaves(got) if leaf.ndim]
+    assert any(not leaf.sharding.is_fully_replicated for leaf in sharded)
 
 
 def test_svg_is_written(compiled, tmp_path):
@@ -305,3 +320,25 @@ def test_explain_of_a_donated_step_counts_what_is_written_in_place(tmp_path):
     # The shardings to paste into jax.jit donate what the export donated.
     source = _run(tmp_path / "p", "--format", "jax").stdout
     assert "out_shardings=named(out_shardings), donate_argnums=(0,))" in source
+
+
+def test_loader_names_the_jax_a_plan_was_made_with(compiled, tmp_path, monkeypatch):
+    import shutil
+
+    from hloplan.emit import loader
+
+    result, plan_dir = compiled
+    assert result.plan["versions"]["jax"] == jax.__version__  # plan.json records its jax
+    copy = tmp_path / "plan"
+    shutil.copytree(plan_dir, copy)
+    plan = json.loads((copy / "plan.json").read_text())
+    plan["versions"]["jax"] = "99.0.0"
+    (copy / "plan.json").write_text(json.dumps(plan))
+
+    def refuse(data):
+        raise ValueError("unsupported serialization version 99")
+
+    monkeypatch.setattr(jax.export, "deserialize", refuse)
+    with pytest.raises(loader.PlanLoadError, match=r"made with jax 99\.0\.0 and the running jax "
+                       rf"is {jax.__version__}.*unsupported serialization version"):
+        hloplan.load(copy)
