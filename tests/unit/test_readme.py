@@ -78,8 +78,10 @@ def test_readme_blocks_run(tmp_path):
 
 def test_readme_python_blocks_run_as_one_file(tmp_path):
     python = [body for lang, body in runnable_blocks(README.read_text()) if lang == "python"]
-    if any(_needs_missing_api(body) for body in python):
-        pytest.skip("the README's python needs hloplan.shard, which this build lacks")
+    kept = [body for body in python if not _needs_missing_api(body)]
     script = tmp_path / "quickstart.py"
-    script.write_text("\n".join(python))
+    script.write_text("\n".join(kept))
     _run([sys.executable, script.name], tmp_path, "the README's python blocks as one file")
+    if len(kept) < len(python):
+        pytest.skip(f"{len(python) - len(kept)} python blocks need hloplan.shard, which this "
+                    "build lacks; the others ran as one file")
