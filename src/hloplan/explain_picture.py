@@ -163,7 +163,9 @@ def figure(plan: dict):
 
     ax = fig.add_subplot(grid[2])
     ax.axis("off")
-    ax.text(0, 1, "Each device holds the filled block of (rows: dim 0, columns: the last dim):",
+    single = " (in the single-program plan)" if pipe.get("tasks") else ""
+    ax.text(0, 1, "Each device holds the filled block of (rows: dim 0, columns: the last dim)"
+            f"{single}:",
             fontsize=9, va="top", transform=ax.transAxes)
     for k, entry in enumerate(tensors):
         y = 1 - (k + 1.2) / (len(tensors) + 1.2)

@@ -537,17 +537,7 @@ def strategy_phrases(plan: dict) -> list[str]:
     ZeRO stage, tensor, sequence and expert parallel, pipeline), each with its mesh axes."""
     mesh = plan["mesh"]
     names = list(mesh["axis_names"])
-    pipe = plan.get("pipeline") or {}
     phrases: list[str] = []
-    if pipe.get("tasks"):
-        submeshes = pipe.get("submeshes") or []
-        shapes = [f"{'x'.join(map(str, s['axis_sizes']))}" for s in submeshes]
-        if pipe["stages"] > 1:
-            phrases.append(
-                f"pipeline: {pipe['stages']} stages on submeshes {' + '.join(shapes)}, "
-                f"{pipe['microbatches']} microbatches, {pipe['schedule']} schedule")
-        else:
-            phrases.append(f"gradient accumulation over {pipe['microbatches']} microbatches")
     if _fully_replicated(plan):
         devices = mesh.get("devices") or math.prod(int(s) for s in mesh["axis_sizes"])
         phrases.append(f"fully replicated: every one of the {devices} devices runs the whole "
@@ -633,16 +623,33 @@ def strategy_paragraph(plan: dict) -> str:
     from hloplan.units import format_seconds as fs
 
     est = plan["estimate"]
-    phrases = strategy_phrases(plan)
-    text = "; ".join(phrases)
+    text = "; ".join(strategy_phrases(plan))
     text = text[:1].upper() + text[1:] + "."
+    pipe = plan.get("pipeline") or {}
+    if pipe.get("tasks"):
+        # the loader runs the pipeline; plan.json's layouts are those of the single program
+        pest = pipe["estimate"]
+        if pipe["stages"] > 1:
+            shapes = [("x".join(map(str, s["shape"])) if "shape" in s else
+                       "x".join(map(str, s["axis_sizes"]))) +
+                      f" (devices {device_ranges(s['devices'])})" for s in pipe["submeshes"]]
+            lead = (f"Pipeline: {pipe['stages']} stages on submeshes {' + '.join(shapes)}, "
+                    f"{pipe['microbatches']} microbatches, {pipe['schedule']} schedule")
+        else:
+            lead = f"Gradient accumulation over {pipe['microbatches']} microbatches"
+        budget = plan.get("memory_budget_bytes")
+        over = budget is not None and est.get("peak_memory_bytes", 0) > budget
+        text = (f"{lead}: estimated step {fs(pest['step_time_s'])}, peak "
+                f"{fb(max(pest['memory_per_stage_bytes']))} per device, bubble "
+                f"{pest.get('bubble_fraction', 0.0):.0%}. The single-program plan (the tables "
+                f"below; estimated step {fs(est.get('step_time_s', 0.0))}"
+                f"{', over the memory budget' if over else ''}): "
+                + text[:1].lower() + text[1:])
+        return text
     view = plan["mesh"].get("view_of")
     if view:
         text += (f" Planned on the view {_axes_text(plan['mesh'])} of the mesh "
                  f"{_axes_text(view)} (the same devices).")
-    remat = plan.get("rematerialized")
-    if remat:
-        text += f" Recomputes {remat['values']} activations after the forward pass to fit."
     text += (f" Estimated step {fs(est.get('step_time_s', 0.0))}, peak "
              f"{fb(est.get('peak_memory_bytes', 0))} per device on "
              f"{plan['device_model'].get('name', '?')}.")
@@ -720,26 +727,11 @@ def render_text(plan: dict, console, top: int | None = None, verbose: bool = Fal
                        f"({mesh.get('devices', '?')} devices) on {device.get('name', '?')}",
                        style="bold"))
     console.print(Text(strategy_paragraph(plan)))
-    console.print()
-    pipe = plan.get("pipeline") or {}
-    single = (f"estimated step {format_seconds(est.get('step_time_s', 0.0))}, "
-              f"peak {format_bytes(est.get('peak_memory_bytes', 0))} per device")
     remat = plan.get("rematerialized")
     if remat:  # no plan fit the budget without it
-        single += (f"; recomputes {remat['values']} activations after the forward pass "
-                   f"({remat['ops']} cheap ops)")
-    if pipe.get("tasks"):  # the loader runs the pipeline; the tables below are the single program
-        pest = pipe["estimate"]
-        budget_bytes = plan.get("memory_budget_bytes")
-        over = (budget_bytes is not None and est.get("peak_memory_bytes", 0) > budget_bytes)
-        console.print(Text(
-            f"runs {stages_text(pipe['stages'], pipe['microbatches'])}: estimated step "
-            f"{format_seconds(pest['step_time_s'])}, peak "
-            f"{format_bytes(max(pest['memory_per_stage_bytes']))} per device (see Pipeline)"))
-        console.print(Text(f"single-program plan (below): {single}"
-                           + (", over the memory budget" if over else "")))
-        console.print()
-
+        console.print(Text(f"recomputes {remat['values']} activations after the forward pass "
+                           f"({remat['ops']} cheap ops) to fit the memory budget"))
+    console.print()
     links = mesh.get("links") or []
     t = table("Mesh", "Axis", "Size", "Link", right=("Size",))
     for i, (name, size) in enumerate(zip(mesh["axis_names"], mesh["axis_sizes"])):

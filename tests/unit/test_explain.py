@@ -319,7 +319,7 @@ def test_explain_of_a_donated_step_counts_what_is_written_in_place(tmp_path):
     assert "donate_argnums" not in text
     # The shardings to paste into jax.jit donate what the export donated.
     source = _run(tmp_path / "p", "--format", "jax").stdout
-    assert "out_shardings=named(out_shardings), donate_argnums=(0,))" in source
+    assert "out_shardings=out_shardings, donate_argnums=(0,))" in source
 
 
 def test_loader_names_the_jax_a_plan_was_made_with(compiled, tmp_path, monkeypatch):
