@@ -446,6 +446,70 @@ def _axes_phrase(plan: dict, axes) -> str:
     return f"over {where}: {ways}-way"
 
 
+_PATH_PART = re.compile(r"^[^\[.]+|\[[^\]]*\]|\.[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _params_hint(prefix: str) -> int:
+    """+1 for a path that names parameters, -1 for one that names optimizer state: which of
+    several mirrored subtrees are the parameters (else the first in argument order)."""
+    lower = prefix.lower()
+    if re.search(r"opt|moment|\bmu\b|\bnu\b|\['[mv]'\]|\.[mv]\b|momentum|adam", lower):
+        return -1
+    return 1 if re.search(r"param|weight|model", lower) else 0
+
+
+def _mirrored_state(args: list[dict]) -> tuple[list[int], list[int]]:
+    """(parameters, optimizer state) found as mirrored subtrees: optimizer moments (Adam's m
+    and v, momentum) hold a leaf of the same shape at the same relative path for every
+    parameter, wherever the user nested them (`params` and `opt_state['m']`, or
+    `state['params']` and `state['opt']['m']`). Of the subtrees that mirror one another, the
+    largest set whose subtrees together hold most of their top-level argument's bytes, and
+    that are not repeated layers (siblings `[0]`, `[1]` of one list), is taken; its first
+    subtree named as parameters (else the first) is the parameters. ([], []) when there is
+    none."""
+    groups: dict[frozenset, list[str]] = {}
+    members: dict[str, list[int]] = {}
+    for index, entry in enumerate(args):
+        parts = _PATH_PART.findall(entry["name"])
+        for cut in range(1, len(parts)):
+            prefix = "".join(parts[:cut])
+            members.setdefault(prefix, []).append(index)
+    signature: dict[str, set] = {}
+    for prefix, indices in members.items():
+        signature[prefix] = frozenset((args[i]["name"][len(prefix):], tuple(args[i]["shape"]))
+                                      for i in indices)
+    for prefix, sig in signature.items():
+        groups.setdefault(sig, []).append(prefix)
+    top_bytes: dict[str, int] = {}
+    for entry in args:
+        top_bytes[_top(entry["name"])] = top_bytes.get(_top(entry["name"]), 0) + entry["bytes"]
+    best, best_bytes = None, 0
+    for prefixes in groups.values():
+        # disjoint subtrees only (a prefix and its own child may share a signature)
+        chosen: list[str] = []
+        for prefix in prefixes:
+            if not any(prefix.startswith(c) or c.startswith(prefix) for c in chosen):
+                chosen.append(prefix)
+        if len(chosen) < 2:
+            continue
+        parents = {c[:c.rfind("[")] if c.endswith("]") else c for c in chosen}
+        if len(parents) == 1 and all(re.fullmatch(r".*\[\d+\]", c) for c in chosen):
+            continue  # repeated layers of one list, not a mirror of the parameters
+        sizes = {c: sum(args[i]["bytes"] for i in members[c]) for c in chosen}
+        tops: dict[str, int] = {}
+        for c in chosen:
+            tops[_top(c)] = tops.get(_top(c), 0) + sizes[c]
+        if any(held * 2 < top_bytes[top] for top, held in tops.items()):
+            continue
+        first = min(chosen, key=lambda c: (-_params_hint(c), members[c][0]))
+        if sizes[first] > best_bytes:
+            best, best_bytes = (first, [c for c in chosen if c != first]), sizes[first]
+    if best is None:
+        return [], []
+    first, others = best
+    return list(members[first]), sorted(i for c in others for i in members[c])
+
+
 def argument_roles(plan: dict) -> dict:
     """Which arguments are the model's parameters, its optimizer state, other state and the
     batch, read from the plan alone: arguments are grouped by their top-level name (the
@@ -472,9 +536,22 @@ def argument_roles(plan: dict) -> dict:
     def group_bytes(members: list[int]) -> int:
         return sum(args[i]["bytes"] for i in members)
 
+    roles: dict[str, list[int]] = {"params": [], "optimizer": [], "state": [], "batch": []}
+    params, optimizer = _mirrored_state(args)
+    if params:
+        roles["params"], roles["optimizer"] = params, optimizer
+        taken = set(params) | set(optimizer)
+        for members in groups.values():
+            rest = [i for i in members if i not in taken]
+            if not rest:
+                continue
+            leading = {tuple(args[i]["shape"])[:1] for i in rest if args[i]["shape"]}
+            batch = (not is_state(rest) and len(leading) == 1
+                     and next(iter(leading), (0,))[0] > 1)
+            roles["batch" if batch else "state"] += rest
+        return roles
     state = [name for name, members in groups.items() if is_state(members)]
     others = [name for name in groups if name not in state]
-    roles: dict[str, list[int]] = {"params": [], "optimizer": [], "state": [], "batch": []}
     if state:
         params = max(state[:1] + [n for n in state if "param" in n.lower()],
                      key=lambda n: ("param" in n.lower(), -state.index(n)))
@@ -664,6 +741,8 @@ def summary(plan: dict, top: int = 10) -> dict:
     memory = memory_breakdown(plan)
     return {
         "ok": True,
+        "strategy": strategy_paragraph(plan),
+        "parallelism": strategy_phrases(plan),
         "input": plan.get("input"),
         "mesh": plan["mesh"],
         "mesh_views": plan.get("mesh_views"),
@@ -958,8 +1037,8 @@ def _render_pipeline(plan: dict, console, table, cells) -> None:
               "Source lines", right=("Time per microbatch", "Memory"))
     per_stage = {p["stage"]: p for p in pipe.get("per_stage", [])}
     for stage, sub in enumerate(pipe["submeshes"]):
-        lines = sorted({line for task in pipe["tasks"] if task["stage"] == stage
-                        for line in task.get("source_lines", [])})
+        lines = sorted({_short_location(line) for task in pipe["tasks"]
+                        if task["stage"] == stage for line in task.get("source_lines", [])})
         mesh = ",".join(f"{n}={s}" for n, s in zip(sub["axis_names"], sub["axis_sizes"]))
         layers = per_stage.get(stage, {}).get("layers")
         t.add_row(*cells(str(stage), device_ranges(sub["devices"]), mesh,
