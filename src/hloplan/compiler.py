@@ -378,9 +378,8 @@ def _recomputed_or_accumulated(state: CompileState, data: bytes, filename: str,
 
 
 # An estimated peak above this fraction of the budget gets a remark pointing at
-# --verify-memory: XLA's allocation was 1.00-1.24 times its peak of live bytes over the
-# tight-budget benchmark's plans (median 1.05; session 13's plans: 1.00-1.46), which the
-# estimate does not model.
+# --verify-memory: XLA's allocation is 1.00-1.24 times its peak of live bytes over the
+# tight-budget benchmark's plans (median 1.05), which the estimate does not model.
 NEAR_BUDGET = 0.9
 
 
@@ -435,11 +434,10 @@ def _recomputed(data: bytes, filename: str, options: CompileOptions, passes, aft
     unless the pass's free_fraction asks for fewer). Else None, with a note on what
     recomputing reached (None when there is nothing to recompute).
 
-    Recomputing only what the budget needs by default was tried (session 12: free 1.5 times
-    the shortfall, as a fraction of the unsharded peak, then 3 times that): 26 of the 30
-    tight-budget cases fit against 28, the plans left with little headroom meeting the
-    estimate's known gaps on CPU (llama 4x8 compiled 9.74 GiB against 9.19; ResNet 16x8x8
-    17.9 against 8.34)."""
+    Everything that pays is recomputed, not only what the budget needs: freeing just the
+    shortfall (1.5 times it, then 3 times) fits fewer of the 30 tight-budget benchmark cases
+    (26 against 28), because plans left with little headroom meet the estimate's known gaps
+    on CPU (llama 4x8 compiled to 9.74 GiB against 9.19; ResNet 16x8x8 17.9 against 8.34)."""
     from hloplan.passes.rematerialize import Rematerialize
 
     steps = [dataclasses.replace(step, enabled=True) if isinstance(step, Rematerialize) else step
