@@ -176,6 +176,84 @@ def test_svg_is_written(compiled, tmp_path):
     assert "Estimated step time" in text and "params[1]['w']" in text
 
 
+def test_png_is_written_and_pictures_the_mesh(compiled, tmp_path):
+    _, plan_dir = compiled
+    png, svg = tmp_path / "plan.png", tmp_path / "plan.svg"
+    out = _run(plan_dir, "--png", png, "--svg", svg)
+    assert out.exit_code == 0, out.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = svg.read_text()
+    # the mesh's axes, each device, and the tensors whose blocks the devices hold
+    assert "axis y" in text and "axis x" in text
+    assert "batch x" in text and "parameter params[1]['w']" in text
+
+
+def _plan(args, results=(), axes=("x", "y"), sizes=(2, 4), **extra):
+    def entry(name, shape, spec, dtype="f32"):
+        count = 1
+        for dim in shape:
+            count *= dim
+        return {"name": name, "shape": list(shape), "dtype": dtype, "spec": spec,
+                "bytes": 4 * count, "bytes_per_device": 4 * count}
+
+    return {"mesh": {"axis_names": list(axes), "axis_sizes": list(sizes)},
+            "arguments": [entry(*a) for a in args], "results": [entry(*r) for r in results],
+            "estimate": {"step_time_s": 1e-3, "peak_memory_bytes": 2**20, "collectives": []},
+            "ops": [], "device_model": {"name": "h100"}, **extra}
+
+
+W, B = [1024, 4096], [256, 1024]
+
+
+def test_strategy_names_data_parallel_and_zero1():
+    plan = _plan([("params['w']", W, [[], []]), ("opt['m']['w']", W, [["y"], []]),
+                  ("opt['v']['w']", W, [["y"], []]), ("x", B, [["y"], []])],
+                 [("result[0]['w']", W, [[], []]), ("result[1]['m']['w']", W, [["y"], []]),
+                  ("result[1]['v']['w']", W, [["y"], []])])
+    phrases = explain_report.strategy_phrases(plan)
+    assert "batch over y: 4-way data parallel" in phrases
+    assert "optimizer state sharded over y: 4-way (ZeRO-1)" in phrases
+    assert "mesh axis x unused (replicated over it)" in phrases
+
+
+def test_strategy_names_tensor_parallel_and_fsdp():
+    tp = _plan([("params['w']", W, [[], ["x"]]), ("x", B, [["y"], []])])
+    assert explain_report.strategy_phrases(tp) == [
+        "batch over y: 4-way data parallel",
+        "weights split over x: 2-way tensor parallel (largest: params['w'])"]
+    fsdp = _plan([("params['w']", W, [["x", "y"], []]), ("tokens", [256, 512], [["x", "y"], []], "i32")])
+    assert explain_report.strategy_phrases(fsdp) == [
+        "batch over (x, y): 8-way data parallel",
+        "parameters sharded over (x, y): 8-way FSDP (ZeRO-3)"]
+    seq = _plan([("params['w']", W, [[], []]), ("tokens", [256, 512], [["x"], ["y"]], "i32")])
+    assert "sequence over y: 4-way sequence parallel" in explain_report.strategy_phrases(seq)
+
+
+def test_strategy_names_expert_parallel():
+    plan = _plan([("params['experts']['w']", [8, 1024, 4096], [["y"], [], []]),
+                  ("x", B, [["x", "y"], []])])
+    assert "experts over y: 4-way expert parallel" in explain_report.strategy_phrases(plan)
+
+
+def test_fully_replicated_is_said_plainly():
+    plan = _plan([("params['w']", W, [[], []]), ("x", B, [[], []])])
+    assert explain_report.strategy_paragraph(plan).startswith(
+        "Fully replicated: every one of the 8 devices runs the whole program")
+
+
+def test_pipelined_plan_leads_with_its_stages():
+    pipe = {"tasks": [{}], "stages": 2, "microbatches": 8, "schedule": "1f1b",
+            "submeshes": [{"devices": [0, 1, 2, 3], "shape": [1, 4]},
+                          {"devices": [4, 5, 6, 7], "shape": [1, 4]}],
+            "estimate": {"step_time_s": 2e-3, "memory_per_stage_bytes": [2**20, 2**19],
+                         "bubble_fraction": 1 / 9}}
+    plan = _plan([("params['w']", W, [[], ["y"]]), ("x", B, [["y"], []])], pipeline=pipe)
+    text = explain_report.strategy_paragraph(plan)
+    assert text.startswith("Pipeline: 2 stages on submeshes 1x4 (devices 0-3) + 1x4 (devices "
+                           "4-7), 8 microbatches, 1f1b schedule: estimated step 2.00 ms")
+    assert "The single-program plan" in text
+
+
 def test_in_shardings_python_api(compiled):
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
