@@ -915,7 +915,7 @@ def render_text(plan: dict, console, top: int | None = None, verbose: bool = Fal
         more(len(decisions) - len(shown), "decisions")
     _render_pipeline(plan, console, table, cells)
     solver = plan.get("solver") or {}
-    if solver and verbose:
+    if solver:
         console.print()
         console.print(Text(f"solver {solver.get('name')}: {solver.get('status')}, gap "
                            f"{solver.get('gap', 0):.2%}, {solver.get('nodes')} decisions, "
