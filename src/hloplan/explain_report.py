@@ -8,8 +8,9 @@ directory and a plan made in memory render the same way:
   their reasons) and horizontal bars;
 - `summary`: the same as plain JSON data;
 - `strategy_paragraph`: the parallelism chosen, in practitioners' words (explain's first lines);
-- `jax_source`: Python source of `in_shardings` / `out_shardings` pytrees of PartitionSpec that
-  match the original function's arguments and results;
+- `jax_source`: Python that runs as pasted: the plan's mesh over jax.devices(), `in_shardings` /
+  `out_shardings` pytrees of NamedSharding matching the original function's arguments and
+  results, and `jit(f)` with them (hloplan.explain_picture draws the plan);
 - `in_shardings(plan_dir, mesh)` / `out_shardings(plan_dir, mesh)`: the same as NamedShardings.
 """
 
@@ -411,7 +412,6 @@ def text_bar(fraction: float, width: int = 30) -> str:
 # -- the strategy in practitioners' words ---------------------------------------------------------
 
 _TOP_NAME = re.compile(r"^([^\[.]+)")
-_LIBRARY_PATH = re.compile(r"(site-packages|dist-packages)/|/lib/python3[^/]*/")
 
 
 def _top(name: str) -> str:
