@@ -57,9 +57,10 @@ class BuildShardingProblem:
     # A merged collective's first launch becomes an ILP term only when it costs at least this
     # (seconds): over a 1,024-GPU mesh one all-reduce launch is 20 ms of ring latency, which
     # the per-collective shares (bytes / 30 MiB of it) hide. On <= 32 GPUs (4 nodes) launches
-    # are under 1 ms; priced there (session 9) they moved the Flax transformer on 4x8 from
-    # 0.834 to 2.32 of the best hand plan, whose compiled program has no such all-reduce. On
-    # 8x8 (1.26 ms) they are priced, and make the 2-layer GPT's LP fractional (4 -> 35 s).
+    # are under 1 ms; priced there they would move the Flax transformer on 4x8 from 0.834 to
+    # 2.32 of the best hand plan, whose compiled program has no such all-reduce. On 8x8
+    # (1.26 ms) they are priced, and make the 2-layer GPT's LP relaxation fractional (its
+    # solve takes about 9 times longer).
     min_launch_s: float = 1e-3
     # Price (and have propagate-sharding pin) a multi-axis all-gather as one all-gather per
     # axis, minor-most first, where that is cheaper: XLA gathers [(x, y)] -> [-] over all

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Install hloplan with its test dependencies into .venv (if needed) and run the test suite.
+# Install hloplan with its test dependencies into .venv (if needed) and run the test suite; a
+# full run (no arguments) then checks the oldest supported jax too (scripts/test-jax-versions.sh;
+# HLOPLAN_SKIP_JAX_VERSIONS=1 skips it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
@@ -9,3 +11,6 @@ fi
 .venv/bin/python -m pip install -q -e ".[test]" --config-settings editable_mode=strict
 .venv/bin/ruff check .
 .venv/bin/python -m pytest -m "not slow" "$@"
+if [ "$#" -eq 0 ] && [ -z "${HLOPLAN_SKIP_JAX_VERSIONS:-}" ]; then
+  bash scripts/test-jax-versions.sh
+fi

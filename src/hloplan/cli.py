@@ -18,6 +18,7 @@ import click
 
 from hloplan.cli_common import MESH_HELP
 from hloplan.cli_explain import explain_command
+from hloplan.cli_help import COMPILE_GROUPS, GroupedCommand
 from hloplan.diagnostics import (
     EXIT_DIAGNOSTICS,
     EXIT_INTERNAL,
@@ -72,21 +73,30 @@ def _save_reproducer(directory: str | None, data: bytes, filename: str, argv: li
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="hloplan")
 def main() -> None:
-    """Automatic sharding of exported JAX programs."""
+    """Automatic sharding of exported JAX programs.
+
+    \b
+    hloplan compile step.jaxexport --mesh 2x4 -o plan/   plan a program
+    hloplan explain plan/                               what it chose, and why
+    hloplan run plan/ --check                           run it against the original
+    """
 
 
 main.add_command(explain_command)
 
 
-@main.command("compile")
+@main.command("compile", cls=GroupedCommand, groups=COMPILE_GROUPS,
+              short_help="Plan a program for a device mesh and write the plan directory.")
 @click.argument("input_path", metavar="INPUT")
 @click.option("--mesh", required=True, help=MESH_HELP)
-@click.option("-o", "--output", type=click.Path(file_okay=False), help="plan directory to write")
+@click.option("-o", "--output", type=click.Path(file_okay=False),
+              help="plan directory to write (without it: the annotated MLIR to stdout)")
 @click.option("--device", default="h100", show_default=True,
               help="hardware cost model: a short name (h100, tpu-v5e, cpu, ...) or a TOML file")
 @click.option("--memory-budget", default=None, help="bytes per device, e.g. 16GiB (default: the device's memory)")
 @click.option("--time-limit", default=60.0, show_default=True, type=float, help="solver time limit in seconds")
-@click.option("--solver", type=click.Choice(["auto", "highs", "cbc"]), default="auto", show_default=True)
+@click.option("--solver", type=click.Choice(["auto", "highs", "cbc"]), default="auto", show_default=True,
+              help="ILP solver ('auto': HiGHS when installed, else CBC)")
 @click.option("--hosts", type=int, default=None, help="number of hosts the mesh spans (slow links between them)")
 @click.option("--decompose", type=click.Choice(["auto", "always", "never"]), default="auto",
               show_default=True,
@@ -98,7 +108,8 @@ main.add_command(explain_command)
               show_default=True,
               help="also plan the mesh with an axis split in two (the same devices; 'auto': a "
                    "one-axis mesh such as 8 as 2x4 and 4x2) and keep the fastest plan")
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="json: the summary and diagnostics as JSON on stdout")
 @click.option("--print-after", "print_after", multiple=True, metavar="PASS",
               help="print the module after PASS to stderr, or what an analysis pass produced (the "
                    "graph, the sharding problem, the solution) (repeatable; 'all' for every pass)")
@@ -108,7 +119,8 @@ main.add_command(explain_command)
 @click.option("--stages", default=None, metavar="auto|N",
               help="pipeline stages, each on a submesh chosen with them ('auto': only if it beats one stage)")
 @click.option("--microbatches", default=None, metavar="auto|M", help="microbatches per step")
-@click.option("--schedule", type=click.Choice(["gpipe", "1f1b"]), default="1f1b", show_default=True)
+@click.option("--schedule", type=click.Choice(["gpipe", "1f1b"]), default="1f1b", show_default=True,
+              help="pipeline schedule")
 @click.option("--batch-arg", "batch_args", multiple=True, metavar="NAME",
               help="an input that carries the batch (repeatable; default: found automatically)")
 @click.option("--pass-option", "pass_options", multiple=True, metavar="PASS.FIELD=VALUE",
@@ -126,8 +138,16 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
                     decompose, gap, mesh_views, fmt, print_after, time_passes, reproducer, stages,
                     microbatches, schedule, batch_args, pass_options, verify_memory, donate,
                     quiet):
-    """Plan INPUT (StableHLO .mlir, bytecode, portable artifact or serialized Exported; '-' for
-    stdin) for a device mesh and write the plan directory."""
+    """Plan INPUT (a serialized jax.export.Exported, StableHLO text, MLIR bytecode or a portable
+    artifact; '-' for stdin) for a device mesh and write the plan directory (-o DIR).
+
+    Without -o, nothing is written: the annotated StableHLO (MLIR) goes to stdout and the
+    summary to stderr.
+
+    \b
+    Example:
+      hloplan compile step.jaxexport --mesh 2x4 --device h100 -o plan/
+    """
     from hloplan import pass_dump
     from hloplan.compiler import compile_bytes, make_options
     from hloplan.passmanager import PASS_NAMES, pass_pipeline
@@ -296,7 +316,7 @@ def _summary(plan: dict, output: str | None) -> None:
                         f"(the fastest of {len(check['tries'])} plans tried that fits)"
                         if len(check["tries"]) > 1 else ""))
     if output:
-        lines.append(f"wrote {output}/")
+        lines.append(f"wrote {output.rstrip('/')}/")
     for line in lines:
         click.echo(line, err=True)
 
@@ -351,7 +371,7 @@ def run_command(plan_dir, check, inputs, seed, rtol, atol, processes, timeout, f
         sys.exit(EXIT_DIAGNOSTICS)
 
 
-@main.command("opt")
+@main.command("opt", hidden=True)  # a developer's tool: golden IR tests run passes with it
 @click.argument("input_path", metavar="INPUT")
 @click.option("-p", "--passes", "pass_list", required=True,
               help="comma-separated passes to run, e.g. inline-calls,extract-graph")

@@ -68,13 +68,19 @@ def _plan_input(target: str, mesh: str, device: str, memory_budget, time_limit: 
               show_default=True, help="views of the mesh also planned for INPUT (as compile)")
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "jax"]), default="text",
               show_default=True,
-              help="text: tables and bars; json: machine-readable; jax: Python PartitionSpecs")
+              help="text: a summary, tables and bars; json: machine-readable; jax: Python code "
+                   "that builds the mesh and the NamedShardings and jits the function")
+@click.option("-v", "--verbose", "--full", "verbose", is_flag=True,
+              help="every argument, result and decision, the device model and solver details")
 @click.option("--svg", "svg_path", type=click.Path(dir_okay=False), default=None, metavar="FILE",
-              help="also write the step-time and memory bars as an SVG picture")
-@click.option("--top", default=10, show_default=True, type=click.IntRange(1, None),
-              help="how many of the costliest ops to list")
+              help="also write a picture of the plan as SVG: the mesh with the batch and the "
+                   "largest tensors laid out on it, pipeline stages, step time and memory")
+@click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="the same picture as PNG")
+@click.option("--top", default=None, type=click.IntRange(1, None),
+              help="how many of the costliest ops to list [default: 5; 10 with --verbose]")
 def explain_command(target, mesh, device, memory_budget, time_limit, hosts, mesh_views, fmt,
-                    svg_path, top):
+                    verbose, svg_path, png_path, top):
     """Explain a plan: shardings, estimated step time and memory, the costliest ops, and why the
     planner chose what it chose.
 
@@ -110,18 +116,26 @@ def explain_command(target, mesh, device, memory_budget, time_limit, hosts, mesh
             for diag in diagnostics:
                 click.echo(diag.format(where), err=True)
         if fmt == "json":
-            click.echo(json.dumps(report.summary(plan, top), indent=1, sort_keys=True))
+            click.echo(json.dumps(report.summary(plan, top or 10), indent=1, sort_keys=True))
         elif fmt == "jax":
-            click.echo(report.jax_source(plan, report.load_exported(exported_source)), nl=False)
+            reference = None
+            if isinstance(exported_source, Path) and (exported_source / "reference.jaxexport").is_file():
+                reference = (exported_source / "reference.jaxexport").resolve()
+            click.echo(report.jax_source(plan, report.load_exported(exported_source), reference),
+                       nl=False)
         else:
-            report.render_text(plan, _console(), top)
-        if svg_path:
+            report.render_text(plan, _console(), top, verbose=verbose)
+        for picture_path, kind in ((svg_path, "svg"), (png_path, "png")):
+            if not picture_path:
+                continue
+            from hloplan import explain_picture
+
             try:
-                Path(svg_path).write_text(report.bars_svg(plan))
+                explain_picture.write(plan, picture_path, kind)
             except OSError as exc:
-                raise UsageError(f"cannot write {svg_path}: {exc.strerror}") from None
+                raise UsageError(f"cannot write {picture_path}: {exc.strerror}") from None
             if fmt == "text":
-                click.echo(f"wrote {svg_path}", err=True)
+                click.echo(f"wrote {picture_path}", err=True)
     except HloplanError as exc:
         _error(exc, where, fmt)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError, ArithmeticError) as exc:

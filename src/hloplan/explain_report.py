@@ -7,9 +7,10 @@ directory and a plan made in memory render the same way:
   step-time split, collectives, memory against the budget, the costliest ops, the decisions and
   their reasons) and horizontal bars;
 - `summary`: the same as plain JSON data;
-- `bars_svg`: the bars as a standalone SVG picture;
-- `jax_source`: Python source of `in_shardings` / `out_shardings` pytrees of PartitionSpec that
-  match the original function's arguments and results;
+- `strategy_paragraph`: the parallelism chosen, in practitioners' words (explain's first lines);
+- `jax_source`: Python that runs as pasted: the plan's mesh over jax.devices(), `in_shardings` /
+  `out_shardings` pytrees of NamedSharding matching the original function's arguments and
+  results, and `jit(f)` with them (hloplan.explain_picture draws the plan);
 - `in_shardings(plan_dir, mesh)` / `out_shardings(plan_dir, mesh)`: the same as NamedShardings.
 """
 
@@ -20,7 +21,6 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from xml.sax.saxutils import escape
 
 from hloplan.decisions import partition_spec_text
 from hloplan.diagnostics import UsageError
@@ -29,7 +29,6 @@ from hloplan.units import format_bytes, format_seconds, stages_text
 __all__ = [
     "Chart",
     "PlanDirError",
-    "bars_svg",
     "charts",
     "in_shardings",
     "jax_source",
@@ -37,8 +36,10 @@ __all__ = [
     "load_plan_dir",
     "memory_breakdown",
     "out_shardings",
+    "pipeline_spans",
     "render_text",
     "step_breakdown",
+    "strategy_paragraph",
     "summary",
     "top_ops",
 ]
@@ -296,11 +297,16 @@ def _op_index(op_id: str) -> int:
 
 
 def _short_location(location: str | None) -> str | None:
-    """'file.py:12:5' -> 'file.py:12'."""
+    """'/home/me/project/model.py:12:5' -> 'model.py:12' (the file's name and the line)."""
     if not location:
         return None
     head, _, tail = location.rpartition(":")
-    return head if head and tail.isdigit() and head.rpartition(":")[2].isdigit() else location
+    if head and tail.isdigit() and head.rpartition(":")[2].isdigit():
+        location = head
+    path, _, line = location.rpartition(":")
+    if path and line.isdigit():
+        return f"{path.replace(chr(92), '/').rsplit('/', 1)[-1]}:{line}"
+    return location
 
 
 def _axes_text(axes: dict) -> str:
@@ -411,6 +417,330 @@ def text_bar(fraction: float, width: int = 30) -> str:
     return "█" * full + (_EIGHTHS[part] if part else "")
 
 
+# -- the strategy in practitioners' words ---------------------------------------------------------
+
+_TOP_NAME = re.compile(r"^([^\[.]+)")
+
+
+def _top(name: str) -> str:
+    """'params['w']' -> 'params'; 'result[1]['w']' -> 'result[1]'."""
+    match = _TOP_NAME.match(name)
+    head = match.group(1) if match else name
+    rest = name[len(head):]
+    if head in ("result", "args", "arg") and rest.startswith("["):
+        head += rest[:rest.index("]") + 1]
+    return head
+
+
+def _suffix(name: str) -> str:
+    return name[len(_top(name)):]
+
+
+def _dim_axes(entry: dict, dim: int) -> list[str]:
+    spec = entry.get("spec") or []
+    return list(spec[dim]) if dim < len(spec) else []
+
+
+def _sharded_axes(entry: dict) -> set[str]:
+    return {axis for dim in entry.get("spec") or [] for axis in dim}
+
+
+def _axes_phrase(plan: dict, axes) -> str:
+    """'y: 4-way', '(x, y): 8-way'."""
+    sizes = dict(zip(plan["mesh"]["axis_names"], plan["mesh"]["axis_sizes"]))
+    ordered = [a for a in plan["mesh"]["axis_names"] if a in set(axes)]
+    ways = math.prod(int(sizes[a]) for a in ordered)
+    where = ordered[0] if len(ordered) == 1 else "(" + ", ".join(ordered) + ")"
+    return f"over {where}: {ways}-way"
+
+
+_PATH_PART = re.compile(r"^[^\[.]+|\[[^\]]*\]|\.[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _params_hint(prefix: str) -> int:
+    """+1 for a path that names parameters, -1 for one that names optimizer state: which of
+    several mirrored subtrees are the parameters (else the first in argument order)."""
+    lower = prefix.lower()
+    if re.search(r"opt|moment|\bmu\b|\bnu\b|\['[mv]'\]|\.[mv]\b|momentum|adam", lower):
+        return -1
+    return 1 if re.search(r"param|weight|model", lower) else 0
+
+
+def _mirrored_state(args: list[dict]) -> tuple[list[int], list[int]]:
+    """(parameters, optimizer state) found as mirrored subtrees: optimizer moments (Adam's m
+    and v, momentum) hold a leaf of the same shape at the same relative path for every
+    parameter, wherever the user nested them (`params` and `opt_state['m']`, or
+    `state['params']` and `state['opt']['m']`). Of the subtrees that mirror one another, the
+    largest set whose subtrees together hold most of their top-level argument's bytes, and
+    that are not repeated layers (siblings `[0]`, `[1]` of one list), is taken; its first
+    subtree named as parameters (else the first) is the parameters. ([], []) when there is
+    none."""
+    groups: dict[frozenset, list[str]] = {}
+    members: dict[str, list[int]] = {}
+    for index, entry in enumerate(args):
+        parts = _PATH_PART.findall(entry["name"])
+        for cut in range(1, len(parts)):
+            prefix = "".join(parts[:cut])
+            members.setdefault(prefix, []).append(index)
+    signature: dict[str, set] = {}
+    for prefix, indices in members.items():
+        signature[prefix] = frozenset((args[i]["name"][len(prefix):], tuple(args[i]["shape"]))
+                                      for i in indices)
+    for prefix, sig in signature.items():
+        groups.setdefault(sig, []).append(prefix)
+    top_bytes: dict[str, int] = {}
+    for entry in args:
+        top_bytes[_top(entry["name"])] = top_bytes.get(_top(entry["name"]), 0) + entry["bytes"]
+    best, best_bytes = None, 0
+    for prefixes in groups.values():
+        # disjoint subtrees only (a prefix and its own child may share a signature)
+        chosen: list[str] = []
+        for prefix in prefixes:
+            if not any(prefix.startswith(c) or c.startswith(prefix) for c in chosen):
+                chosen.append(prefix)
+        if len(chosen) < 2:
+            continue
+        parents = {c[:c.rfind("[")] if c.endswith("]") else c for c in chosen}
+        if len(parents) == 1 and all(re.fullmatch(r".*\[\d+\]", c) for c in chosen):
+            continue  # repeated layers of one list, not a mirror of the parameters
+        sizes = {c: sum(args[i]["bytes"] for i in members[c]) for c in chosen}
+        tops: dict[str, int] = {}
+        for c in chosen:
+            tops[_top(c)] = tops.get(_top(c), 0) + sizes[c]
+        if any(held * 2 < top_bytes[top] for top, held in tops.items()):
+            continue
+        first = min(chosen, key=lambda c: (-_params_hint(c), members[c][0]))
+        if sizes[first] > best_bytes:
+            best, best_bytes = (first, [c for c in chosen if c != first]), sizes[first]
+    if best is None:
+        return [], []
+    first, others = best
+    return list(members[first]), sorted(i for c in others for i in members[c])
+
+
+def argument_roles(plan: dict) -> dict:
+    """Which arguments are the model's parameters, its optimizer state, other state and the
+    batch, read from the plan alone: arguments are grouped by their top-level name (the
+    function's parameter); a group the step returns again, leaf for leaf, is state; the first
+    state group (or, in a program that returns no state, the largest group) holds the
+    parameters; a later state group whose leaves have the parameters' shapes is optimizer
+    state; a group that is not state and whose leaves share a leading dimension is the batch.
+    Returns {'params': [...], 'optimizer': [...], 'state': [...], 'batch': [...]} of argument
+    indices."""
+    args = plan["arguments"]
+    groups: dict[str, list[int]] = {}
+    for index, entry in enumerate(args):
+        groups.setdefault(_top(entry["name"]), []).append(index)
+    returned: dict[str, set] = {}
+    for entry in plan["results"]:
+        returned.setdefault(_top(entry["name"]), set()).add(
+            (_suffix(entry["name"]), tuple(entry["shape"])))
+    result_groups = list(returned.values())
+
+    def is_state(members: list[int]) -> bool:
+        leaves = {(_suffix(args[i]["name"]), tuple(args[i]["shape"])) for i in members}
+        return any(leaves <= group for group in result_groups) and len(leaves) > 0
+
+    def group_bytes(members: list[int]) -> int:
+        return sum(args[i]["bytes"] for i in members)
+
+    roles: dict[str, list[int]] = {"params": [], "optimizer": [], "state": [], "batch": []}
+    params, optimizer = _mirrored_state(args)
+    if params:
+        roles["params"], roles["optimizer"] = params, optimizer
+        taken = set(params) | set(optimizer)
+        for members in groups.values():
+            rest = [i for i in members if i not in taken]
+            if not rest:
+                continue
+            leading = {tuple(args[i]["shape"])[:1] for i in rest if args[i]["shape"]}
+            batch = (not is_state(rest) and len(leading) == 1
+                     and next(iter(leading), (0,))[0] > 1)
+            roles["batch" if batch else "state"] += rest
+        return roles
+    state = [name for name, members in groups.items() if is_state(members)]
+    others = [name for name in groups if name not in state]
+    if state:
+        params = max(state[:1] + [n for n in state if "param" in n.lower()],
+                     key=lambda n: ("param" in n.lower(), -state.index(n)))
+    elif others:
+        # no state returned (a forward pass): the largest non-batch-like group holds the weights
+        params = max(others, key=lambda n: group_bytes(groups[n]))
+    else:
+        return roles
+    roles["params"] = groups[params]
+    for name in state:
+        if name == params:
+            continue
+        members = groups[name]
+        # optimizer moments mirror the parameters: most of the parameters' bytes have a leaf of
+        # their shape here (a BatchNorm's running statistics mirror only the norms' scales)
+        like = {tuple(args[i]["shape"]) for i in members}
+        mirrored = sum(args[i]["bytes"] for i in groups[params]
+                       if tuple(args[i]["shape"]) in like)
+        optimizer = mirrored * 2 >= group_bytes(groups[params]) > 0
+        roles["optimizer" if optimizer else "state"] += members
+    for name in others:
+        if name == params:
+            continue
+        members = groups[name]
+        leading = {tuple(args[i]["shape"])[:1] for i in members if args[i]["shape"]}
+        if len(leading) == 1 and next(iter(leading))[0] > 1:
+            roles["batch"] += members
+        else:
+            roles["state"] += members
+    return roles
+
+
+def _weighted_axes(plan: dict, indices: list[int], min_rank: int = 2) -> dict[str, float]:
+    """Per mesh axis: the fraction of these arguments' bytes (of rank >= min_rank) sharded
+    over it."""
+    args = plan["arguments"]
+    chosen = [args[i] for i in indices if len(args[i]["shape"]) >= min_rank] or \
+        [args[i] for i in indices]
+    total = float(sum(a["bytes"] for a in chosen)) or 1.0
+    out: dict[str, float] = {}
+    for a in chosen:
+        for axis in _sharded_axes(a):
+            out[axis] = out.get(axis, 0.0) + a["bytes"] / total
+    return out
+
+
+def _fully_replicated(plan: dict) -> bool:
+    entries = list(plan["arguments"]) + list(plan["results"])
+    if any(_sharded_axes(e) for e in entries):
+        return False
+    for op in plan.get("ops", []):
+        for result in op.get("results") or []:
+            if any(dim for dim in result):
+                return False
+    return True
+
+
+def strategy_phrases(plan: dict) -> list[str]:
+    """The parallelism the plan chose, in the words practitioners use (data parallel, FSDP /
+    ZeRO stage, tensor, sequence and expert parallel, pipeline), each with its mesh axes."""
+    mesh = plan["mesh"]
+    names = list(mesh["axis_names"])
+    phrases: list[str] = []
+    if _fully_replicated(plan):
+        devices = mesh.get("devices") or math.prod(int(s) for s in mesh["axis_sizes"])
+        phrases.append(f"fully replicated: every one of the {devices} devices runs the whole "
+                       "program on the whole batch (no parallelism: nothing was worth splitting "
+                       "under this cost model)")
+        return phrases
+    args = plan["arguments"]
+    roles = argument_roles(plan)
+    batch = [args[i] for i in roles["batch"]]
+    batch_axes: list[str] = []
+    seq_axes: list[str] = []
+    feature_axes: list[str] = []
+
+    def add(into: list[str], axes) -> None:
+        into.extend(a for a in axes if a not in into and a not in batch_axes)
+
+    for a in sorted(batch, key=lambda a: -a["bytes"]):
+        add(batch_axes, _dim_axes(a, 0))
+    for a in batch:
+        rank, integer = len(a["shape"]), a["dtype"].startswith(("i", "u"))
+        # [batch, sequence] token ids, [batch, sequence, features], [batch, h, w, channels]:
+        # the dims after the batch and before the features are positions; the last dim of
+        # float data is its features, whose split is a split of the first layer's compute
+        positions = range(1, rank) if integer else range(1, rank - 1)
+        for dim in positions:
+            add(seq_axes, _dim_axes(a, dim))
+        if not integer and rank >= 2:
+            add(feature_axes, _dim_axes(a, rank - 1))
+    seq_axes = [a for a in seq_axes if a not in batch_axes]
+    feature_axes = [a for a in feature_axes if a not in batch_axes and a not in seq_axes]
+    if batch_axes:
+        phrases.append(f"batch {_axes_phrase(plan, batch_axes)} data parallel")
+    if seq_axes:
+        kind = "spatial" if batch and max(len(a["shape"]) for a in batch) >= 4 else "sequence"
+        phrases.append(f"{kind} {_axes_phrase(plan, seq_axes)} {kind} parallel")
+    data_axes = set(batch_axes) | set(seq_axes)
+    params = _weighted_axes(plan, roles["params"])
+    optimizer = _weighted_axes(plan, roles["optimizer"]) if roles["optimizer"] else {}
+    # a weight split over an axis the data also uses is stored sharded and gathered to be used
+    # (FSDP / ZeRO-3); over an axis the data does not use, the compute is split (tensor parallel)
+    fsdp = [a for a in names if params.get(a, 0.0) >= 0.5 and a in data_axes]
+    tensor = [a for a in names if params.get(a, 0.0) >= 0.25 and a not in data_axes]
+    experts = sorted({axis for i in roles["params"] if "expert" in args[i]["name"].lower()
+                      and len(args[i]["shape"]) >= 3 for axis in _dim_axes(args[i], 0)},
+                     key=names.index)
+    if experts:
+        phrases.append(f"experts {_axes_phrase(plan, experts)} expert parallel")
+    tensor = [a for a in names if (a in tensor or a in feature_axes) and a not in experts]
+    if tensor:
+        split = [args[i] for i in roles["params"] if len(args[i]["shape"]) >= 2
+                 and _sharded_axes(args[i]) & set(tensor)]
+        largest = max(split, key=lambda a: a["bytes"], default=None)
+        example = f" (largest: {largest['name']})" if largest else ""
+        phrases.append(f"weights split {_axes_phrase(plan, tensor)} tensor parallel{example}")
+    if fsdp:
+        phrases.append(f"parameters sharded {_axes_phrase(plan, fsdp)} FSDP (ZeRO-3)")
+    elif roles["params"] and roles["optimizer"]:
+        zero = [a for a in names if optimizer.get(a, 0.0) >= 0.5 and a in data_axes
+                and a not in tensor]
+        if zero:
+            scattered = any(c.get("kind") == "reduce-scatter" and
+                            set(c.get("axes", "").split(",")) & set(zero)
+                            for c in plan["estimate"].get("collectives") or [])
+            stage = "ZeRO-2: gradients reduce-scattered" if scattered else "ZeRO-1"
+            phrases.append(f"optimizer state sharded {_axes_phrase(plan, zero)} ({stage})")
+    if data_axes and not fsdp and roles["params"] and not params:
+        phrases.append("parameters replicated")
+    if not phrases:
+        axes = sorted({a for e in args for a in _sharded_axes(e)}, key=names.index)
+        if axes:
+            phrases.append(f"tensors split {_axes_phrase(plan, axes)}")
+    unused = [a for a in names if int(mesh["axis_sizes"][names.index(a)]) > 1 and not any(
+        a in p for p in (batch_axes, seq_axes, fsdp, tensor, experts, feature_axes))
+        and not any(a in _sharded_axes(e) for e in args)]
+    if unused and not _fully_replicated(plan):
+        phrases.append(f"mesh axis {', '.join(unused)} unused (replicated over it)")
+    return phrases
+
+
+def strategy_paragraph(plan: dict) -> str:
+    """`strategy_phrases` as the paragraph `hloplan explain` opens with."""
+    from hloplan.units import format_bytes as fb
+    from hloplan.units import format_seconds as fs
+
+    est = plan["estimate"]
+    text = "; ".join(strategy_phrases(plan))
+    text = text[:1].upper() + text[1:] + "."
+    pipe = plan.get("pipeline") or {}
+    if pipe.get("tasks"):
+        # the loader runs the pipeline; plan.json's layouts are those of the single program
+        pest = pipe["estimate"]
+        if pipe["stages"] > 1:
+            shapes = [("x".join(map(str, s["shape"])) if "shape" in s else
+                       "x".join(map(str, s["axis_sizes"]))) +
+                      f" (devices {device_ranges(s['devices'])})" for s in pipe["submeshes"]]
+            lead = (f"Pipeline: {pipe['stages']} stages on submeshes {' + '.join(shapes)}, "
+                    f"{pipe['microbatches']} microbatches, {pipe['schedule']} schedule")
+        else:
+            lead = f"Gradient accumulation over {pipe['microbatches']} microbatches"
+        budget = plan.get("memory_budget_bytes")
+        over = budget is not None and est.get("peak_memory_bytes", 0) > budget
+        text = (f"{lead}: estimated step {fs(pest['step_time_s'])}, peak "
+                f"{fb(max(pest['memory_per_stage_bytes']))} per device, bubble "
+                f"{pest.get('bubble_fraction', 0.0):.0%}. The single-program plan (the tables "
+                f"below; estimated step {fs(est.get('step_time_s', 0.0))}"
+                f"{', over the memory budget' if over else ''}): "
+                + text[:1].lower() + text[1:])
+        return text
+    view = plan["mesh"].get("view_of")
+    if view:
+        text += (f" Planned on the view {_axes_text(plan['mesh'])} of the mesh "
+                 f"{_axes_text(view)} (the same devices).")
+    text += (f" Estimated step {fs(est.get('step_time_s', 0.0))}, peak "
+             f"{fb(est.get('peak_memory_bytes', 0))} per device on "
+             f"{plan['device_model'].get('name', '?')}.")
+    return text
+
+
 # -- JSON ----------------------------------------------------------------------------------------
 
 
@@ -419,6 +749,8 @@ def summary(plan: dict, top: int = 10) -> dict:
     memory = memory_breakdown(plan)
     return {
         "ok": True,
+        "strategy": strategy_paragraph(plan),
+        "parallelism": strategy_phrases(plan),
         "input": plan.get("input"),
         "mesh": plan["mesh"],
         "mesh_views": plan.get("mesh_views"),
@@ -448,8 +780,12 @@ def summary(plan: dict, top: int = 10) -> dict:
 # -- text ----------------------------------------------------------------------------------------
 
 
-def render_text(plan: dict, console, top: int = 10) -> None:
-    """Print the report on a rich Console."""
+COMPACT_ROWS = {"arguments": 8, "results": 5, "ops": 5, "decisions": 3}
+
+
+def render_text(plan: dict, console, top: int | None = None, verbose: bool = False) -> None:
+    """Print the report on a rich Console: the strategy in a paragraph, then the tables (their
+    largest rows; `verbose`: every row, and the device model and solver details)."""
     from rich import box
     from rich.table import Table
     from rich.text import Text
@@ -465,32 +801,24 @@ def render_text(plan: dict, console, top: int = 10) -> None:
     def cells(*values) -> list[Text]:
         return [v if isinstance(v, Text) else Text("" if v is None else str(v)) for v in values]
 
+    def more(count: int, what: str) -> None:
+        if count > 0:
+            console.print(Text(f"  ... and {count} more {what} (--verbose lists all)",
+                               style="dim"))
+
+    if top is None:
+        top = 10 if verbose else COMPACT_ROWS["ops"]
     est, mesh, device = plan["estimate"], plan["mesh"], plan["device_model"]
     source = plan.get("input", {}) or {}
     console.print(Text(f"hloplan plan for {source.get('file', '?')}: mesh {_mesh_text(plan)} "
                        f"({mesh.get('devices', '?')} devices) on {device.get('name', '?')}",
                        style="bold"))
-    pipe = plan.get("pipeline") or {}
-    single = (f"estimated step {format_seconds(est.get('step_time_s', 0.0))}, "
-              f"peak {format_bytes(est.get('peak_memory_bytes', 0))} per device")
+    console.print(Text(strategy_paragraph(plan)))
     remat = plan.get("rematerialized")
     if remat:  # no plan fit the budget without it
-        single += (f"; recomputes {remat['values']} activations after the forward pass "
-                   f"({remat['ops']} cheap ops)")
-    if pipe.get("tasks"):  # the loader runs the pipeline; the tables below are the single program
-        pest = pipe["estimate"]
-        budget_bytes = plan.get("memory_budget_bytes")
-        over = (budget_bytes is not None and est.get("peak_memory_bytes", 0) > budget_bytes)
-        console.print(Text(
-            f"runs {stages_text(pipe['stages'], pipe['microbatches'])}: estimated step "
-            f"{format_seconds(pest['step_time_s'])}, peak "
-            f"{format_bytes(max(pest['memory_per_stage_bytes']))} per device (see Pipeline)"))
-        console.print(Text(f"single-program plan (below): {single}"
-                           + (", over the memory budget" if over else "")))
-    else:
-        console.print(Text(single))
+        console.print(Text(f"recomputes {remat['values']} activations after the forward pass "
+                           f"({remat['ops']} cheap ops) to fit the memory budget"))
     console.print()
-
     links = mesh.get("links") or []
     t = table("Mesh", "Axis", "Size", "Link", right=("Size",))
     for i, (name, size) in enumerate(zip(mesh["axis_names"], mesh["axis_sizes"])):
@@ -507,21 +835,29 @@ def render_text(plan: dict, console, top: int = 10) -> None:
         console.print()
 
     budget = _budget(plan)
-    t = table("Device model", "Model", "Platform", "Memory per device", "Budget per device",
-              right=("Memory per device", "Budget per device"))
-    t.add_row(*cells(device.get("name"), device.get("platform"),
-                     format_bytes(device["memory_bytes"]) if device.get("memory_bytes") else "?",
-                     format_bytes(budget) if budget else "unlimited"))
-    console.print(t)
+    if verbose:
+        t = table("Device model", "Model", "Platform", "Memory per device", "Budget per device",
+                  right=("Memory per device", "Budget per device"))
+        t.add_row(*cells(device.get("name"), device.get("platform"),
+                         format_bytes(device["memory_bytes"]) if device.get("memory_bytes")
+                         else "?", format_bytes(budget) if budget else "unlimited"))
+        console.print(t)
 
-    for title, entries, column in (("Arguments", plan["arguments"], "Argument"),
-                                   ("Results", plan["results"], "Result")):
+    for title, entries, column, key in (("Arguments", plan["arguments"], "Argument", "arguments"),
+                                        ("Results", plan["results"], "Result", "results")):
+        shown = list(entries)
+        if not verbose:  # the largest, in program order
+            keep = sorted(range(len(entries)), key=lambda i: (-entries[i]["bytes"], i))
+            shown = [entries[i] for i in sorted(keep[:COMPACT_ROWS[key]])]
+            title += f" (the {len(shown)} largest of {len(entries)})" if len(shown) < len(
+                entries) else ""
         t = table(title, column, "Type", "PartitionSpec", "Size", "Per device",
                   right=("Size", "Per device"))
-        for entry in entries:
+        for entry in shown:
             t.add_row(*cells(entry["name"], _type_text(entry), _spec_text(entry["spec"]),
                              format_bytes(entry["bytes"]), format_bytes(entry["bytes_per_device"])))
         console.print(t)
+        more(len(entries) - len(shown), key)
 
     pictures = charts(plan)
     _print_chart(console, pictures[0])
@@ -572,7 +908,8 @@ def render_text(plan: dict, console, top: int = 10) -> None:
         grid = Table.grid(padding=(0, 1))
         grid.add_column(justify="right", no_wrap=True)
         grid.add_column()
-        for d in decisions:
+        shown = decisions if verbose else decisions[:COMPACT_ROWS["decisions"]]
+        for d in shown:
             where = f" [{_short_location(d['location'])}]" if d.get("location") else ""
             delta = d.get("delta", {})
             body = Text(f"{d['kind']} {d['id']} {d['name']}{where}\n", style="bold")
@@ -583,6 +920,7 @@ def render_text(plan: dict, console, top: int = 10) -> None:
                         style="dim")
             grid.add_row(Text(f"{d['rank']}."), body)
         console.print(grid)
+        more(len(decisions) - len(shown), "decisions")
     _render_pipeline(plan, console, table, cells)
     solver = plan.get("solver") or {}
     if solver:
@@ -602,14 +940,15 @@ def render_text(plan: dict, console, top: int = 10) -> None:
             console.print(Text(line, style="dim"))
 
 
-def pipeline_timeline(pipe: dict, width: int = 60) -> list[str]:
-    """One line per stage: which microbatch's forward (digits) or backward (letters) runs when,
-    from a simulation of the dispatch order with each task taking its estimated time."""
+def pipeline_spans(pipe: dict) -> list[tuple[int, float, float, str, bool]]:
+    """(stage, start, end, mark, forward) of every task run, from a simulation of the dispatch
+    order with each task taking its estimated time; mark: the microbatch's digit (forward) or
+    letter (backward)."""
     tasks = {t["index"]: t for t in pipe["tasks"]}
     stage_free = [0.0] * pipe["stages"]
     done: dict[tuple[int, int], float] = {}
     producer = {v: t["index"] for t in pipe["tasks"] if t["part"] == "A" for v in t["outputs"]}
-    spans: list[tuple[int, float, float, str]] = []
+    spans: list[tuple[int, float, float, str, bool]] = []
     first_phase = {}
     for t in pipe["tasks"]:
         if t["part"] == "A":
@@ -621,14 +960,21 @@ def pipeline_timeline(pipe: dict, width: int = 60) -> list[str]:
         end = ready + max(task["estimated_s"], 1e-12)
         done[(task_index, m)] = end
         stage_free[task["stage"]] = end
-        forward = task["phase"] == first_phase[task["stage"]]
+        forward = task["phase"] == first_phase.get(task["stage"])
         mark = str(m % 10) if forward else "abcdefghij"[m % 10]
-        spans.append((task["stage"], ready, end, mark))
-    total = max((end for _, _, end, _ in spans), default=0.0) or 1.0
+        spans.append((task["stage"], ready, end, mark, forward))
+    return spans
+
+
+def pipeline_timeline(pipe: dict, width: int = 60) -> list[str]:
+    """One line per stage: which microbatch's forward (digits) or backward (letters) runs when
+    (pipeline_spans)."""
+    spans = pipeline_spans(pipe)
+    total = max((end for _, _, end, _, _ in spans), default=0.0) or 1.0
     lines = []
     for stage in range(pipe["stages"]):
         row = ["."] * width
-        for s, start, end, mark in spans:
+        for s, start, end, mark, _ in spans:
             if s != stage:
                 continue
             lo, hi = int(start / total * width), max(int(end / total * width), int(start / total * width) + 1)
@@ -699,8 +1045,8 @@ def _render_pipeline(plan: dict, console, table, cells) -> None:
               "Source lines", right=("Time per microbatch", "Memory"))
     per_stage = {p["stage"]: p for p in pipe.get("per_stage", [])}
     for stage, sub in enumerate(pipe["submeshes"]):
-        lines = sorted({line for task in pipe["tasks"] if task["stage"] == stage
-                        for line in task.get("source_lines", [])})
+        lines = sorted({_short_location(line) for task in pipe["tasks"]
+                        if task["stage"] == stage for line in task.get("source_lines", [])})
         mesh = ",".join(f"{n}={s}" for n, s in zip(sub["axis_names"], sub["axis_sizes"]))
         layers = per_stage.get(stage, {}).get("layers")
         t.add_row(*cells(str(stage), device_ranges(sub["devices"]), mesh,
@@ -738,46 +1084,6 @@ def _print_chart(console, chart: Chart, width: int = 30) -> None:
     for label, fraction, value in chart.rows:
         t.add_row(Text(label), Text(text_bar(fraction, width), style="cyan"), Text(value))
     console.print(t)
-
-
-# -- SVG -----------------------------------------------------------------------------------------
-
-
-def bars_svg(plan: dict) -> str:
-    """The charts of `charts(plan)` as a standalone SVG document."""
-    label_w, bar_w, value_w, row_h, pad = 260, 360, 220, 22, 16
-    width = pad * 2 + label_w + bar_w + value_w
-    colors = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#eeca3b")
-    parts: list[str] = []
-    y = pad
-    title = f"hloplan: {(plan.get('input') or {}).get('file', 'plan')} on mesh {_mesh_text(plan)}"
-    parts.append(f'<text x="{pad}" y="{y + 14}" class="title">{escape(title)}</text>')
-    y += 30
-    for chart in charts(plan):
-        parts.append(f'<text x="{pad}" y="{y + 14}" class="chart">{escape(chart.title)}</text>')
-        y += 24
-        for i, (label, fraction, value) in enumerate(chart.rows):
-            shown = label if len(label) <= 38 else label[:37] + "…"
-            x_bar = pad + label_w
-            w = bar_w * fraction
-            if fraction > 0:
-                w = max(w, 1.0)
-            parts.append(f'<text x="{pad}" y="{y + 15}">{escape(shown)}</text>')
-            parts.append(f'<rect x="{x_bar}" y="{y + 3}" width="{bar_w}" height="{row_h - 6}" '
-                         f'fill="#eeeeee"/>')
-            parts.append(f'<rect x="{x_bar}" y="{y + 3}" width="{w:.2f}" height="{row_h - 6}" '
-                         f'fill="{colors[i % len(colors)]}"><title>{escape(label)}: '
-                         f'{escape(value)}</title></rect>')
-            parts.append(f'<text x="{x_bar + bar_w + 8}" y="{y + 15}">{escape(value)}</text>')
-            y += row_h
-        y += 14
-    height = y + pad
-    head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-            f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">\n'
-            '<style>.title{font-size:15px;font-weight:bold}.chart{font-size:13px;'
-            'font-weight:bold}</style>\n'
-            f'<rect width="{width}" height="{height}" fill="white"/>\n')
-    return head + "\n".join(parts) + "\n</svg>\n"
 
 
 # -- jax -----------------------------------------------------------------------------------------
@@ -898,23 +1204,30 @@ def _tuple_source(values) -> str:
 
 
 def _mesh_source(plan: dict) -> list[str]:
-    """Comment lines building the plan's mesh; for a view (compiler.plan_on_views), the mesh asked for
-    reshaped, so that every device keeps its place."""
+    """Lines building the plan's mesh over jax.devices(), row-major as hloplan.load builds it
+    (a view of the mesh asked for, compiler.plan_on_views, reshapes the same devices in the same
+    order, so every device keeps its place)."""
     mesh, view_of = plan["mesh"], plan["mesh"].get("view_of")
-    shape = _tuple_source([int(s) for s in mesh["axis_sizes"]])
-    names = _tuple_source(mesh["axis_names"])
-    types = f"axis_types=(AxisType.Auto,) * {len(mesh['axis_names'])}"
-    if not view_of:
-        return [f"#   mesh = jax.make_mesh({shape}, {names}, {types})"]
-    return [f"#   given = jax.make_mesh({_tuple_source(view_of['axis_sizes'])}, "
-            f"{_tuple_source(view_of['axis_names'])})  # the mesh asked for; the plan is on "
-            "this view of it:",
-            f"#   mesh = jax.sharding.Mesh(given.devices.reshape{shape}, {names}, {types})"]
+    sizes = [int(s) for s in mesh["axis_sizes"]]
+    lines = []
+    if view_of:
+        lines.append(f"# a view of the mesh {_axes_text(view_of)}: the same devices in the "
+                     "same order")
+    lines += [
+        f"devices = np.array(jax.devices()[:{math.prod(sizes)}]).reshape{_tuple_source(sizes)}",
+        f"mesh = Mesh(devices, {_tuple_source(mesh['axis_names'])}, "
+        f"axis_types=(AxisType.Auto,) * {len(sizes)})",
+    ]
+    return lines
 
 
-def jax_source(plan: dict, exported) -> str:
-    """Python source defining `in_shardings` (the positional arguments' pytree) and
-    `out_shardings` (the results' pytree) as PartitionSpecs, with how to use them."""
+def jax_source(plan: dict, exported, reference: str | Path | None = None) -> str:
+    """Python source that runs as pasted: the plan's mesh over jax.devices(), `in_shardings`
+    (the positional arguments' pytree) and `out_shardings` (the results') as NamedShardings,
+    and `jit(f)`, jax.jit with them and the export's donation. `reference`: a serialized
+    Exported of the original program (a plan directory's reference.jaxexport), jitted as `step`
+    so that the code runs end to end; without it the code jits nothing until you call
+    `jit(your_function)`."""
     import jax
 
     in_leaves = [_Spec(partition_spec_text(s)) for s in _flat_specs(exported, "in")]
@@ -925,40 +1238,58 @@ def jax_source(plan: dict, exported) -> str:
     lines = [
         f"# Shardings planned by hloplan for {source.get('file', 'the program')} on mesh "
         f"{_mesh_text(plan)} ({plan['device_model'].get('name', '?')}).",
+        "import jax",
+        "import numpy as np",
+        "from jax.sharding import AxisType, Mesh, NamedSharding",
         "from jax.sharding import PartitionSpec as P",
         "",
+        *_mesh_source(plan),
+        "",
+        "",
+        "def named(tree):",
+        "    return jax.tree.map(lambda p: NamedSharding(mesh, p), tree,",
+        "                        is_leaf=lambda x: isinstance(x, P))",
+        "",
+        "",
     ]
+    custom: list[str] = []
     try:
-        lines.append(f"in_shardings = {_source(tuple(args))}")
+        lines.append(f"in_shardings = named({_source(tuple(args))})")
         if kwargs:
-            lines.append(f"in_shardings_kwargs = {_source(dict(kwargs))}")
-        lines.append(f"out_shardings = {_source(results)}")
+            lines.append(f"in_shardings_kwargs = named({_source(dict(kwargs))})")
+        lines.append(f"out_shardings = named({_source(results)})")
         custom = sorted(_namedtuple_types((args, kwargs, results), set()))
     except _CustomNode as exc:
-        # Custom pytree nodes have no literal syntax: give the flat leaves, in pytree order.
+        # Custom pytree nodes have no literal syntax: the flat leaves, in pytree order, are
+        # rebuilt into the trees with the program's own tree structure.
         lines += [
-            f"# The arguments or results contain custom pytree nodes ({exc}); these are the",
-            "# leaves in pytree order: rebuild the trees with jax.tree.unflatten(jax.tree.structure(",
-            "# (args, kwargs)), in_shardings_flat) and likewise for the results.",
-            f"in_shardings_flat = {_source(list(in_leaves))}",
-            f"out_shardings_flat = {_source(list(out_leaves))}",
+            f"# The arguments or results contain custom pytree nodes ({exc}): the shardings",
+            "# are given flat, in pytree order, for jax.tree.unflatten with your trees' structure.",
+            f"in_shardings_flat = named({_source(list(in_leaves))})",
+            f"out_shardings_flat = named({_source(list(out_leaves))})",
+            "in_shardings = out_shardings = None  # rebuild them from the flat lists",
         ]
-        custom = []
     if custom:
-        lines.insert(2, "# named tuples used below (import them from your code): "
+        lines.insert(1, "# named tuples used below (import them from your code): "
                      + ", ".join(custom))
     lines += [
         "",
-        "# Use them with jax.jit and a Mesh of the same axes (Auto axes, as planned):",
-        "#   import jax",
-        "#   from jax.sharding import AxisType, NamedSharding",
-        *_mesh_source(plan),
-        "#   named = lambda tree: jax.tree.map(lambda p: NamedSharding(mesh, p), tree,",
-        "#                                     is_leaf=lambda x: isinstance(x, P))",
-        "#   step = jax.jit(f, in_shardings=named(in_shardings), "
-        f"out_shardings=named(out_shardings){_donate_text(plan, args)})",
-        "# or load the compiled plan itself: step = hloplan.load(PLAN_DIR)",
+        "",
+        "def jit(f):",
+        '    """jax.jit of your function (the one exported) with the planned shardings."""',
+        "    return jax.jit(f, in_shardings=in_shardings, out_shardings=out_shardings"
+        f"{_donate_text(plan, args)})",
     ]
+    if reference is not None:
+        lines += [
+            "",
+            "",
+            "# The plan's copy of the original program; jit your own function the same way.",
+            f"with open({str(reference)!r}, 'rb') as _f:",
+            "    step = jit(jax.export.deserialize(bytearray(_f.read())).call)",
+        ]
+    else:
+        lines += ["", "# step = jit(your_function); outputs = step(*args)"]
     return "\n".join(lines) + "\n"
 
 

@@ -12,7 +12,10 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from jax.extend.lowering import upstream_dialects
+try:
+    from jax.extend.lowering import upstream_dialects
+except ImportError:  # jax 0.9 has it only in its private lowering module
+    from jax._src.interpreters.mlir import upstream_dialects
 from jaxlib.mlir import ir, passmanager
 from jaxlib.mlir.dialects import func as func_dialect
 from jaxlib.mlir.dialects import sdy, stablehlo
@@ -349,32 +352,61 @@ def main_function(module: ir.Module, filename: str):
                "@main",)))
 
 
+def _loc_kind(loc) -> str:
+    """'name', 'callsite', 'file', 'fused' or 'other'."""
+    if hasattr(ir, "NameLoc"):  # jaxlib 0.10: a class per kind of location
+        for kind, cls in (("name", "NameLoc"), ("callsite", "CallSiteLoc"),
+                          ("file", "FileLineColLoc"), ("fused", "FusedLoc")):
+            if isinstance(loc, getattr(ir, cls)):
+                return kind
+        return "other"
+    for kind in ("name", "callsite", "file", "fused"):  # jaxlib 0.9: one Location class
+        if getattr(loc, f"is_a_{kind}")():
+            return kind
+    return "other"
+
+
+# Frames in installed packages (flax, optax, equinox, ...) are the libraries', not the user's.
+_LIBRARY_FRAME = ("site-packages/", "dist-packages/", "site-packages\\", "dist-packages\\")
+
+
+def _frames(loc, depth: int = 0) -> tuple[list[SourceLoc], str]:
+    """The file frames of a location, innermost first, and its (outermost) name label."""
+    if depth > 256:
+        return [], ""
+    kind = _loc_kind(loc)
+    if kind == "name":
+        frames, label = _frames(loc.child_loc, depth + 1)
+        return frames, loc.name_str or label
+    if kind == "callsite":
+        inner, label = _frames(loc.callee, depth + 1)
+        outer, outer_label = _frames(loc.caller, depth + 1)
+        return inner + outer, label or outer_label
+    if kind == "file":
+        return [SourceLoc(loc.filename, loc.start_line, loc.start_col)], ""
+    if kind == "fused":
+        label = ""
+        for sub in loc.locations:
+            frames, sub_label = _frames(sub, depth + 1)
+            label = label or sub_label
+            if frames:
+                return frames, label
+        return [], label
+    return [], ""
+
+
 def walk_location(loc: ir.Location) -> tuple[SourceLoc | None, str]:
     """The user's source line and the op's name label, from a NameLoc/CallSiteLoc/FileLineColLoc tree.
 
-    CallSiteLoc.callee leads to the innermost frame: the user's own line.
+    CallSiteLoc.callee leads to the innermost frame; the innermost frame outside installed
+    packages is the user's own line (a Flax layer's matmul is reported where the user calls
+    the layer), else the innermost frame.
     """
-    label = ""
-    current = loc
-    for _ in range(64):
-        if isinstance(current, ir.NameLoc):
-            if not label:
-                label = current.name_str
-            current = current.child_loc
-        elif isinstance(current, ir.CallSiteLoc):
-            current = current.callee
-        elif isinstance(current, ir.FileLineColLoc):
-            return SourceLoc(current.filename, current.start_line, current.start_col), label
-        elif isinstance(current, ir.FusedLoc):
-            for sub in current.locations:
-                found, sub_label = walk_location(sub)
-                label = label or sub_label
-                if found:
-                    return found, label
-            return None, label
-        else:
-            return None, label
-    return None, label
+    frames, label = _frames(loc)
+    for frame in frames:
+        if not any(part in frame.file for part in _LIBRARY_FRAME):
+            return frame, label
+    return (frames[0] if frames else None), label
 
 
 def op_location(op) -> tuple[SourceLoc | None, str]:

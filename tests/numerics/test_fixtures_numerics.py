@@ -35,8 +35,8 @@ MUST_SHARD = ["mlp_forward", "mlp_train_step", "gpt_train_step", "convnet_train_
 SLOW_CASES = {("gpt_train_step", "8"), ("gpt_train_step", "4x2")}
 
 # Known hloplan bugs, name -> (reason, exception type): strict xfails, so a fix turns them red
-# (XPASS).  Fixed so far: lax.scan plans failing XLA's while-sharding RET_CHECK, and a constant
-# operand of optimization_barrier (jax.checkpoint under grad) left without a result sharding.
+# (XPASS).  The scan fixtures (XLA's while-sharding checks) and jax.checkpoint under grad (a
+# constant operand of optimization_barrier) are covered by the cases above.
 KNOWN_BUGS: dict[str, tuple[str, type[BaseException]]] = {}
 
 # gpt_train_step ends in one AdamW step, lr=1e-3, b1=0.9 (fixtures/models.py).  Where a true

@@ -13,7 +13,6 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import hloplan  # noqa: E402
 from hloplan import decisions, explain_report  # noqa: E402
@@ -39,7 +38,7 @@ def _run(*args):
 
 def test_text_names_every_argument_and_the_mesh(compiled):
     result, plan_dir = compiled
-    out = _run(plan_dir)
+    out = _run(plan_dir, "--verbose")
     assert out.exit_code == 0, out.output
     text = out.stdout
     for argument in result.plan["arguments"]:
@@ -48,8 +47,22 @@ def test_text_names_every_argument_and_the_mesh(compiled):
     for section in ("Mesh", "Device model", "Arguments", "Results", "Estimated step time",
                     "Peak memory", "Top", "Decisions"):
         assert section in text
-    assert "fixtures/models.py:45" in text  # the top ops carry their source lines
+    assert "models.py:45" in text  # the top ops carry their source lines
     assert "█" in text  # the bars
+
+
+def test_text_opens_with_the_strategy_and_stays_short(compiled):
+    result, plan_dir = compiled
+    out = _run(plan_dir)
+    assert out.exit_code == 0, out.output
+    lines = out.stdout.splitlines()
+    first = " ".join(lines[1:3])
+    assert explain_report.strategy_paragraph(result.plan)[:40] in first
+    assert "parallel" in first or "replicated" in first
+    assert len(lines) < len(_run(plan_dir, "--verbose").stdout.splitlines())
+    assert "--verbose lists all" in out.stdout
+    assert "Device model" not in out.stdout  # verbose only
+    assert "models.py:45" in out.stdout  # source lines: the file's name and the line
 
 
 def test_plan_records_the_collective_merging_it_was_priced_with(compiled):
@@ -113,26 +126,42 @@ def test_plan_json_decisions_are_deterministic(compiled):
     assert [d["rank"] for d in again] == list(range(1, 11))
 
 
-def test_jax_format_is_python_matching_the_argument_tree(compiled):
+def test_jax_format_runs_as_pasted(compiled):
+    """The emitted code builds the mesh over jax.devices(), NamedShardings matching the
+    argument and result trees, and a jitted step that gives the single-device answer."""
+    import numpy as np
+    from jax.sharding import NamedSharding
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     _, plan_dir = compiled
     out = _run(plan_dir, "--format", "jax")
     assert out.exit_code == 0, out.output
-    assert "from jax.sharding import PartitionSpec as P" in out.stdout
     namespace: dict = {}
     exec(compile(out.stdout, "<explain --format jax>", "exec"), namespace)
     exported = explain_report.load_exported(plan_dir)
     args, _ = jax.tree.unflatten(exported.in_tree, [0] * exported.in_tree.num_leaves)
-    is_spec = lambda x: isinstance(x, P)  # noqa: E731
-    assert (jax.tree.structure(namespace["in_shardings"], is_leaf=is_spec)
+    is_named = lambda x: isinstance(x, NamedSharding)  # noqa: E731
+    assert (jax.tree.structure(namespace["in_shardings"], is_leaf=is_named)
             == jax.tree.structure(tuple(args)))
     results = jax.tree.unflatten(exported.out_tree, [0] * exported.out_tree.num_leaves)
-    assert (jax.tree.structure(namespace["out_shardings"], is_leaf=is_spec)
+    assert (jax.tree.structure(namespace["out_shardings"], is_leaf=is_named)
             == jax.tree.structure(results))
-    flat = jax.tree.leaves(namespace["in_shardings"], is_leaf=is_spec)
-    assert all(isinstance(s, P) for s in flat)
     plan = json.loads((plan_dir / "plan.json").read_text())
     by_name = {a["name"]: decisions.partition_spec_text(a["spec"]) for a in plan["arguments"]}
-    assert repr(namespace["in_shardings"][1]).replace("PartitionSpec", "P") == by_name["x"]
+    assert repr(namespace["in_shardings"][1].spec).replace("PartitionSpec", "P") == by_name["x"]
+    assert namespace["mesh"].shape == {"x": 2, "y": 4}
+
+    inputs = np.load(FIXTURES / "mlp_train_step.inputs.npz")
+    flat = [inputs[f"arg{i}"] for i in range(len(inputs.files))]
+    call_args = jax.tree.unflatten(jax.tree.structure(tuple(args)), flat)
+    got = namespace["step"](*call_args)
+    reference = jax.export.deserialize(bytearray((plan_dir / "reference.jaxexport").read_bytes()))
+    want = reference.call(*call_args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+    sharded = [leaf for leaf in jax.tree.leaves(got) if leaf.ndim]
+    assert any(not leaf.sharding.is_fully_replicated for leaf in sharded)
 
 
 def test_svg_is_written(compiled, tmp_path):
@@ -145,6 +174,84 @@ def test_svg_is_written(compiled, tmp_path):
     root = ET.fromstring(text)
     assert root.tag.endswith("svg")
     assert "Estimated step time" in text and "params[1]['w']" in text
+
+
+def test_png_is_written_and_pictures_the_mesh(compiled, tmp_path):
+    _, plan_dir = compiled
+    png, svg = tmp_path / "plan.png", tmp_path / "plan.svg"
+    out = _run(plan_dir, "--png", png, "--svg", svg)
+    assert out.exit_code == 0, out.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = svg.read_text()
+    # the mesh's axes, each device, and the tensors whose blocks the devices hold
+    assert "axis y" in text and "axis x" in text
+    assert "batch x" in text and "parameter params[1]['w']" in text
+
+
+def _plan(args, results=(), axes=("x", "y"), sizes=(2, 4), **extra):
+    def entry(name, shape, spec, dtype="f32"):
+        count = 1
+        for dim in shape:
+            count *= dim
+        return {"name": name, "shape": list(shape), "dtype": dtype, "spec": spec,
+                "bytes": 4 * count, "bytes_per_device": 4 * count}
+
+    return {"mesh": {"axis_names": list(axes), "axis_sizes": list(sizes)},
+            "arguments": [entry(*a) for a in args], "results": [entry(*r) for r in results],
+            "estimate": {"step_time_s": 1e-3, "peak_memory_bytes": 2**20, "collectives": []},
+            "ops": [], "device_model": {"name": "h100"}, **extra}
+
+
+W, B = [1024, 4096], [256, 1024]
+
+
+def test_strategy_names_data_parallel_and_zero1():
+    plan = _plan([("params['w']", W, [[], []]), ("opt['m']['w']", W, [["y"], []]),
+                  ("opt['v']['w']", W, [["y"], []]), ("x", B, [["y"], []])],
+                 [("result[0]['w']", W, [[], []]), ("result[1]['m']['w']", W, [["y"], []]),
+                  ("result[1]['v']['w']", W, [["y"], []])])
+    phrases = explain_report.strategy_phrases(plan)
+    assert "batch over y: 4-way data parallel" in phrases
+    assert "optimizer state sharded over y: 4-way (ZeRO-1)" in phrases
+    assert "mesh axis x unused (replicated over it)" in phrases
+
+
+def test_strategy_names_tensor_parallel_and_fsdp():
+    tp = _plan([("params['w']", W, [[], ["x"]]), ("x", B, [["y"], []])])
+    assert explain_report.strategy_phrases(tp) == [
+        "batch over y: 4-way data parallel",
+        "weights split over x: 2-way tensor parallel (largest: params['w'])"]
+    fsdp = _plan([("params['w']", W, [["x", "y"], []]), ("tokens", [256, 512], [["x", "y"], []], "i32")])
+    assert explain_report.strategy_phrases(fsdp) == [
+        "batch over (x, y): 8-way data parallel",
+        "parameters sharded over (x, y): 8-way FSDP (ZeRO-3)"]
+    seq = _plan([("params['w']", W, [[], []]), ("tokens", [256, 512], [["x"], ["y"]], "i32")])
+    assert "sequence over y: 4-way sequence parallel" in explain_report.strategy_phrases(seq)
+
+
+def test_strategy_names_expert_parallel():
+    plan = _plan([("params['experts']['w']", [8, 1024, 4096], [["y"], [], []]),
+                  ("x", B, [["x", "y"], []])])
+    assert "experts over y: 4-way expert parallel" in explain_report.strategy_phrases(plan)
+
+
+def test_fully_replicated_is_said_plainly():
+    plan = _plan([("params['w']", W, [[], []]), ("x", B, [[], []])])
+    assert explain_report.strategy_paragraph(plan).startswith(
+        "Fully replicated: every one of the 8 devices runs the whole program")
+
+
+def test_pipelined_plan_leads_with_its_stages():
+    pipe = {"tasks": [{}], "stages": 2, "microbatches": 8, "schedule": "1f1b",
+            "submeshes": [{"devices": [0, 1, 2, 3], "shape": [1, 4]},
+                          {"devices": [4, 5, 6, 7], "shape": [1, 4]}],
+            "estimate": {"step_time_s": 2e-3, "memory_per_stage_bytes": [2**20, 2**19],
+                         "bubble_fraction": 1 / 9}}
+    plan = _plan([("params['w']", W, [[], ["y"]]), ("x", B, [["y"], []])], pipeline=pipe)
+    text = explain_report.strategy_paragraph(plan)
+    assert text.startswith("Pipeline: 2 stages on submeshes 1x4 (devices 0-3) + 1x4 (devices "
+                           "4-7), 8 microbatches, 1f1b schedule: estimated step 2.00 ms")
+    assert "The single-program plan" in text
 
 
 def test_in_shardings_python_api(compiled):
@@ -290,4 +397,26 @@ def test_explain_of_a_donated_step_counts_what_is_written_in_place(tmp_path):
     assert "donate_argnums" not in text
     # The shardings to paste into jax.jit donate what the export donated.
     source = _run(tmp_path / "p", "--format", "jax").stdout
-    assert "out_shardings=named(out_shardings), donate_argnums=(0,))" in source
+    assert "out_shardings=out_shardings, donate_argnums=(0,))" in source
+
+
+def test_loader_names_the_jax_a_plan_was_made_with(compiled, tmp_path, monkeypatch):
+    import shutil
+
+    from hloplan.emit import loader
+
+    result, plan_dir = compiled
+    assert result.plan["versions"]["jax"] == jax.__version__  # plan.json records its jax
+    copy = tmp_path / "plan"
+    shutil.copytree(plan_dir, copy)
+    plan = json.loads((copy / "plan.json").read_text())
+    plan["versions"]["jax"] = "99.0.0"
+    (copy / "plan.json").write_text(json.dumps(plan))
+
+    def refuse(data):
+        raise ValueError("unsupported serialization version 99")
+
+    monkeypatch.setattr(jax.export, "deserialize", refuse)
+    with pytest.raises(loader.PlanLoadError, match=r"made with jax 99\.0\.0 and the running jax "
+                       rf"is {jax.__version__}.*unsupported serialization version"):
+        hloplan.load(copy)

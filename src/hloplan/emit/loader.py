@@ -535,9 +535,28 @@ def load(plan_dir: str | os.PathLike, devices=None, donate: bool = True):
     caller passes alive (by default the arguments the export donates are handed to the
     program; in a pipelined plan, to the once-per-step tasks that read them last)."""
     plan = read_plan(plan_dir)
-    if plan.get("pipeline", {}).get("tasks"):
-        return pipeline_runner(plan_dir, plan, devices, donate)
-    return Runner(plan_dir, devices, donate=donate, plan=plan)
+    try:
+        if plan.get("pipeline", {}).get("tasks"):
+            return pipeline_runner(plan_dir, plan, devices, donate)
+        return Runner(plan_dir, devices, donate=donate, plan=plan)
+    except Exception as exc:
+        note = jax_version_note(plan)
+        if note is None or isinstance(exc, PlanLoadError):
+            raise
+        raise PlanLoadError(f"{note}; loading it failed with {type(exc).__name__}: {exc}") from exc
+
+
+def jax_version_note(plan: dict) -> str | None:
+    """When the running jax is not the one that made the plan (plan.json "versions"): a
+    sentence saying so, for the error of a plan this jax cannot load."""
+    import jax
+
+    made = (plan.get("versions") or {}).get("jax")
+    if not made or made == jax.__version__:
+        return None
+    return (f"this plan was made with jax {made} and the running jax is {jax.__version__}, "
+            f"which cannot load its programs: load it with jax {made}, or compile the plan "
+            f"again with this jax (hloplan supports jax>=0.9,<0.11)")
 
 
 def pipeline_runner(plan_dir, plan: dict, devices=None, donate: bool = True):
