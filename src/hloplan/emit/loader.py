@@ -541,8 +541,10 @@ def load(plan_dir: str | os.PathLike, devices=None, donate: bool = True):
         return Runner(plan_dir, devices, donate=donate, plan=plan)
     except Exception as exc:
         note = jax_version_note(plan)
-        if note is None or isinstance(exc, PlanLoadError):
+        if note is None:
             raise
+        if isinstance(exc, PlanLoadError):
+            raise PlanLoadError(f"{note}: {exc.message}", exc.file, exc.field) from exc
         raise PlanLoadError(f"{note}; loading it failed with {type(exc).__name__}: {exc}") from exc
 
 
