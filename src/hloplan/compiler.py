@@ -423,7 +423,8 @@ def _plan_pipeline(data: bytes, filename: str, options: CompileOptions,
     from hloplan.solver.evaluate import evaluate
 
     program = ir.load_program(data, filename)
-    state = run_pipeline(program, options, [InlineCalls(), ExtractGraph()])
+    # Composites decomposed: the cut rebuilds ops with the microbatch's smaller batch.
+    state = run_pipeline(program, options, [InlineCalls(composites=True), ExtractGraph()])
     single_seconds = None if single is None else evaluate(single.problem, single.solution).total
     return plan_pipeline(state, options, pipeline, single_seconds), state
 

@@ -279,46 +279,82 @@ def _remap_operands(op, mapping: dict) -> None:
                 _remap_operands(inner, mapping)
 
 
-def inline_calls(module: ir.Module, filename: str) -> int:
+def inline_calls(module: ir.Module, filename: str, composites: bool = False) -> int:
     """Inline every func.call reachable from main (callees first cloned, so several call sites
     of one function get their own copies). Returns the number of call sites inlined.
 
+    A stablehlo.composite (chlo.top_k, ...) stays one op, its decomposition function kept;
+    with `composites`, it is replaced by its decomposition's ops too (they compute the same).
     The upstream MLIR inliner leaves these modules unchanged, so this clones ops by hand.
     """
     with module.context, ir.Location.unknown():
         main = main_function(module, filename)
         funcs = functions(module)
         inlined = 0
+        kinds = {"func.call": "callee", **({"stablehlo.composite": "decomposition"}
+                                            if composites else {})}
         while True:
-            calls = [op for op in _walk_ops(main.regions[0].blocks[0]) if op_name(op) == "func.call"]
+            calls = [op for op in _walk_ops(main.regions[0].blocks[0]) if op_name(op) in kinds]
             if not calls:
                 break
             for call in calls:
-                callee_name = ir.FlatSymbolRefAttr(call.operation.attributes["callee"]).value
+                callee_name = ir.FlatSymbolRefAttr(
+                    call.operation.attributes[kinds[op_name(call)]]).value
                 callee = funcs.get(callee_name)
                 if callee is None:
                     loc, _ = op_location(call)
                     raise HloplanError(Diagnostic(
-                        "error", f"call to unknown function @{callee_name}", loc, op="func.call"))
+                        "error", f"call to unknown function @{callee_name}", loc,
+                        op=op_name(call)))
                 _inline_one(call, callee)
                 inlined += 1
             if inlined > 100_000:
                 raise HloplanError("recursive function calls cannot be inlined")
-        # Private functions no remaining call reaches (other public functions may still
-        # call some) are dropped.
-        live = {name for name, f in funcs.items() if not _is_private(f)}
-        pending = list(live)
-        while pending:
-            for op in _walk_ops(funcs[pending.pop()].regions[0].blocks[0]):
-                if op_name(op) == "func.call":
-                    callee = ir.FlatSymbolRefAttr(op.operation.attributes["callee"]).value
-                    if callee not in live and callee in funcs:
-                        live.add(callee)
-                        pending.append(callee)
+        # Private functions nothing still refers to are dropped. A reference is any symbol
+        # attribute, not only a call: a composite's decomposition (chlo.top_k.impl), a
+        # custom_call's called_computations; other public functions may also call some.
+        live = referenced_functions(module, [n for n, f in funcs.items() if not _is_private(f)])
         for name, func_op in funcs.items():
             if name not in live:
                 func_op.operation.erase()
     return inlined
+
+
+def _symbol_refs(attr) -> Iterator[str]:
+    """Names of the functions an attribute refers to (nested in arrays and dictionaries)."""
+    if isinstance(attr, ir.FlatSymbolRefAttr):
+        yield attr.value
+    elif isinstance(attr, ir.SymbolRefAttr):
+        yield attr.value[0]
+    elif isinstance(attr, ir.ArrayAttr):
+        for item in attr:
+            yield from _symbol_refs(item)
+    elif isinstance(attr, ir.DictAttr):
+        for i in range(len(attr)):
+            yield from _symbol_refs(attr[i].attr)
+
+
+def op_symbol_refs(op) -> list[str]:
+    """The functions `op` or any op nested in it refers to (calls, decompositions, ...)."""
+    out: list[str] = []
+    for inner in [op, *_walk_ops_of(op)]:
+        attrs = inner.operation.attributes
+        for i in range(len(attrs)):
+            out.extend(_symbol_refs(attrs[i].attr))
+    return out
+
+
+def referenced_functions(module: ir.Module, roots: list[str]) -> set[str]:
+    """`roots` and every function of `module` they refer to, transitively."""
+    funcs = functions(module)
+    live = {name for name in roots if name in funcs}
+    pending = list(live)
+    while pending:
+        for name in op_symbol_refs(funcs[pending.pop()]):
+            if name not in live and name in funcs:
+                live.add(name)
+                pending.append(name)
+    return live
 
 
 def _inline_one(call, callee) -> None:
@@ -837,8 +873,20 @@ def build_function(module: ir.Module, handles: Handles, graph: Graph, units: lis
             func_dialect.ReturnOp(results)
         func_op.attributes["function_type"] = ir.TypeAttr.get(
             ir.FunctionType.get(in_types, [r.type for r in results]))
+        _copy_referenced_functions(module, new_module, func_op)
         new_module.operation.verify()
     return new_module
+
+
+def _copy_referenced_functions(source: ir.Module, target: ir.Module, func_op) -> None:
+    """Clone into `target` the functions of `source` that `func_op` refers to (a kept
+    composite's decomposition, a custom_call's called computations), transitively."""
+    funcs = functions(source)
+    wanted = [name for name in dict.fromkeys(op_symbol_refs(func_op)) if name in funcs]
+    if not wanted:
+        return
+    for name in sorted(referenced_functions(source, wanted)):
+        funcs[name].operation.clone(ir.InsertionPoint(target.body))
 
 
 def _clone_needed_constants(op, mapping: dict, insertion) -> None:
