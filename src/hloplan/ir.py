@@ -789,6 +789,14 @@ def op_attributes(op) -> dict:
     for key in ("dimension", "iota_dimension", "concatenate_dimension"):
         if key in attrs:
             out[key] = ir.IntegerAttr(attrs[key]).value
+    if name == "stablehlo.composite":
+        out["composite"] = ir.StringAttr(attrs["name"]).value
+        if "composite_attributes" in attrs:
+            extra = ir.DictAttr(attrs["composite_attributes"])
+            for i in range(len(extra)):
+                if isinstance(extra[i].attr, ir.IntegerAttr):
+                    out.setdefault("composite_attributes", {})[extra[i].name] = ir.IntegerAttr(
+                        extra[i].attr).value
     if name == "stablehlo.custom_call" and "call_target_name" in attrs:
         out["target"] = ir.StringAttr(attrs["call_target_name"]).value
     if name == "stablehlo.compare":
