@@ -8,6 +8,7 @@ the section marked "Private JAX APIs" at the bottom.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -206,11 +207,31 @@ def main_function(module: ir.Module, filename: str):
         SourceLoc(filename, 1, 1)))
 
 
+# Frames in these packages are library code: a location points at the first frame outside
+# them (the user's line that called into flax, optax, keras or jax), not into the library.
+_LIBRARY_PARTS = ("/site-packages/", "/dist-packages/", "/jax/", "/jaxlib/", "/flax/",
+                  "/optax/", "/keras/", "/keras_hub/", "/equinox/", "/transformers/")
+
+
+def _is_library(filename: str) -> bool:
+    path = filename.replace("\\", "/")
+    return any(part in path for part in _LIBRARY_PARTS)
+
+
 def walk_location(loc: ir.Location) -> tuple[SourceLoc | None, str]:
     """The user's source line and the op's name label, from a NameLoc/CallSiteLoc/FileLineColLoc tree.
 
-    CallSiteLoc.callee leads to the innermost frame: the user's own line.
+    A CallSiteLoc is a call stack, innermost frame (callee) first: the first frame outside
+    library code (_LIBRARY_PARTS) is the user's line; the innermost frame when all are library.
     """
+    frames: list[SourceLoc] = []
+    label = _frames(loc, frames)
+    user = next((f for f in frames if not _is_library(f.file)), None)
+    return (user or (frames[0] if frames else None)), label
+
+
+def _frames(loc: ir.Location, out: list[SourceLoc], depth: int = 0) -> str:
+    """Append the file locations in `loc`, innermost frame first; return the first name label."""
     label = ""
     current = loc
     for _ in range(64):
@@ -219,19 +240,58 @@ def walk_location(loc: ir.Location) -> tuple[SourceLoc | None, str]:
                 label = current.name_str
             current = current.child_loc
         elif isinstance(current, ir.CallSiteLoc):
-            current = current.callee
+            if depth < 64:
+                inner = _frames(current.callee, out, depth + 1)
+                label = label or inner
+            current = current.caller
         elif isinstance(current, ir.FileLineColLoc):
-            return SourceLoc(current.filename, current.start_line, current.start_col), label
+            out.append(SourceLoc(current.filename, current.start_line, current.start_col))
+            return label
         elif isinstance(current, ir.FusedLoc):
             for sub in current.locations:
-                found, sub_label = walk_location(sub)
-                label = label or sub_label
+                found: list[SourceLoc] = []
+                inner = _frames(sub, found, depth + 1)
+                label = label or inner
                 if found:
-                    return found, label
-            return None, label
+                    out.extend(found)
+                    return label
+            return label
         else:
-            return None, label
-    return None, label
+            return label
+    return label
+
+
+_KEY = re.compile(r"\['([A-Za-z_][A-Za-z0-9_]*)'\]")
+_INDEX_BEFORE_ATTRIBUTE = re.compile(r"\[\d+\](?=\.[A-Za-z_])")
+
+
+def readable_names(names: list[str]) -> list[str]:
+    """jax's keystr-style argument paths, readable: "opt_state[0].mu['l2']['kernel'].value"
+    -> "opt_state.mu.l2.kernel". Dict keys become dots; an NNX Variable's trailing ".value"
+    goes, and so does a tuple index before an attribute (optax's chain state); each name keeps
+    the most readable form that no other name shares."""
+    def keys(name: str) -> str:
+        return _KEY.sub(r".\1", name).lstrip(".")
+
+    def no_value(name: str) -> str:
+        return name[:-len(".value")] if name.endswith(".value") else name
+
+    def no_index(name: str) -> str:
+        return _INDEX_BEFORE_ATTRIBUTE.sub("", name)
+
+    levels = [lambda n: n, keys, lambda n: no_value(keys(n)),
+              lambda n: no_value(keys(no_index(n)))]
+    chosen = list(names)
+    for level in levels[1:]:
+        candidates = [level(n) for n in names]
+        counts: dict[str, int] = {}
+        for c in candidates + names:
+            counts[c] = counts.get(c, 0) + 1
+        for i, (name, candidate) in enumerate(zip(names, candidates)):
+            # unique among this level's names and not another name's raw form
+            if candidate and counts[candidate] == (2 if candidate == name else 1):
+                chosen[i] = candidate
+    return chosen
 
 
 def op_location(op) -> tuple[SourceLoc | None, str]:
@@ -519,8 +579,10 @@ class _Extractor:
         main = main_function(self.module, self.filename)
         self.handles.main = main
         block = main.regions[0].blocks[0]
+        labels = readable_names([value_location(arg)[1] for arg in block.arguments])
         for index, arg in enumerate(block.arguments):
-            loc, label = value_location(arg)
+            loc, _ = value_location(arg)
+            label = labels[index]
             loc = self.located(loc)
             try:
                 type_ = tensor_type(arg)
@@ -546,6 +608,7 @@ class _Extractor:
                 if "jax.result_info" in attrs:
                     name = ir.StringAttr(attrs["jax.result_info"]).value
             self.graph.output_names.append(name)
+        self.graph.output_names[:] = readable_names(self.graph.output_names)
         return self.graph, self.handles
 
     def value(self, op, value) -> int:

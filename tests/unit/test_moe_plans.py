@@ -40,7 +40,7 @@ def test_top_k_moe_plan_is_expert_parallel_where_it_pays():
     spec = {a["name"]: a["spec"] for a in plan["arguments"]}
     for layer in range(2):
         for name in ("w_gate", "w_up", "w_down"):
-            assert spec[f"params['layers'][{layer}]['{name}']"][0] == ["x"], spec
+            assert spec[f"params.layers[{layer}].{name}"][0] == ["x"], spec
     # Tokens reach their experts by all-to-all (batch-split -> expert-split and back).
     assert any(c["kind"] == "all-to-all" for c in plan["estimate"]["collectives"])
 
