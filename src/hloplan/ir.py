@@ -262,13 +262,13 @@ def _frames(loc: ir.Location, out: list[SourceLoc], depth: int = 0) -> str:
 
 
 _KEY = re.compile(r"\['([A-Za-z_][A-Za-z0-9_]*)'\]")
-_INDEX_BEFORE_ATTRIBUTE = re.compile(r"\[\d+\](?=\.[A-Za-z_])")
+_INDEX_BEFORE_ATTRIBUTE = re.compile(r"(\[\d+\])+(?=\.[A-Za-z_])")
 
 
 def readable_names(names: list[str]) -> list[str]:
     """jax's keystr-style argument paths, readable: "opt_state[0].mu['l2']['kernel'].value"
     -> "opt_state.mu.l2.kernel". Dict keys become dots; an NNX Variable's trailing ".value"
-    goes, and so does a tuple index before an attribute (optax's chain state); each name keeps
+    goes, and so do tuple indices before an attribute (optax's chain state); each name keeps
     the most readable form that no other name shares."""
     def keys(name: str) -> str:
         return _KEY.sub(r".\1", name).lstrip(".")
