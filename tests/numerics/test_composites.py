@@ -1,7 +1,7 @@
 """Composites, decomposition functions and custom_calls survive every pass and re-parse.
 
 jax emits jax.lax.top_k as a `stablehlo.composite "chlo.top_k"` whose decomposition is the
-private function @chlo.top_k.impl; jnp.linalg.cholesky as a LAPACK custom_call. The planned
+private function @chlo.top_k.impl; jnp.linalg.cholesky as a LAPACK custom_call; jax.lax.composite a user's own composite. The planned
 module keeps them (the composite one op, its decomposition function beside it) and the plan,
 compiled on 8 simulated devices, gives the single-device result: as one program, and cut into
 pipeline stages and microbatches (where each composite becomes its decomposition's ops).
@@ -22,8 +22,15 @@ from hloplan.compiler import PipelineOptions
 pytestmark = pytest.mark.usefixtures("devices8")
 
 
+def _scaled_tanh(x, *, scale):
+    return jnp.tanh(x) * scale
+
+
 def misc(x, w):
     logits = x @ w
+    # A user's own composite (its decomposition a private function, called twice).
+    scaled = jax.lax.composite(_scaled_tanh, name="test.scaled_tanh")
+    logits = scaled(logits, scale=0.5) + scaled(logits, scale=0.25)
     values, indices = jax.lax.top_k(logits, 2)
     inv = jax.scipy.special.erfinv(jnp.tanh(values) * 0.5)
     gram = x[:4, :4] @ x[:4, :4].T + 4 * jnp.eye(4)
@@ -38,6 +45,7 @@ def misc_program():
     exported = export.export(jax.jit(misc))(x, w)
     text = exported.mlir_module()
     assert 'stablehlo.composite "chlo.top_k"' in text and "custom_call @lapack" in text
+    assert 'stablehlo.composite "test.scaled_tanh"' in text
     return exported.serialize(), (x, w), jax.jit(misc)(x, w)
 
 
@@ -56,6 +64,7 @@ def test_composite_and_custom_call_survive(misc_program, tmp_path, helpers, mesh
     module = (tmp_path / "plan" / "module.mlir").read_text()
     assert 'stablehlo.composite "chlo.top_k"' in module
     assert "func.func private @chlo.top_k.impl" in module
+    assert module.count('stablehlo.composite "test.scaled_tanh"') == 2
     assert "stablehlo.custom_call @lapack" in module
     assert result.plan["mesh"]
     helpers.assert_trees_close(hloplan.load(tmp_path / "plan")(*args), expected)
@@ -77,3 +86,15 @@ def test_top_k_routed_moe_pipelined(moe_program, tmp_path, helpers):
     assert (result.plan["pipeline"]["stages"], result.plan["pipeline"]["microbatches"]) == (2, 4)
     got = hloplan.load(tmp_path / "plan")(*args)
     helpers.assert_trees_close(jax.tree.map(np.asarray, got), expected)
+
+
+def test_top_k_routed_moe_through_hloplan_shard(moe_program, helpers):
+    """The in-process API on the same step: its shardings split the experts (or tokens), and
+    jax.jit with them gives the single-device step."""
+    _, args, expected = moe_program
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("data", "expert"),
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    planned = hloplan.shard(moe_topk.train_step, *args, mesh=mesh, device="toy")
+    assert any(s.spec != jax.sharding.PartitionSpec()
+               for s in jax.tree.leaves(planned.in_shardings))
+    helpers.assert_trees_close(jax.tree.map(np.asarray, planned(*args)), expected)
