@@ -8,6 +8,8 @@ the section marked "Private JAX APIs" at the bottom.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -207,22 +209,43 @@ def main_function(module: ir.Module, filename: str):
         SourceLoc(filename, 1, 1)))
 
 
-# Frames in these packages are library code: a location points at the first frame outside
-# them (the user's line that called into flax, optax, keras or jax), not into the library.
-_LIBRARY_PARTS = ("/site-packages/", "/dist-packages/", "/jax/", "/jaxlib/", "/flax/",
-                  "/optax/", "/keras/", "/keras_hub/", "/equinox/", "/transformers/")
+# A location points at the first frame outside library code (the user's line that called into
+# flax, optax, keras or jax), not into the library. Library code: installed packages (also
+# those of the machine that exported the program: any path through site-packages), the
+# standard library, and these packages wherever they are installed from (a source checkout).
+_INSTALLED_PARTS = ("/site-packages/", "/dist-packages/")
+_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "keras", "keras_hub", "equinox", "transformers",
+              "haiku", "orbax")
+
+
+@functools.cache
+def _library_roots() -> tuple[str, ...]:
+    import importlib.util
+    import sysconfig
+
+    roots = {sysconfig.get_paths().get(key) for key in ("stdlib", "platstdlib")}
+    for name in _LIBRARIES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.submodule_search_locations:
+            roots.update(spec.submodule_search_locations)
+    return tuple(os.path.realpath(root) + os.sep for root in roots if root)
 
 
 def _is_library(filename: str) -> bool:
     path = filename.replace("\\", "/")
-    return any(part in path for part in _LIBRARY_PARTS)
+    if any(part in path for part in _INSTALLED_PARTS):
+        return True
+    return os.path.isabs(path) and os.path.realpath(path).startswith(_library_roots())
 
 
 def walk_location(loc: ir.Location) -> tuple[SourceLoc | None, str]:
     """The user's source line and the op's name label, from a NameLoc/CallSiteLoc/FileLineColLoc tree.
 
     A CallSiteLoc is a call stack, innermost frame (callee) first: the first frame outside
-    library code (_LIBRARY_PARTS) is the user's line; the innermost frame when all are library.
+    library code (_is_library) is the user's line; the innermost frame when all are library.
     """
     frames: list[SourceLoc] = []
     label = _frames(loc, frames)
@@ -854,12 +877,6 @@ def op_attributes(op) -> dict:
             out[key] = ir.IntegerAttr(attrs[key]).value
     if name == "stablehlo.composite":
         out["composite"] = ir.StringAttr(attrs["name"]).value
-        if "composite_attributes" in attrs:
-            extra = ir.DictAttr(attrs["composite_attributes"])
-            for i in range(len(extra)):
-                if isinstance(extra[i].attr, ir.IntegerAttr):
-                    out.setdefault("composite_attributes", {})[extra[i].name] = ir.IntegerAttr(
-                        extra[i].attr).value
     if name == "stablehlo.custom_call" and "call_target_name" in attrs:
         out["target"] = ir.StringAttr(attrs["call_target_name"]).value
     if name == "stablehlo.compare":
