@@ -34,8 +34,9 @@ def misc(x, w):
     values, indices = jax.lax.top_k(logits, 2)
     inv = jax.scipy.special.erfinv(jnp.tanh(values) * 0.5)
     gram = x[:4, :4] @ x[:4, :4].T + 4 * jnp.eye(4)
+    approx, _ = jax.lax.approx_max_k(logits, 2)  # a custom_call with a called computation
     return (inv * 2.0, indices, jnp.linalg.cholesky(gram), jnp.sort(logits, axis=-1),
-            jax.lax.erf_inv(jnp.tanh(logits) * 0.25))
+            jax.lax.erf_inv(jnp.tanh(logits) * 0.25), approx)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +67,7 @@ def test_composite_and_custom_call_survive(misc_program, tmp_path, helpers, mesh
     assert "func.func private @chlo.top_k.impl" in module
     assert module.count('stablehlo.composite "test.scaled_tanh"') == 2
     assert "stablehlo.custom_call @lapack" in module
+    assert "custom_call @ApproxTopK" in module and "@top_k_gt_f32_comparator(" in module
     assert result.plan["mesh"]
     helpers.assert_trees_close(hloplan.load(tmp_path / "plan")(*args), expected)
 
