@@ -268,7 +268,7 @@ def top_ops(plan_json: dict, count: int = 8) -> list[dict]:
 
 def argument_summary(plan_json: dict, limit: int = 12) -> dict:
     """Specs hloplan chose for the largest parameters (not optimizer state)."""
-    args = [a for a in plan_json["arguments"] if "['opt']" not in a["name"]]
+    args = [a for a in plan_json["arguments"] if ".opt." not in a["name"]]
     args.sort(key=lambda a: -a["bytes"])
     return {a["name"]: a["spec"] for a in args[:limit]}
 

@@ -3,6 +3,9 @@
     import hloplan
     result = hloplan.compile("step.jaxexport", mesh="2x4", output="plan/")
     step = hloplan.load("plan/")
+
+    planned = hloplan.shard(train_step, state, batch, mesh=jax_mesh)   # in-process
+    step = planned.jit()
 """
 
 from __future__ import annotations
@@ -30,4 +33,13 @@ def load(plan_dir, devices=None, donate=True):
     return _load(plan_dir, devices, donate=donate)
 
 
-__all__ = ["PlanLoadError", "__version__", "compile", "load"]
+def shard(fn, *example_args, mesh, device="cpu", **options):
+    """Export `fn` in this process, plan it for the jax Mesh `mesh`, and return a
+    hloplan.shard_api.Planned: `.in_shardings`/`.out_shardings` (NamedSharding pytrees for
+    jax.jit), `.jit(**jit_kwargs)`, `__call__`, `.plan`, `.explain()`."""
+    from hloplan.shard_api import shard as _shard
+
+    return _shard(fn, *example_args, mesh=mesh, device=device, **options)
+
+
+__all__ = ["PlanLoadError", "__version__", "compile", "load", "shard"]

@@ -409,7 +409,8 @@ def plan_pipelined(job: Job, options: CompileOptions, single: Candidate | None,
     bounded by `single`'s step unless the user gave the counts. Not applicable when one stage
     wins (the search's record goes with the plan kept) or nothing was planned."""
     program, _ = job.source.load()
-    state = run_passes(program, options, [InlineCalls(), ExtractGraph()])
+    # Composites decomposed: the cut rebuilds ops with the microbatch's smaller batch.
+    state = run_passes(program, options, [InlineCalls(composites=True), ExtractGraph()])
     single_seconds = None if single is None else single.estimate.step_seconds
     plan_ = plan_pipeline(state, options, popts, single_seconds)
     if not isinstance(plan_, PipelinePlan):

@@ -8,6 +8,8 @@ the section marked "Private JAX APIs" at the bottom.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -366,10 +368,6 @@ def _loc_kind(loc) -> str:
     return "other"
 
 
-# Frames in installed packages (flax, optax, equinox, ...) are the libraries', not the user's.
-_LIBRARY_FRAME = ("site-packages/", "dist-packages/", "site-packages\\", "dist-packages\\")
-
-
 def _frames(loc, depth: int = 0) -> tuple[list[SourceLoc], str]:
     """The file frames of a location, innermost first, and its (outermost) name label."""
     if depth > 256:
@@ -395,18 +393,81 @@ def _frames(loc, depth: int = 0) -> tuple[list[SourceLoc], str]:
     return [], ""
 
 
+# A location points at the first frame outside library code (the user's line that called into
+# flax, optax, keras or jax), not into the library. Library code: installed packages (also
+# those of the machine that exported the program: any path through site-packages), the
+# standard library, and these packages wherever they are installed from (a source checkout).
+_INSTALLED_PARTS = ("/site-packages/", "/dist-packages/")
+_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "keras", "keras_hub", "equinox", "transformers",
+              "haiku", "orbax")
+
+
+@functools.cache
+def _library_roots() -> tuple[str, ...]:
+    import importlib.util
+    import sysconfig
+
+    roots = {sysconfig.get_paths().get(key) for key in ("stdlib", "platstdlib")}
+    for name in _LIBRARIES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.submodule_search_locations:
+            roots.update(spec.submodule_search_locations)
+    return tuple(os.path.realpath(root) + os.sep for root in roots if root)
+
+
+def _is_library(filename: str) -> bool:
+    path = filename.replace("\\", "/")
+    if any(part in path for part in _INSTALLED_PARTS):
+        return True
+    return os.path.isabs(path) and os.path.realpath(path).startswith(_library_roots())
+
+
 def walk_location(loc: ir.Location) -> tuple[SourceLoc | None, str]:
     """The user's source line and the op's name label, from a NameLoc/CallSiteLoc/FileLineColLoc tree.
 
-    CallSiteLoc.callee leads to the innermost frame; the innermost frame outside installed
-    packages is the user's own line (a Flax layer's matmul is reported where the user calls
-    the layer), else the innermost frame.
+    A CallSiteLoc is a call stack, innermost frame (callee) first: the first frame outside
+    library code (_is_library) is the user's line (a Flax layer's matmul is reported where the
+    user calls the layer); the innermost frame when all are library.
     """
     frames, label = _frames(loc)
-    for frame in frames:
-        if not any(part in frame.file for part in _LIBRARY_FRAME):
-            return frame, label
-    return (frames[0] if frames else None), label
+    user = next((f for f in frames if not _is_library(f.file)), None)
+    return (user or (frames[0] if frames else None)), label
+
+
+_KEY = re.compile(r"\['([A-Za-z_][A-Za-z0-9_]*)'\]")
+_INDEX_BEFORE_ATTRIBUTE = re.compile(r"(\[\d+\])+(?=\.[A-Za-z_])")
+
+
+def readable_names(names: list[str]) -> list[str]:
+    """jax's keystr-style argument paths, readable: "opt_state[0].mu['l2']['kernel'].value"
+    -> "opt_state.mu.l2.kernel". Dict keys become dots; an NNX Variable's trailing ".value"
+    goes, and so do tuple indices before an attribute (optax's chain state); each name keeps
+    the most readable form that no other name shares."""
+    def keys(name: str) -> str:
+        return _KEY.sub(r".\1", name).lstrip(".")
+
+    def no_value(name: str) -> str:
+        return name[:-len(".value")] if name.endswith(".value") else name
+
+    def no_index(name: str) -> str:
+        return _INDEX_BEFORE_ATTRIBUTE.sub("", name)
+
+    levels = [lambda n: n, keys, lambda n: no_value(keys(n)),
+              lambda n: no_value(keys(no_index(n)))]
+    chosen = list(names)
+    for level in levels[1:]:
+        candidates = [level(n) for n in names]
+        counts: dict[str, int] = {}
+        for c in candidates + names:
+            counts[c] = counts.get(c, 0) + 1
+        for i, (name, candidate) in enumerate(zip(names, candidates)):
+            # unique among this level's names and not another name's raw form
+            if candidate and counts[candidate] == (2 if candidate == name else 1):
+                chosen[i] = candidate
+    return chosen
 
 
 def op_location(op) -> tuple[SourceLoc | None, str]:
@@ -454,46 +515,82 @@ def _remap_operands(op, mapping: dict) -> None:
                 _remap_operands(inner, mapping)
 
 
-def inline_calls(module: ir.Module, filename: str) -> int:
+def inline_calls(module: ir.Module, filename: str, composites: bool = False) -> int:
     """Inline every func.call reachable from main (callees first cloned, so several call sites
     of one function get their own copies). Returns the number of call sites inlined.
 
+    A stablehlo.composite (chlo.top_k, ...) stays one op, its decomposition function kept;
+    with `composites`, it is replaced by its decomposition's ops too (they compute the same).
     The upstream MLIR inliner leaves these modules unchanged, so this clones ops by hand.
     """
     with module.context, ir.Location.unknown():
         main = main_function(module, filename)
         funcs = functions(module)
         inlined = 0
+        kinds = {"func.call": "callee", **({"stablehlo.composite": "decomposition"}
+                                            if composites else {})}
         while True:
-            calls = [op for op in _walk_ops(main.regions[0].blocks[0]) if op_name(op) == "func.call"]
+            calls = [op for op in _walk_ops(main.regions[0].blocks[0]) if op_name(op) in kinds]
             if not calls:
                 break
             for call in calls:
-                callee_name = ir.FlatSymbolRefAttr(call.operation.attributes["callee"]).value
+                callee_name = ir.FlatSymbolRefAttr(
+                    call.operation.attributes[kinds[op_name(call)]]).value
                 callee = funcs.get(callee_name)
                 if callee is None:
                     loc, _ = op_location(call)
                     raise HloplanError(Diagnostic(
-                        "error", f"call to unknown function @{callee_name}", loc, op="func.call"))
+                        "error", f"call to unknown function @{callee_name}", loc,
+                        op=op_name(call)))
                 _inline_one(call, callee)
                 inlined += 1
             if inlined > 100_000:
                 raise HloplanError("recursive function calls cannot be inlined")
-        # Private functions no remaining call reaches (other public functions may still
-        # call some) are dropped.
-        live = {name for name, f in funcs.items() if not _is_private(f)}
-        pending = list(live)
-        while pending:
-            for op in _walk_ops(funcs[pending.pop()].regions[0].blocks[0]):
-                if op_name(op) == "func.call":
-                    callee = ir.FlatSymbolRefAttr(op.operation.attributes["callee"]).value
-                    if callee not in live and callee in funcs:
-                        live.add(callee)
-                        pending.append(callee)
+        # Private functions nothing still refers to are dropped. A reference is any symbol
+        # attribute, not only a call: a composite's decomposition (chlo.top_k.impl), a
+        # custom_call's called_computations; other public functions may also call some.
+        live = referenced_functions(module, [n for n, f in funcs.items() if not _is_private(f)])
         for name, func_op in funcs.items():
             if name not in live:
                 func_op.operation.erase()
     return inlined
+
+
+def _symbol_refs(attr) -> Iterator[str]:
+    """Names of the functions an attribute refers to (nested in arrays and dictionaries)."""
+    if isinstance(attr, ir.FlatSymbolRefAttr):
+        yield attr.value
+    elif isinstance(attr, ir.SymbolRefAttr):
+        yield attr.value[0]
+    elif isinstance(attr, ir.ArrayAttr):
+        for item in attr:
+            yield from _symbol_refs(item)
+    elif isinstance(attr, ir.DictAttr):
+        for i in range(len(attr)):
+            yield from _symbol_refs(attr[i].attr)
+
+
+def op_symbol_refs(op) -> list[str]:
+    """The functions `op` or any op nested in it refers to (calls, decompositions, ...)."""
+    out: list[str] = []
+    for inner in [op, *_walk_ops_of(op)]:
+        attrs = inner.operation.attributes
+        for i in range(len(attrs)):
+            out.extend(_symbol_refs(attrs[i].attr))
+    return out
+
+
+def referenced_functions(module: ir.Module, roots: list[str]) -> set[str]:
+    """`roots` and every function of `module` they refer to, transitively."""
+    funcs = functions(module)
+    live = {name for name in roots if name in funcs}
+    pending = list(live)
+    while pending:
+        for name in op_symbol_refs(funcs[pending.pop()]):
+            if name not in live and name in funcs:
+                live.add(name)
+                pending.append(name)
+    return live
 
 
 def _inline_one(call, callee) -> None:
@@ -665,8 +762,10 @@ class _Extractor:
         main = main_function(self.module, self.filename)
         self.handles.main = main
         block = main.regions[0].blocks[0]
+        labels = readable_names([value_location(arg)[1] for arg in block.arguments])
         for index, arg in enumerate(block.arguments):
-            loc, label = value_location(arg)
+            loc, _ = value_location(arg)
+            label = labels[index]
             loc = self.located(loc)
             try:
                 type_ = tensor_type(arg)
@@ -699,6 +798,7 @@ class _Extractor:
                 if "jax.result_info" in attrs:
                     name = ir.StringAttr(attrs["jax.result_info"]).value
             self.graph.output_names.append(name)
+        self.graph.output_names[:] = readable_names(self.graph.output_names)
         return self.graph, self.handles
 
     def value(self, op, value) -> int:
@@ -955,6 +1055,8 @@ def op_attributes(op) -> dict:
     for key in ("dimension", "iota_dimension", "concatenate_dimension"):
         if key in attrs:
             out[key] = ir.IntegerAttr(attrs[key]).value
+    if name == "stablehlo.composite":
+        out["composite"] = ir.StringAttr(attrs["name"]).value
     if name == "stablehlo.custom_call" and "call_target_name" in attrs:
         out["target"] = ir.StringAttr(attrs["call_target_name"]).value
     if name == "stablehlo.compare":
@@ -1039,8 +1141,20 @@ def build_function(module: ir.Module, handles: Handles, graph: Graph, units: lis
             func_dialect.ReturnOp(results)
         func_op.attributes["function_type"] = ir.TypeAttr.get(
             ir.FunctionType.get(in_types, [r.type for r in results]))
+        _copy_referenced_functions(module, new_module, func_op)
         new_module.operation.verify()
     return new_module
+
+
+def _copy_referenced_functions(source: ir.Module, target: ir.Module, func_op) -> None:
+    """Clone into `target` the functions of `source` that `func_op` refers to (a kept
+    composite's decomposition, a custom_call's called computations), transitively."""
+    funcs = functions(source)
+    wanted = [name for name in dict.fromkeys(op_symbol_refs(func_op)) if name in funcs]
+    if not wanted:
+        return
+    for name in sorted(referenced_functions(source, wanted)):
+        funcs[name].operation.clone(ir.InsertionPoint(target.body))
 
 
 def _clone_needed_constants(op, mapping: dict, insertion) -> None:

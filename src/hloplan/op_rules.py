@@ -12,6 +12,7 @@ The problem builder enumerates mesh-axis-to-factor assignments over these rules.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hloplan.graph import Graph, Op, TensorType
@@ -124,6 +125,12 @@ def rule_for(graph: Graph, op: Op) -> OpRule:
     handler = _HANDLERS.get(name)
     if handler is not None:
         return handler(graph, op)
+    if name == "stablehlo.composite":
+        rule = _COMPOSITES.get(op.attrs.get("composite", ""))
+        if rule is not None:
+            return rule(graph, op)
+        return _replicated(graph, op, f"composite '{op.attrs.get('composite', '?')}' is not "
+                           "known to the planner")
     if name == "stablehlo.custom_call":
         target = op.attrs.get("target", "?")
         return _replicated(graph, op, f"custom_call @{target} is not understood by the planner")
@@ -333,6 +340,17 @@ def _reverse(graph: Graph, op: Op) -> OpRule:
 
 def _sort(graph: Graph, op: Op) -> OpRule:
     return _same_except(graph, op, {op.attrs.get("dimension", -1) % _type(graph, op.results[0]).rank})
+
+
+def _top_k(graph: Graph, op: Op) -> OpRule:
+    """chlo.top_k: values and indices of the k largest along the last dim. The leading dims
+    (tokens) pass through; the last (the experts of a router) is whole on each device. Priced
+    as its decomposition, a sort of each row."""
+    rule = _same_except(graph, op, {_type(graph, op.operands[0]).rank - 1})
+    operand = _type(graph, op.operands[0])
+    row = max(operand.shape[-1], 2) if operand.shape else 2
+    return OpRule(rule.factors, rule.operands, rule.results,
+                  flops=float(operand.elements * math.log2(row)))
 
 
 def _windowed(graph: Graph, op: Op) -> OpRule:
@@ -622,3 +640,5 @@ _HANDLERS = {
     "stablehlo.scatter": _scatter,
 }
 _HANDLERS = {k: v for k, v in _HANDLERS.items() if v is not None}
+# stablehlo.composite ops, by the composite's name.
+_COMPOSITES = {"chlo.top_k": _top_k}

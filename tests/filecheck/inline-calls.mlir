@@ -1,4 +1,6 @@
-// RUN: hloplan-opt %s -p inline-calls --mesh 2x4 --device toy | filecheck %s
+// RUN: %split-input %s 0 | hloplan-opt - -p inline-calls --mesh 2x4 --device toy | filecheck %s
+// RUN: %split-input %s 1 | hloplan-opt - -p inline-calls --mesh 2x4 --device toy | filecheck %s --check-prefix=KEEP
+// RUN: %split-input %s 1 | hloplan-opt - -p inline-calls --mesh 2x4 --device toy --pass-option inline-calls.composites=true | filecheck %s --check-prefix=DECOMPOSE
 
 // inline-calls clones every private function into @main at each call site and then drops the
 // private functions. Covered: a function called twice (two copies, each on its own operands),
@@ -83,5 +85,70 @@ module @jit_inline {
   }
   func.func private @unused(%arg0: tensor<8xf32>) -> tensor<8xf32> {
     return %arg0 : tensor<8xf32>
+  }
+}
+
+// -----
+
+// Composites and custom_calls keep the functions they refer to. jax.lax.top_k inside a nested
+// jit: the call is inlined, the composite stays one op and its decomposition function
+// @chlo.top_k.impl stays (the module re-parses); a custom_call's called computation stays with
+// the function it calls in turn; the function nothing refers to goes.
+// KEEP-LABEL: func.func public @main(%arg0: tensor<4x8xf32>) -> (tensor<4x2xf32>, tensor<4x2xi32>, tensor<4x8xf32>) {
+// KEEP-NEXT:    [[T:%.*]]:2 = stablehlo.composite "chlo.top_k" %arg0 {composite_attributes = {k = 2 : i64}, decomposition = @chlo.top_k.impl, version = 1 : i32} : (tensor<4x8xf32>) -> (tensor<4x2xf32>, tensor<4x2xi32>)
+// KEEP-NEXT:    [[CC:%.*]] = stablehlo.custom_call @my_op(%arg0) {called_computations = [@body]} : (tensor<4x8xf32>) -> tensor<4x8xf32>
+// KEEP-NEXT:    return [[T]]#0, [[T]]#1, [[CC]] : tensor<4x2xf32>, tensor<4x2xi32>, tensor<4x8xf32>
+// KEEP-NEXT:  }
+// KEEP-DAG:   func.func private @chlo.top_k.impl(%arg0: tensor<4x8xf32>) -> (tensor<4x2xf32>, tensor<4x2xi32>) {
+// KEEP-DAG:   func.func private @body(%arg0: tensor<4x8xf32>) -> tensor<4x8xf32> {
+// KEEP-DAG:   func.func private @negate(%arg0: tensor<4x8xf32>) -> tensor<4x8xf32> {
+// KEEP-NOT:   @unused
+// KEEP-NOT:   func.func private @topk_wrapper
+
+// With composites=true (the microbatch and pipeline cut), the composite becomes its
+// decomposition's ops and the decomposition function goes; the custom_call's stay.
+// DECOMPOSE-LABEL: func.func public @main(%arg0: tensor<4x8xf32>) -> (tensor<4x2xf32>, tensor<4x2xi32>, tensor<4x8xf32>) {
+// DECOMPOSE-NEXT:    [[IOTA:%.*]] = stablehlo.iota dim = 1 : tensor<4x8xi32>
+// DECOMPOSE-NEXT:    [[S:%.*]]:2 = "stablehlo.sort"(%arg0, [[IOTA]]) <{dimension = 1 : i64, is_stable = true}> ({
+// DECOMPOSE:         [[V:%.*]] = stablehlo.slice [[S]]#0 [0:4, 0:2] : (tensor<4x8xf32>) -> tensor<4x2xf32>
+// DECOMPOSE-NEXT:    [[I:%.*]] = stablehlo.slice [[S]]#1 [0:4, 0:2] : (tensor<4x8xi32>) -> tensor<4x2xi32>
+// DECOMPOSE-NEXT:    [[CC:%.*]] = stablehlo.custom_call @my_op(%arg0) {called_computations = [@body]}
+// DECOMPOSE-NEXT:    return [[V]], [[I]], [[CC]] : tensor<4x2xf32>, tensor<4x2xi32>, tensor<4x8xf32>
+// DECOMPOSE-NOT:   stablehlo.composite
+// DECOMPOSE-NOT:   @chlo.top_k.impl
+// DECOMPOSE:       func.func private @body(
+// DECOMPOSE:       func.func private @negate(
+
+module @jit_topk {
+  func.func public @main(%arg0: tensor<4x8xf32>) -> (tensor<4x2xf32>, tensor<4x2xi32>, tensor<4x8xf32>) {
+    %0:2 = call @topk_wrapper(%arg0) : (tensor<4x8xf32>) -> (tensor<4x2xf32>, tensor<4x2xi32>)
+    %1 = stablehlo.custom_call @my_op(%arg0) {called_computations = [@body]} : (tensor<4x8xf32>) -> tensor<4x8xf32>
+    return %0#0, %0#1, %1 : tensor<4x2xf32>, tensor<4x2xi32>, tensor<4x8xf32>
+  }
+  func.func private @topk_wrapper(%arg0: tensor<4x8xf32>) -> (tensor<4x2xf32>, tensor<4x2xi32>) {
+    %0:2 = stablehlo.composite "chlo.top_k" %arg0 {composite_attributes = {k = 2 : i64}, decomposition = @chlo.top_k.impl, version = 1 : i32} : (tensor<4x8xf32>) -> (tensor<4x2xf32>, tensor<4x2xi32>)
+    return %0#0, %0#1 : tensor<4x2xf32>, tensor<4x2xi32>
+  }
+  func.func private @chlo.top_k.impl(%arg0: tensor<4x8xf32>) -> (tensor<4x2xf32>, tensor<4x2xi32>) {
+    %0 = stablehlo.iota dim = 1 : tensor<4x8xi32>
+    %1:2 = "stablehlo.sort"(%arg0, %0) <{dimension = 1 : i64, is_stable = true}> ({
+    ^bb0(%arg1: tensor<f32>, %arg2: tensor<f32>, %arg3: tensor<i32>, %arg4: tensor<i32>):
+      %4 = stablehlo.compare GT, %arg1, %arg2, TOTALORDER : (tensor<f32>, tensor<f32>) -> tensor<i1>
+      stablehlo.return %4 : tensor<i1>
+    }) : (tensor<4x8xf32>, tensor<4x8xi32>) -> (tensor<4x8xf32>, tensor<4x8xi32>)
+    %2 = stablehlo.slice %1#0 [0:4, 0:2] : (tensor<4x8xf32>) -> tensor<4x2xf32>
+    %3 = stablehlo.slice %1#1 [0:4, 0:2] : (tensor<4x8xi32>) -> tensor<4x2xi32>
+    return %2, %3 : tensor<4x2xf32>, tensor<4x2xi32>
+  }
+  func.func private @body(%arg0: tensor<4x8xf32>) -> tensor<4x8xf32> {
+    %0 = call @negate(%arg0) : (tensor<4x8xf32>) -> tensor<4x8xf32>
+    return %0 : tensor<4x8xf32>
+  }
+  func.func private @negate(%arg0: tensor<4x8xf32>) -> tensor<4x8xf32> {
+    %0 = stablehlo.negate %arg0 : tensor<4x8xf32>
+    return %0 : tensor<4x8xf32>
+  }
+  func.func private @unused(%arg0: tensor<4x8xf32>) -> tensor<4x8xf32> {
+    return %arg0 : tensor<4x8xf32>
   }
 }

@@ -173,7 +173,7 @@ def test_svg_is_written(compiled, tmp_path):
     assert text.startswith("<svg") or text.startswith("<?xml")
     root = ET.fromstring(text)
     assert root.tag.endswith("svg")
-    assert "Estimated step time" in text and "params[1]['w']" in text
+    assert "Estimated step time" in text and "params[1].w" in text
 
 
 def test_png_is_written_and_pictures_the_mesh(compiled, tmp_path):

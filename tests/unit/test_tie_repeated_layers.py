@@ -125,10 +125,10 @@ def test_interior_layers_share_decisions(stack_states):
     interior = ties[2:-2]
     assert interior[0] is not None and len(set(interior)) == 1
     # The parameters of the interior layers are tied, and to nothing of another role.
-    w2 = _arg_node(tied, "params['layers'][2]['w']")
-    w3 = _arg_node(tied, "params['layers'][3]['w']")
+    w2 = _arg_node(tied, "params.layers[2].w")
+    w3 = _arg_node(tied, "params.layers[3].w")
     assert problem.nodes[w2].tie is not None and problem.nodes[w2].tie == problem.nodes[w3].tie
-    head = _arg_node(tied, "params['head']")
+    head = _arg_node(tied, "params.head")
     assert problem.nodes[head].tie != problem.nodes[w2].tie
     # Fewer decisions than before, reported in facts and as a remark.
     facts = tied.facts
