@@ -1,5 +1,8 @@
 """label-batch: find the batch axis and the accumulation frontier of a train step.
 
+An analysis, not a pass of the compile pipeline: the pipeline and accumulation planner
+(hloplan.pipelining) runs it on the inlined graph through `analyse_program`.
+
 Starting from the inputs that carry the batch, the label (which dim of each value is the batch)
 is propagated through the ops' factor rules (op_rules): a pass-through factor keeps it, a
 sum over it (a weight gradient's dot_general, a bias gradient's or the loss's reduce-sum, a
@@ -24,7 +27,6 @@ from dataclasses import dataclass, field
 from hloplan.diagnostics import Diagnostic, HloplanError
 from hloplan.graph import Graph, Op
 from hloplan.op_rules import FREE_IF_INPUTS_FREE, rule_for
-from hloplan.state import CompileState
 
 SUM_OPS = {"stablehlo.dot_general", "stablehlo.convolution", "stablehlo.reduce",
            "stablehlo.scatter"}
@@ -535,17 +537,6 @@ def analyse(graph: Graph, batch_args: list[int] | None = None) -> BatchAnalysis:
             continue
         return BatchAnalysis(list(args), sizes_.pop(), label, frontier, part_a, part_b, part_p)
     raise first_error or BatchError(None, "no consistent batch input found")
-
-
-@dataclass(frozen=True)
-class LabelBatch:
-    name: str = "label-batch"
-    batch_args: tuple[str, ...] = ()  # argument names or positions given by --batch-arg
-
-    def apply(self, state: CompileState) -> None:
-        analysis = analyse_program(state.graph, self.batch_args)
-        state.facts["batch"] = analysis
-        state.log.remark(analysis.describe(state.graph))
 
 
 def analyse_program(graph: Graph, batch_arg_names: tuple[str, ...] = ()) -> BatchAnalysis:
