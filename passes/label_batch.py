@@ -291,8 +291,8 @@ def _same_along(graph: Graph, value_id: int, dim: int, label: dict[int, int],
 def _same_along_factor(graph: Graph, op: Op, value_id: int, dim: int, label: dict[int, int],
                        found: dict[int, int]) -> bool:
     """Through any other op by its factor rule: the result dim's factor passes through
-    (no reduction, window or sort over it), and every operand dim holding that factor is the
-    same along it; operands without the factor (a gathered table, a weight) do not vary
+    (no reduction, window or sort over it) from some operand, and every operand dim holding it
+    is the same along it; operands without the factor (a gathered table, a weight) do not vary
     with it."""
     rule = rule_for(graph, op)
     if rule.fallback is not None or value_id not in op.results:
@@ -303,13 +303,17 @@ def _same_along_factor(graph: Graph, op: Op, value_id: int, dim: int, label: dic
     factor = dims[dim][0]
     if rule.factors[factor].kind != "pass":
         return False
+    carried = False
     for operand, operand_dims in zip(op.operands, rule.operands):
         for d, fs in enumerate(operand_dims or ()):
             if factor not in fs:
                 continue
             if fs != (factor,) or not _same_along(graph, operand, d, label, found):
                 return False
-    return True
+            carried = True
+    # A factor no operand carries is the op's own (a slice, pad or gathered window along the
+    # dim): its positions read different elements.
+    return carried
 
 
 def _through(graph: Graph, op: Op, rule, labelled, label) -> tuple[dict[int, int], bool]:

@@ -158,7 +158,7 @@ def linen_resnet(size: str = "tiny", batch: int = BATCH):
     x = jax.random.normal(key_x, (batch, image, image, 3), jnp.float32)
     y = jax.random.randint(key_y, (batch,), 0, classes, jnp.int32)
     # At the real size only the shapes (the benchmark compiles, it never runs the step).
-    init = jax.eval_shape if size == "real" else lambda f, *a: f(*a)
+    init = jax.eval_shape if size == "real" else lambda f, *a: jax.jit(f)(*a)
     params = init(model.init, key_p, x)["params"]
     tx = optax.adamw(1e-3, weight_decay=1e-2)
     opt_leaves, opt_tree = jax.tree.flatten(init(tx.init, params))

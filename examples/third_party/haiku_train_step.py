@@ -51,7 +51,7 @@ def haiku_transformer(size: str = "tiny", batch: int = BATCH, seq: int = 16,
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, vocab, (batch, seq + 1)).astype("int32")
     # At the real size only the shapes (the benchmark compiles, it never runs the step).
-    init = jax.eval_shape if size == "real" else lambda f, *a: f(*a)
+    init = jax.eval_shape if size == "real" else lambda f, *a: jax.jit(f)(*a)
     params = init(model.init, jax.random.key(0), tokens[:, :-1])
     tx = optax.adamw(1e-3, weight_decay=1e-2)
     opt_leaves, opt_tree = jax.tree.flatten(init(tx.init, params))
@@ -90,7 +90,7 @@ def haiku_resnet(size: str = "tiny", batch: int = BATCH):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((batch, image, image, 3)).astype("float32")
     y = rng.integers(0, classes, (batch,)).astype("int32")
-    params, state = model.init(jax.random.key(0), x, True)
+    params, state = jax.jit(model.init, static_argnums=2)(jax.random.key(0), x, True)
     tx = optax.adamw(1e-3, weight_decay=1e-2)
     opt_leaves, opt_tree = jax.tree.flatten(tx.init(params))
 

@@ -39,12 +39,13 @@ def _model(cls, config, size: str, layers: int | None = None):
     for depth in ("n_layer", "num_hidden_layers", "encoder_layers", "decoder_layers"):
         if layers is not None and hasattr(config, depth):
             setattr(config, depth, layers)
-
-    if size != "real":
-        model = cls(config, seed=0, _do_init=True)
-        return model, model.params
+    # transformers' recipe for initialising outside the constructor (`_do_init=False`): jitted
+    # (the constructor's eager init is slow on CPU), or only abstractly at the real size.
     model = cls(config, seed=0, _do_init=False)
-    return model, jax.eval_shape(model.init_weights, jax.random.key(0), model.input_shape)
+    if size == "real":
+        return model, jax.eval_shape(model.init_weights, jax.random.key(0), model.input_shape)
+    init = jax.jit(model.init_weights, static_argnums=1)
+    return model, init(jax.random.key(0), model.input_shape)
 
 
 def _adamw_step(model, params, loss_of_logits, inputs_of):

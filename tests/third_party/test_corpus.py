@@ -32,22 +32,30 @@ SCHEDULES = ("gpipe", "1f1b")
 TIME_LIMIT = 5.0  # ILP seconds: the tiny programs solve in well under that
 
 
-def _marks(program) -> list:
-    return [pytest.mark.xfail(strict=True, reason=program.xfail)] if program.xfail else []
+# CI runs every program on every mesh, and pipelines and accumulation on the transformers
+# models the corpus was gathered for (both schedules for GPT-2 and Llama, one for BERT, BART
+# and ViT); the other splitting programs' pipelines and accumulation are slow tests (about 10 s
+# each on 2 cores).
+CI_PIPELINES = {("hf_gpt2", "gpipe"), ("hf_gpt2", "1f1b"), ("hf_llama", "gpipe"),
+                ("hf_llama", "1f1b"), ("hf_bert", "1f1b"), ("hf_bart", "gpipe"),
+                ("hf_vit", "1f1b")}
+CI_ACCUMULATION = {"hf_gpt2", "hf_llama"}
 
 
-def _params(programs, *extra):
-    out = []
-    for program in programs:
-        for values in ([()] if not extra else [(v,) for v in extra[0]]):
-            out.append(pytest.param(program.name, *values, marks=_marks(program),
-                                    id="-".join([program.name, *values])))
-    return out
+def _param(program, *values, slow: bool = False):
+    marks = [pytest.mark.slow] if slow else []
+    if program.xfail:
+        marks.append(pytest.mark.xfail(strict=True, reason=program.xfail))
+    return pytest.param(program.name, *values, marks=marks, id="-".join([program.name, *values]))
 
 
 SPLITTING = [p for p in corpus.PROGRAMS if p.no_split is None]
 TRAIN_SPLITTING = [p for p in SPLITTING if p.kind == "train"]
 BATCH_STATISTICS = [p for p in corpus.PROGRAMS if p.no_split == corpus.BATCH_STATISTICS]
+MESH_CASES = [_param(p, mesh) for p in corpus.PROGRAMS for mesh in MESHES]
+PIPELINE_CASES = [_param(p, s, slow=(p.name, s) not in CI_PIPELINES) for p in SPLITTING
+                  for s in SCHEDULES]
+ACCUMULATION_CASES = [_param(p, slow=p.name not in CI_ACCUMULATION) for p in TRAIN_SPLITTING]
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +87,7 @@ def _run_and_match(plan_dir, args, want, devices, helpers, context: str) -> None
     helpers.assert_trees_close(got, want, rtol=2e-4, atol=2e-5, context=context)
 
 
-@pytest.mark.parametrize("name, mesh", _params(corpus.PROGRAMS, MESHES))
+@pytest.mark.parametrize("name, mesh", MESH_CASES)
 def test_compiles_runs_and_matches(name, mesh, corpus_program, devices8, helpers, tmp_path):
     import hloplan
 
@@ -94,7 +102,7 @@ def test_compiles_runs_and_matches(name, mesh, corpus_program, devices8, helpers
     _run_and_match(tmp_path / "plan", args, want, devices8, helpers, f"{name} on mesh {mesh}")
 
 
-@pytest.mark.parametrize("name, schedule", _params(SPLITTING, SCHEDULES))
+@pytest.mark.parametrize("name, schedule", PIPELINE_CASES)
 def test_pipelined(name, schedule, corpus_program, devices8, helpers, tmp_path):
     import hloplan
     from hloplan.compiler import PipelineOptions
@@ -123,7 +131,7 @@ def _smallest_single_peak(data) -> int:
     return min(parse_bytes(p.replace(" ", "")) for p in peaks)
 
 
-@pytest.mark.parametrize("name", _params(TRAIN_SPLITTING))
+@pytest.mark.parametrize("name", ACCUMULATION_CASES)
 def test_accumulates_where_nothing_else_fits(name, corpus_program, devices8, helpers, tmp_path):
     import hloplan
 
@@ -138,7 +146,7 @@ def test_accumulates_where_nothing_else_fits(name, corpus_program, devices8, hel
                    f"{name}, gradients accumulated over {pipe['microbatches']} microbatches")
 
 
-@pytest.mark.parametrize("name", _params(BATCH_STATISTICS))
+@pytest.mark.parametrize("name", [_param(p) for p in BATCH_STATISTICS])
 def test_batch_statistics_are_refused(name, corpus_program):
     import hloplan
     from hloplan.compiler import PipelineOptions

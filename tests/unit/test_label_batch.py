@@ -72,6 +72,18 @@ def test_an_iota_over_the_batch_is_not_the_same_in_every_microbatch():
     assert info.value.op.location is not None
 
 
+def test_rows_sliced_from_a_parameter_differ_from_example_to_example():
+    def loss(params, tokens):
+        h = params["table"][tokens] @ params["w"]
+        rows = params["table"][:B, None, :]  # one parameter row per example
+        return (h * rows).sum()
+
+    graph = _graph(loss)
+    with pytest.raises(BatchError) as info:
+        analyse(graph)
+    assert "does not come from the batch inputs" in info.value.message
+
+
 def test_batch_statistics_are_refused_at_their_op():
     def loss(params, tokens):
         h = params["table"][tokens] @ params["w"]
