@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 import tempfile
 import time
@@ -146,18 +145,12 @@ def report_program(program) -> dict:
 
 
 def _accumulation(data, args, want) -> dict:
-    import hloplan
-    from hloplan.units import parse_bytes
-
     try:
-        hloplan.compile(data, "8", device="toy", time_limit=TIME_LIMIT, memory_budget=1)
-        return {"ok": False, "error": "a 1-byte budget was met"}
+        budget, why = corpus.accumulation_budget(data, TIME_LIMIT)
     except Exception as exc:
-        peaks = re.findall(r"smallest (?:achievable )?peak (?:is )?(?:at least )?([\d.]+ \w+)",
-                           str(exc))
-        if not peaks:
-            return {"ok": False, "error": _first_line(exc)}
-    budget = int(0.95 * min(parse_bytes(p.replace(" ", "")) for p in peaks))
+        return {"ok": False, "error": _first_line(exc)}
+    if budget is None:
+        return {"ok": False, "not_applicable": True, "error": why}
     out = _checked(data, args, want, "8", memory_budget=budget)
     out["budget_bytes"] = budget
     return out
@@ -319,9 +312,13 @@ def report_table(report: dict) -> list[str]:
         else:
             pipe_cell = "; ".join(f"{s}: {_cell(p)}" for s, p in pipe.items())
         acc = row.get("accumulation")
-        acc_cell = (f"not applicable: {row['no_split']}" if acc is None and row["no_split"]
-                    else _cell(acc) + (f" ({acc['microbatches']} microbatches)"
-                                       if acc and acc.get("ok") else ""))
+        if acc is None:
+            acc_cell = f"not applicable: {row['no_split']}"
+        elif acc.get("not_applicable"):
+            acc_cell = "no: " + acc["error"].split(":")[0]
+        else:
+            acc_cell = _cell(acc) + (f" ({acc['microbatches']} microbatches)"
+                                     if acc.get("ok") else "")
         seconds = ", ".join(f"{meshes[m]['compile_s']:.1f}" for m in MESHES)
         if row.get("xfail"):
             compiled += f" (known: {row['xfail']})"
@@ -383,7 +380,23 @@ def write_docs() -> None:
                  "single-device program. The accumulation fallback is asked for with a memory "
                  "budget 5% below the smallest peak of any single-program plan.", ""]
         text += report_table(report)
-    text += ["", "keras-hub (the library's Gemma and Mixtral models) needs tensorflow-text and "
+    text += ["", "### Splitting the batch of a program one did not write", "",
+             "Pipelines and gradient accumulation run the per-example part of the step once per "
+             "microbatch, so hloplan must know which values slice like the batch. It labels the "
+             "batch inputs (or the `--batch-arg`s) and follows the batch dimension through each "
+             "op's factor rule. Libraries also make batch-shaped values without batch data: "
+             "`jnp.ones_like(input_ids)` attention masks, position ids broadcast from an iota "
+             "over the sequence, the position embeddings gathered with them, biases broadcast "
+             "to every example. Such a value is labelled as the batch when it is the same at "
+             "every position along its batch dimension: a splat constant, an iota over another "
+             "dimension, a broadcast that adds the dimension, or any op whose rule passes the "
+             "dimension through from operands that are themselves the same along it; made at "
+             "the microbatch's size by the same ops, it is then every microbatch's slice. A "
+             "value that differs from example to example without coming from the batch (an "
+             "iota over the batch, rows sliced from a parameter, random bits) is refused at "
+             "its op, as are batch statistics (BatchNorm in training mode): microbatching "
+             "would change the result.", ""]
+    text += ["keras-hub (the library's Gemma and Mixtral models) needs tensorflow-text and "
              "so tensorflow, even on the JAX backend; the Keras programs here are written with "
              "`keras.layers` and `keras.ops` instead. T5 in transformers 4.57 calls "
              "`jnp.clip(a_max=...)`, which jax 0.10 removed, so the encoder-decoder is BART.",

@@ -42,7 +42,12 @@ def haiku_transformer(size: str = "tiny", batch: int = BATCH, seq: int = 16,
         mask = jnp.tril(jnp.ones((1, 1, tokens.shape[1], tokens.shape[1])))
         for _ in range(layers):
             h = hk.LayerNorm(-1, create_scale=True, create_offset=True)(x)
-            x = x + hk.MultiHeadAttention(heads, d // heads, w_init_scale=1.0)(h, h, h, mask=mask)
+            # with_bias=False: the key bias gets an exactly-zero gradient (softmax ignores a
+            # shift shared by all keys), rounding noise that AdamW's first step turns into
+            # +-lr, and any reordering of sums (sharding included) changes it.
+            attention = hk.MultiHeadAttention(heads, d // heads, w_init_scale=1.0,
+                                              with_bias=False)
+            x = x + attention(h, h, h, mask=mask)
             h = hk.LayerNorm(-1, create_scale=True, create_offset=True)(x)
             x = x + hk.nets.MLP([4 * d, d], activation=jax.nn.gelu)(h)
         return hk.Linear(vocab)(hk.LayerNorm(-1, create_scale=True, create_offset=True)(x))
