@@ -1,5 +1,8 @@
 """label-batch: find the batch axis and the accumulation frontier of a train step.
 
+An analysis, not a pass of the compile pipeline: the pipeline and accumulation planner
+(hloplan.pipelining) runs it on the inlined graph through `analyse_program`.
+
 Starting from the inputs that carry the batch, the label (which dim of each value is the batch)
 is propagated through the ops' factor rules (op_rules): a pass-through factor keeps it, a
 sum over it (a weight gradient's dot_general, a bias gradient's or the loss's reduce-sum, a
@@ -24,7 +27,6 @@ from dataclasses import dataclass, field
 from hloplan.diagnostics import Diagnostic, HloplanError
 from hloplan.graph import Graph, Op
 from hloplan.op_rules import FREE_IF_INPUTS_FREE, rule_for
-from hloplan.state import CompileState
 
 SUM_OPS = {"stablehlo.dot_general", "stablehlo.convolution", "stablehlo.reduce",
            "stablehlo.scatter"}
@@ -289,8 +291,8 @@ def _same_along(graph: Graph, value_id: int, dim: int, label: dict[int, int],
 def _same_along_factor(graph: Graph, op: Op, value_id: int, dim: int, label: dict[int, int],
                        found: dict[int, int]) -> bool:
     """Through any other op by its factor rule: the result dim's factor passes through
-    (no reduction, window or sort over it), and every operand dim holding that factor is the
-    same along it; operands without the factor (a gathered table, a weight) do not vary
+    (no reduction, window or sort over it) from some operand, and every operand dim holding it
+    is the same along it; operands without the factor (a gathered table, a weight) do not vary
     with it."""
     rule = rule_for(graph, op)
     if rule.fallback is not None or value_id not in op.results:
@@ -301,13 +303,17 @@ def _same_along_factor(graph: Graph, op: Op, value_id: int, dim: int, label: dic
     factor = dims[dim][0]
     if rule.factors[factor].kind != "pass":
         return False
+    carried = False
     for operand, operand_dims in zip(op.operands, rule.operands):
         for d, fs in enumerate(operand_dims or ()):
             if factor not in fs:
                 continue
             if fs != (factor,) or not _same_along(graph, operand, d, label, found):
                 return False
-    return True
+            carried = True
+    # A factor no operand carries is the op's own (a slice, pad or gathered window along the
+    # dim): its positions read different elements.
+    return carried
 
 
 def _through(graph: Graph, op: Op, rule, labelled, label) -> tuple[dict[int, int], bool]:
@@ -535,17 +541,6 @@ def analyse(graph: Graph, batch_args: list[int] | None = None) -> BatchAnalysis:
             continue
         return BatchAnalysis(list(args), sizes_.pop(), label, frontier, part_a, part_b, part_p)
     raise first_error or BatchError(None, "no consistent batch input found")
-
-
-@dataclass(frozen=True)
-class LabelBatch:
-    name: str = "label-batch"
-    batch_args: tuple[str, ...] = ()  # argument names or positions given by --batch-arg
-
-    def apply(self, state: CompileState) -> None:
-        analysis = analyse_program(state.graph, self.batch_args)
-        state.facts["batch"] = analysis
-        state.log.remark(analysis.describe(state.graph))
 
 
 def analyse_program(graph: Graph, batch_arg_names: tuple[str, ...] = ()) -> BatchAnalysis:

@@ -79,6 +79,41 @@ PROGRAMS = [
 BY_NAME = {p.name: p for p in PROGRAMS}
 
 
+def accumulation_budget(data: bytes, time_limit: float = 5.0) -> tuple[int | None, str]:
+    """A memory budget for 8 devices below the smallest peak of any single-program plan
+    (activations recomputed or not) that accumulating gradients can meet, read from hloplan's
+    diagnostic for a budget nothing fits; None and why when accumulation cannot go below it
+    (the parameters and optimizer state, which it does not shrink, dominate the peak)."""
+    import re
+
+    import hloplan
+    from hloplan.diagnostics import HloplanError
+    from hloplan.units import parse_bytes
+
+    def size(text: str) -> int:
+        return parse_bytes(text.replace(" ", ""))
+
+    try:
+        hloplan.compile(data, "8", device="toy", time_limit=time_limit, memory_budget=1)
+        raise AssertionError("a 1-byte memory budget was met")
+    except HloplanError as exc:
+        text = str(exc)
+    single = [size(p) for p in re.findall(
+        r"smallest (?:achievable )?peak (?:is )?(?:at least )?([\d.]+ \w+)", text)]
+    if not single:
+        raise AssertionError(f"no smallest peak in: {text}")
+    found = re.search(r"smallest estimated peak ([\d.]+ \w+), with", text)
+    needs = re.search(r"needs at least ([\d.]+ \w+) \(with \d+ microbatches\) beside at "
+                      r"least ([\d.]+ \w+)", text)
+    least = size(found.group(1)) if found else \
+        size(needs.group(1)) + size(needs.group(2)) if needs else None
+    budget = int(0.95 * min(single))
+    if least is None or least * 1.02 >= budget:
+        return None, ("accumulating gradients does not go below the smallest single-program "
+                      f"peak ({min(single):,} bytes): {text.splitlines()[-1].strip()}")
+    return budget, ""
+
+
 if __name__ == "__main__":
     for p in PROGRAMS:
         print(f"{p.name:20} {p.kind:9} {p.library:28} "

@@ -22,7 +22,8 @@ import _common  # noqa: E402  (sets XLA_FLAGS before jax is imported)
 BATCH = 16
 
 
-def haiku_transformer(size: str = "tiny", batch: int = BATCH, seq: int = 16):
+def haiku_transformer(size: str = "tiny", batch: int = BATCH, seq: int = 16,
+                      layers: int | None = None):
     """A pre-LN decoder (hk.Embed, hk.MultiHeadAttention with a causal mask, hk.LayerNorm,
     a GELU MLP), next-token cross entropy."""
     import haiku as hk
@@ -31,7 +32,8 @@ def haiku_transformer(size: str = "tiny", batch: int = BATCH, seq: int = 16):
     import numpy as np
     import optax
 
-    vocab, d, heads, layers = (32000, 1024, 16, 8) if size == "real" else (128, 32, 4, 2)
+    vocab, d, heads, depth = (32000, 1024, 16, 4) if size == "real" else (128, 32, 4, 2)
+    layers = layers or depth
 
     def forward(tokens):
         x = hk.Embed(vocab, d)(tokens)
@@ -40,7 +42,12 @@ def haiku_transformer(size: str = "tiny", batch: int = BATCH, seq: int = 16):
         mask = jnp.tril(jnp.ones((1, 1, tokens.shape[1], tokens.shape[1])))
         for _ in range(layers):
             h = hk.LayerNorm(-1, create_scale=True, create_offset=True)(x)
-            x = x + hk.MultiHeadAttention(heads, d // heads, w_init_scale=1.0)(h, h, h, mask=mask)
+            # with_bias=False: the key bias gets an exactly-zero gradient (softmax ignores a
+            # shift shared by all keys), rounding noise that AdamW's first step turns into
+            # +-lr, and any reordering of sums (sharding included) changes it.
+            attention = hk.MultiHeadAttention(heads, d // heads, w_init_scale=1.0,
+                                              with_bias=False)
+            x = x + attention(h, h, h, mask=mask)
             h = hk.LayerNorm(-1, create_scale=True, create_offset=True)(x)
             x = x + hk.nets.MLP([4 * d, d], activation=jax.nn.gelu)(h)
         return hk.Linear(vocab)(hk.LayerNorm(-1, create_scale=True, create_offset=True)(x))
@@ -48,9 +55,11 @@ def haiku_transformer(size: str = "tiny", batch: int = BATCH, seq: int = 16):
     model = hk.without_apply_rng(hk.transform(forward))
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, vocab, (batch, seq + 1)).astype("int32")
-    params = model.init(jax.random.key(0), tokens[:, :-1])
+    # At the real size only the shapes (the benchmark compiles, it never runs the step).
+    init = jax.eval_shape if size == "real" else lambda f, *a: jax.jit(f)(*a)
+    params = init(model.init, jax.random.key(0), tokens[:, :-1])
     tx = optax.adamw(1e-3, weight_decay=1e-2)
-    opt_leaves, opt_tree = jax.tree.flatten(tx.init(params))
+    opt_leaves, opt_tree = jax.tree.flatten(init(tx.init, params))
 
     def step(params, opt_leaves, inputs, targets):
         def loss_fn(params):
@@ -86,7 +95,7 @@ def haiku_resnet(size: str = "tiny", batch: int = BATCH):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((batch, image, image, 3)).astype("float32")
     y = rng.integers(0, classes, (batch,)).astype("int32")
-    params, state = model.init(jax.random.key(0), x, True)
+    params, state = jax.jit(model.init, static_argnums=2)(jax.random.key(0), x, True)
     tx = optax.adamw(1e-3, weight_decay=1e-2)
     opt_leaves, opt_tree = jax.tree.flatten(tx.init(params))
 

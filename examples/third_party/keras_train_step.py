@@ -192,11 +192,11 @@ def _decoder(name, vocab, seq, d, layers, heads, kv_heads, ffn_of, batch, seed=0
     return step, (state, (tokens[:, :-1], tokens[:, 1:]))
 
 
-def keras_gemma(size="tiny", batch=BATCH, seq=16):
+def keras_gemma(size="tiny", batch=BATCH, seq=16, layers=4):
     """A Gemma-style decoder: GeGLU MLP, RMSNorm, grouped-query attention, tied embedding."""
     GatedMLP, _, _ = _decoder_layers()
-    if size == "real":  # Gemma-2B-like widths, 6 layers
-        return _decoder("keras_gemma", 32000, seq, 2048, 6, 8, 1, lambda: GatedMLP(16384),
+    if size == "real":  # keras allocates the weights: 25M parameters a layer
+        return _decoder("keras_gemma", 32000, seq, 1024, layers, 8, 1, lambda: GatedMLP(4096),
                         batch)
     return _decoder("keras_gemma", 128, seq, 32, 2, 4, 1, lambda: GatedMLP(64), batch)
 
@@ -205,9 +205,9 @@ def keras_moe(size="tiny", batch=BATCH, seq=16):
     """A Mixtral-style decoder: top-2 routing (`keras.ops.top_k`, i.e. `jax.lax.top_k`) over 4
     SwiGLU experts, grouped-query attention."""
     _, SparseMoE, _ = _decoder_layers()
-    if size == "real":  # Mixtral-like widths, 8 experts, 4 layers
-        return _decoder("keras_moe", 32000, seq, 1024, 4, 16, 4,
-                        lambda: SparseMoE(8, 3584), batch)
+    if size == "real":  # 8 experts, 2 layers (keras allocates the weights)
+        return _decoder("keras_moe", 32000, seq, 1024, 2, 16, 4, lambda: SparseMoE(8, 2048),
+                        batch)
     return _decoder("keras_moe", 128, seq, 32, 2, 4, 2, lambda: SparseMoE(4, 32), batch)
 
 

@@ -30,14 +30,33 @@ BATCH, SEQ = 16, 16
 NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 
 
-def _adamw_step(model, loss_of_logits, inputs_of):
+def _model(cls, config, size: str, layers: int | None = None):
+    """(model, params): random weights when tiny; at the real size only their shapes
+    (jax.ShapeDtypeStruct leaves: the benchmark compiles, it never runs them). `layers`
+    replaces the configuration's depth (each stack's, for an encoder-decoder)."""
+    import jax
+
+    for depth in ("n_layer", "num_hidden_layers", "encoder_layers", "decoder_layers"):
+        if layers is not None and hasattr(config, depth):
+            setattr(config, depth, layers)
+    # transformers' recipe for initialising outside the constructor (`_do_init=False`): jitted
+    # (the constructor's eager init is slow on CPU), or only abstractly at the real size.
+    model = cls(config, seed=0, _do_init=False)
+    if size == "real":
+        return model, jax.eval_shape(model.init_weights, jax.random.key(0), model.input_shape)
+    init = jax.jit(model.init_weights, static_argnums=1)
+    return model, init(jax.random.key(0), model.input_shape)
+
+
+def _adamw_step(model, params, loss_of_logits, inputs_of):
     """The Flax example scripts' train step around `model`: `loss_of_logits(logits, batch)`,
     `inputs_of(batch)` the model's keyword arguments."""
     import jax
     import optax
 
     tx = optax.adamw(1e-3, weight_decay=1e-2)
-    opt_leaves, opt_tree = jax.tree.flatten(tx.init(model.params))
+    opt_leaves, opt_tree = jax.tree.flatten(jax.eval_shape(tx.init, params) if isinstance(
+        jax.tree.leaves(params)[0], jax.ShapeDtypeStruct) else tx.init(params))
 
     def step(params, opt_leaves, batch, labels):
         def loss_fn(params):
@@ -48,7 +67,7 @@ def _adamw_step(model, loss_of_logits, inputs_of):
         updates, opt_state = tx.update(grads, jax.tree.unflatten(opt_tree, opt_leaves), params)
         return optax.apply_updates(params, updates), jax.tree.leaves(opt_state), loss
 
-    return step, model.params, opt_leaves
+    return step, params, opt_leaves
 
 
 def _token_cross_entropy(logits, labels):
@@ -64,7 +83,7 @@ def _tokens(batch, seq, vocab, seed=1):
     return rng.integers(0, vocab, (batch, seq)).astype("int32")
 
 
-def hf_gpt2(size: str = "tiny", batch: int = BATCH, seq: int = SEQ):
+def hf_gpt2(size: str = "tiny", batch: int = BATCH, seq: int = SEQ, layers: int | None = None):
     """FlaxGPT2LMHeadModel, causal LM loss on shifted tokens (run_clm_flax.py)."""
     import jax.numpy as jnp
     from transformers import FlaxGPT2LMHeadModel, GPT2Config
@@ -74,19 +93,18 @@ def hf_gpt2(size: str = "tiny", batch: int = BATCH, seq: int = SEQ):
     else:
         config = GPT2Config(vocab_size=128, n_positions=seq, n_embd=32, n_layer=2, n_head=4,
                             **NO_DROPOUT)
-    model = FlaxGPT2LMHeadModel(config, seed=0, _do_init=True)
+    model, params = _model(FlaxGPT2LMHeadModel, config, size, layers)
 
     def loss(logits, tokens):  # predict token t+1 from tokens up to t
         return _token_cross_entropy(logits[:, :-1], tokens[:, 1:])
 
-    step, params, opt = _adamw_step(model, loss, lambda b: {"input_ids": b["input_ids"],
-                                                            "attention_mask": b["attention_mask"]})
+    step, params, opt = _adamw_step(model, params, loss, lambda b: b)
     tokens = _tokens(batch, seq, config.vocab_size)
     data = {"input_ids": tokens, "attention_mask": jnp.ones_like(tokens)}
     return step, (params, opt, data, tokens)
 
 
-def hf_bert(size: str = "tiny", batch: int = BATCH, seq: int = SEQ):
+def hf_bert(size: str = "tiny", batch: int = BATCH, seq: int = SEQ, layers: int | None = None):
     """FlaxBertForMaskedLM, masked-LM loss on the masked positions (run_mlm_flax.py)."""
     import numpy as np
     import optax
@@ -99,14 +117,14 @@ def hf_bert(size: str = "tiny", batch: int = BATCH, seq: int = SEQ):
                             num_attention_heads=4, intermediate_size=64,
                             max_position_embeddings=max(seq, 32), hidden_dropout_prob=0.0,
                             attention_probs_dropout_prob=0.0)
-    model = FlaxBertForMaskedLM(config, seed=0, _do_init=True)
+    model, params = _model(FlaxBertForMaskedLM, config, size, layers)
 
     def loss(logits, labels):  # run_mlm_flax: labels -100 outside the masked positions
         weights = (labels > 0).astype(logits.dtype)
         per_token = optax.softmax_cross_entropy_with_integer_labels(logits, labels.clip(0))
         return (per_token * weights).sum() / weights.sum()
 
-    step, params, opt = _adamw_step(model, loss, lambda b: b)
+    step, params, opt = _adamw_step(model, params, loss, lambda b: b)
     tokens = _tokens(batch, seq, config.vocab_size)
     rng = np.random.default_rng(2)
     masked = rng.random(tokens.shape) < 0.15
@@ -117,7 +135,7 @@ def hf_bert(size: str = "tiny", batch: int = BATCH, seq: int = SEQ):
     return step, (params, opt, data, labels)
 
 
-def hf_llama(size: str = "tiny", batch: int = BATCH, seq: int = SEQ):
+def hf_llama(size: str = "tiny", batch: int = BATCH, seq: int = SEQ, layers: int | None = None):
     """FlaxLlamaForCausalLM (rotary positions, RMSNorm, SwiGLU, grouped-query attention)."""
     import jax.numpy as jnp
     from transformers import FlaxLlamaForCausalLM, LlamaConfig
@@ -130,18 +148,18 @@ def hf_llama(size: str = "tiny", batch: int = BATCH, seq: int = SEQ):
         config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                              max_position_embeddings=max(seq, 32))
-    model = FlaxLlamaForCausalLM(config, seed=0, _do_init=True)
+    model, params = _model(FlaxLlamaForCausalLM, config, size, layers)
 
     def loss(logits, tokens):
         return _token_cross_entropy(logits[:, :-1], tokens[:, 1:])
 
-    step, params, opt = _adamw_step(model, loss, lambda b: b)
+    step, params, opt = _adamw_step(model, params, loss, lambda b: b)
     tokens = _tokens(batch, seq, config.vocab_size)
     data = {"input_ids": tokens, "attention_mask": jnp.ones_like(tokens)}
     return step, (params, opt, data, tokens)
 
 
-def hf_bart(size: str = "tiny", batch: int = BATCH, seq: int = SEQ):
+def hf_bart(size: str = "tiny", batch: int = BATCH, seq: int = SEQ, layers: int | None = None):
     """FlaxBartForConditionalGeneration (encoder-decoder); the decoder inputs are the labels
     shifted right, made by the data pipeline as in run_summarization_flax.py."""
     import numpy as np
@@ -155,8 +173,8 @@ def hf_bart(size: str = "tiny", batch: int = BATCH, seq: int = SEQ):
                             encoder_attention_heads=4, decoder_attention_heads=4,
                             encoder_ffn_dim=64, decoder_ffn_dim=64,
                             max_position_embeddings=max(seq, 32), **no_dropout)
-    model = FlaxBartForConditionalGeneration(config, seed=0, _do_init=True)
-    step, params, opt = _adamw_step(model, _token_cross_entropy, lambda b: b)
+    model, params = _model(FlaxBartForConditionalGeneration, config, size, layers)
+    step, params, opt = _adamw_step(model, params, _token_cross_entropy, lambda b: b)
     source = _tokens(batch, seq, config.vocab_size, seed=1)
     labels = _tokens(batch, seq, config.vocab_size, seed=2)
     start = np.full((batch, 1), config.decoder_start_token_id, "int32")
@@ -167,7 +185,7 @@ def hf_bart(size: str = "tiny", batch: int = BATCH, seq: int = SEQ):
     return step, (params, opt, data, labels)
 
 
-def hf_vit(size: str = "tiny", batch: int = BATCH):
+def hf_vit(size: str = "tiny", batch: int = BATCH, layers: int | None = None):
     """FlaxViTForImageClassification (patch embedding convolution, [CLS] token)."""
     import numpy as np
     from transformers import FlaxViTForImageClassification, ViTConfig
@@ -179,8 +197,8 @@ def hf_vit(size: str = "tiny", batch: int = BATCH):
         config = ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
                            num_attention_heads=4, intermediate_size=64, num_labels=10,
                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    model = FlaxViTForImageClassification(config, seed=0, _do_init=True)
-    step, params, opt = _adamw_step(model, _token_cross_entropy,
+    model, params = _model(FlaxViTForImageClassification, config, size, layers)
+    step, params, opt = _adamw_step(model, params, _token_cross_entropy,
                                     lambda b: {"pixel_values": b})
     rng = np.random.default_rng(1)
     pixels = rng.standard_normal((batch, 3, config.image_size, config.image_size)).astype("float32")
@@ -199,14 +217,14 @@ def hf_gpt2_generate(size: str = "tiny", batch: int = 8, prompt: int = 8, new_to
         config = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4,
                             **NO_DROPOUT)
     config.pad_token_id = config.eos_token_id
-    model = FlaxGPT2LMHeadModel(config, seed=0, _do_init=True)
+    model, params = _model(FlaxGPT2LMHeadModel, config, size)
 
     def generate(params, input_ids):
         return model.generate(input_ids, params=params, max_new_tokens=new_tokens,
                               do_sample=False).sequences
 
     generate.donate_argnums = ()  # inference: the parameters are kept
-    return generate, (model.params, _tokens(batch, prompt, config.vocab_size))
+    return generate, (params, _tokens(batch, prompt, config.vocab_size))
 
 
 def hf_bert_classify(size: str = "tiny", batch: int = BATCH, seq: int = SEQ):
@@ -221,7 +239,7 @@ def hf_bert_classify(size: str = "tiny", batch: int = BATCH, seq: int = SEQ):
         config = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2,
                             num_attention_heads=4, intermediate_size=64,
                             max_position_embeddings=max(seq, 32), num_labels=3)
-    model = FlaxBertForSequenceClassification(config, seed=0, _do_init=True)
+    model, params = _model(FlaxBertForSequenceClassification, config, size)
 
     def classify(params, input_ids, attention_mask):
         return jax.nn.softmax(model(input_ids, attention_mask, params=params, train=False)[0])
@@ -230,7 +248,7 @@ def hf_bert_classify(size: str = "tiny", batch: int = BATCH, seq: int = SEQ):
     tokens = _tokens(batch, seq, config.vocab_size)
     mask = np.ones_like(tokens)
     mask[: batch // 2, seq // 2:] = 0  # padded examples
-    return classify, (model.params, tokens, mask)
+    return classify, (params, tokens, mask)
 
 
 MODELS = {"hf_gpt2": hf_gpt2, "hf_bert": hf_bert, "hf_llama": hf_llama, "hf_bart": hf_bart,
