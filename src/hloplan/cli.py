@@ -378,6 +378,35 @@ def opt_command(input_path, pass_list, mesh, device, memory_budget, pass_options
     click.echo(ir.module_text(program.module, debug_info=False), nl=False)
 
 
+@main.command("verify")
+@click.argument("plan_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--compiler", type=click.Choice(["auto", "cpu", "tpu"]), default="auto",
+              show_default=True,
+              help="XLA compiler to check with: tpu (libtpu, for the TPU topology of the plan's "
+                   "mesh, no TPU needed), cpu (simulated devices); auto: tpu for a TPU plan "
+                   "when libtpu is installed")
+@click.option("--topology", default=None, metavar="KIND:AxB",
+              help="TPU topology to compile for, e.g. v5e:2x4 (default: from the device model "
+                   "and the mesh's device count)")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=1800.0,
+              show_default=True, help="seconds before the compile is given up")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def verify_command(plan_dir, compiler, topology, timeout, fmt):
+    """Compile the plan in PLAN_DIR with XLA (no run) and print predicted vs compiled
+    collectives per kind and mesh axes, and the peak memory per device."""
+    from hloplan.verify import format_verify_report, verify_plan
+
+    try:
+        report = verify_plan(plan_dir, compiler=compiler, topology=topology, timeout=timeout)
+    except HloplanError as exc:
+        _fail(exc, plan_dir, fmt)
+        return
+    if fmt == "json":
+        click.echo(json.dumps(report, indent=1, sort_keys=True))
+    else:
+        click.echo(format_verify_report(report))
+
+
 def entry() -> None:
     try:
         main(standalone_mode=True)

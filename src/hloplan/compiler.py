@@ -226,8 +226,10 @@ def _verified(result: CompileResult, data: bytes, filename: str, options: Compil
     under a smaller reserve, may fit and be faster), up to VERIFY_PLANS plans in all. The
     fastest plan that fits is kept; plan.json "memory_check" records every try."""
     from hloplan.plan import dumps
-    from hloplan.verify import checked_peak, measure_files
+    from hloplan.verify import checked_peak, measure_files, resolve_target
 
+    target = resolve_target(options.device, options.mesh.size)  # libtpu for a TPU model
+    notes = [target.note] if target.note else []
     budget = options.budget
     tries: list[dict] = []
     best: CompileResult | None = None
@@ -255,7 +257,8 @@ def _verified(result: CompileResult, data: bytes, filename: str, options: Compil
             name.encode() + b"\0" + body for name, body in sorted(result.files.items())
             if name.endswith(".jaxexport") and name != REFERENCE_FILE)).hexdigest()
         if key not in seen:
-            seen[key] = (len(tries), measure_files(result.files, options.mesh.size))
+            seen[key] = (len(tries), measure_files(result.files, options.mesh.size,
+                                                   target=target, notes=notes))
         first, measured = seen[key]
         plan = result.plan  # parsed from plan.json: once per try
         check = checked_peak(plan, measured)
@@ -286,7 +289,9 @@ def _verified(result: CompileResult, data: bytes, filename: str, options: Compil
         raise _unverified(tries, budget)
     best.timings["verify"] = verify_seconds  # all tries' XLA compiles
     plan = best.plan
-    plan["memory_check"] = {"platform": "cpu", "tries": tries, "kept": kept}
+    plan["memory_check"] = {**target.describe(), "notes": notes, "tries": tries, "kept": kept}
+    for note in notes:
+        best.state.log.remark(f"--verify-memory: {note}")
     best.files[PLAN_FILE] = dumps(plan).encode()
     return best
 
