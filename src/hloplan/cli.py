@@ -407,6 +407,57 @@ def verify_command(plan_dir, compiler, topology, timeout, fmt):
         click.echo(format_verify_report(report))
 
 
+@main.command("calibrate")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="device model TOML to write (for --device FILE)")
+@click.option("--base", default=None,
+              help="device model (name or TOML) for what is not measured (default: the shipped "
+                   "model of the platform jax runs on)")
+@click.option("--name", default=None, help="model name to write (default: calibrated-BASE)")
+@click.option("--quick", is_flag=True, help="tiny sizes: seconds, not representative")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def calibrate_command(output, base, name, quick, fmt):
+    """Measure the accelerator jax sees (matmul FLOP/s per dtype and size, HBM bandwidth,
+    program overhead, all-reduce bandwidth and latency across its devices) and write a device
+    model TOML."""
+    from hloplan.calibrate import calibrate
+    from hloplan.cost_models import DeviceModelError, load_device_model
+
+    try:
+        base_file = None
+        if base is not None:
+            model = load_device_model(base)
+            base_file = model.source if not model.source.startswith("package:") else None
+            if base_file is None:
+                from importlib import resources
+
+                base_file = resources.files("hloplan.cost_models").joinpath(
+                    model.source.removeprefix("package:"))
+        measured = calibrate(output, base_file=base_file, name=name, quick=quick)
+        load_device_model(output)  # what was written loads
+    except DeviceModelError as exc:
+        _fail(UsageError(str(exc)), output, fmt)
+        return
+    except OSError as exc:
+        _fail(UsageError(f"cannot write {output}: {exc.strerror or exc}"), output, fmt)
+        return
+    if fmt == "json":
+        click.echo(json.dumps({"ok": True, "output": output, "measured": measured},
+                              indent=1, sort_keys=True))
+        return
+    from hloplan.units import format_seconds
+
+    click.echo(f"{measured['devices']} x {measured['device_kind']} ({measured['platform']}): "
+               f"matmul f32 {measured['matmul_f32_large'] / 1e12:.3g} TFLOP/s, bf16 "
+               f"{measured['matmul_bf16_large'] / 1e12:.3g} TFLOP/s (n="
+               f"{measured['matmul_large_n']}); HBM {measured['hbm_bandwidth'] / 1e9:.3g} GB/s; "
+               f"program overhead {format_seconds(measured['program_overhead'])}"
+               + (f"; all-reduce {measured['allreduce_bandwidth'] / 1e9:.3g} GB/s, "
+                  f"{format_seconds(measured['allreduce_latency'])} per step"
+                  if "allreduce_bandwidth" in measured else ""))
+    click.echo(f"wrote {output}")
+
+
 def entry() -> None:
     try:
         main(standalone_mode=True)
