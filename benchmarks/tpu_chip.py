@@ -13,7 +13,7 @@ Here (hloplan installed):
 
 plans each program for one device (`--mesh 1`, default device tpu-v5e) and writes, per program,
 hloplan's estimated step (compute + the device's program overhead) and measured / estimated,
-into benchmarks/tpu_chip_results.json.
+into benchmarks/tpu_chip_results.json (under "by_device_model", one entry per --device).
 """
 
 from __future__ import annotations
@@ -87,10 +87,12 @@ def estimate(chip: str, device: str) -> None:
                       "measured_over_estimated": entry["step_s"] / estimated}
         print(f"{name:<8} measured {entry['step_s'] * 1e3:8.2f} ms  estimated "
               f"{estimated * 1e3:8.2f} ms  ratio {rows[name]['measured_over_estimated']:.2f}")
-    RESULTS.write_text(json.dumps({"chip": measured["device_kind"], "device_model": device,
-                                   "device_model_file": str(model.source),
-                                   "command": " ".join(sys.argv), "programs": rows},
-                                  indent=1, sort_keys=True) + "\n")
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    results.setdefault("by_device_model", {})[model.name] = {
+        "chip": measured["device_kind"], "device_model": model.name,
+        "device_model_file": str(model.source), "programs": rows,
+        "command": ".venv/bin/python benchmarks/tpu_chip.py " + " ".join(sys.argv[1:])}
+    RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
 
 
 def main() -> None:

@@ -59,6 +59,8 @@ def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if env is None else env)
     env["JAX_PLATFORMS"] = "cpu"
     env["TPU_SKIP_MDS_QUERY"] = "1"
+    # A parent that loaded libtpu (jax without JAX_PLATFORMS=cpu does) holds its lockfile.
+    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return env
 
