@@ -125,9 +125,12 @@ def _collectives_by_axes(hlo_text: str, mesh) -> list[dict]:
 
     stats = collective_stats(hlo_text, num_devices=mesh.size,
                              mesh_axes=tuple(zip(mesh.axis_names, mesh.devices.shape)))
+    order = {name: i for i, name in enumerate(mesh.axis_names)}
     table: dict[tuple[str, str], dict] = {}
     for op in stats.ops:
-        slot = table.setdefault((op.kind, ",".join(op.axes) or "?"),
+        # Axes in mesh order, as the plan lists them (a group's own order moves no bytes).
+        axes = ",".join(sorted(op.axes, key=order.__getitem__)) or "?"
+        slot = table.setdefault((op.kind, axes),
                                 {"count": 0, "bytes": 0.0, "async": 0})
         slot["count"] += op.trip_count
         slot["bytes"] += op.total_bytes_sent
