@@ -14,6 +14,9 @@ Schema (all fields required unless marked optional)::
     memory = "80GiB"             # per device: a byte count or a string such as "80GiB", "16GB"
     hbm_bandwidth = 3.35e12      # bytes/s, per device
     collective_overhead = 1e-6   # optional: seconds per collective call on top of its steps
+    program_overhead = 5e-4      # optional: seconds per program call (dispatch), e.g. measured
+    tpu_topology = "v5e"         # optional, TPU models: the libtpu topology kind (v5e, v6e, v5p,
+                                 # v4) plans are compiled for by `hloplan verify` (tpu.py)
 
     [flops]                      # peak dense FLOP/s per device, by dtype
     f32 = 494.7e12               # keys are HLO-style dtype names: f64, f32, bf16, f16, f8, ...
@@ -31,6 +34,9 @@ Schema (all fields required unless marked optional)::
     devices = 0
     bandwidth = 50e9
     latency = 10e-6
+
+    [calibration]                # optional, free-form: what `hloplan calibrate` measured
+    matmul_f32_large = 1.5e14    # (recorded for people and benchmarks; the planner ignores it)
 
     [combiner]                   # optional: how XLA on this platform merges independent collectives
     all-reduce = "30MiB"         # bytes per merged collective; "unbounded": all merged into one;
@@ -86,6 +92,9 @@ _TOP_FIELDS = {
     "flops",
     "interconnect",
     "combiner",
+    "program_overhead",
+    "tpu_topology",
+    "calibration",
 }
 _COMBINER_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 # XLA's GPU pipeline merges all-reduces and reduce-scatters up to 30 MiB
@@ -176,6 +185,12 @@ class DeviceModel:
     # Collective kind -> bytes per merged collective (inf: all merged; 0: none); see [combiner].
     combiner: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_COMBINER),
                                        hash=False)
+    # Seconds of fixed cost per program call (dispatch and launch), measured by calibrate.
+    program_overhead: float = 0.0
+    # TPU models: the libtpu topology kind ("v5e", "v6e", "v5p", "v4"); see hloplan.tpu.
+    tpu_topology: str | None = None
+    # What `hloplan calibrate` measured, as written in the file (informational).
+    calibration: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def flops_for(self, dtype_name: object) -> float:
         """Peak FLOP/s for arithmetic in `dtype_name`.
@@ -269,6 +284,16 @@ def _parse_model(data: dict[str, Any], source: str) -> DeviceModel:
     hbm = _number(_require(data, "hbm_bandwidth", source), source, "hbm_bandwidth")
     overhead = _number(data.get("collective_overhead", 0.0), source, "collective_overhead",
                        positive=False)
+    program_overhead = _number(data.get("program_overhead", 0.0), source, "program_overhead",
+                               positive=False)
+    tpu_topology = data.get("tpu_topology")
+    if tpu_topology is not None:
+        tpu_topology = _string(tpu_topology, source, "tpu_topology")
+        if platform != "tpu":
+            raise _fail(source, "field 'tpu_topology' needs platform = \"tpu\"")
+    calibration = data.get("calibration", {})
+    if not isinstance(calibration, dict):
+        raise _fail(source, "field 'calibration' must be a table ([calibration])")
 
     flops_table = _require(data, "flops", source)
     if not isinstance(flops_table, dict):
@@ -331,6 +356,9 @@ def _parse_model(data: dict[str, Any], source: str) -> DeviceModel:
         source=source,
         collective_overhead=overhead,
         combiner=_parse_combiner(data.get("combiner", {}), source),
+        program_overhead=program_overhead,
+        tpu_topology=tpu_topology,
+        calibration=dict(calibration),
     )
 
 

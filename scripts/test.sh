@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test]" --config-settings editable_mode=strict
+.venv/bin/python -m pip install -q -e ".[test,tpu]" --config-settings editable_mode=strict
 .venv/bin/ruff check .
 .venv/bin/python -m pytest -m "not slow" "$@"
 if [ "$#" -eq 0 ] && [ -z "${HLOPLAN_SKIP_JAX_VERSIONS:-}" ]; then

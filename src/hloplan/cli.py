@@ -405,6 +405,86 @@ def opt_command(input_path, pass_list, mesh, device, memory_budget, pass_options
     click.echo(ir.module_text(program.module, debug_info=False), nl=False)
 
 
+@main.command("verify")
+@click.argument("plan_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--compiler", type=click.Choice(["auto", "cpu", "tpu"]), default="auto",
+              show_default=True,
+              help="XLA compiler to check with: tpu (libtpu, for the TPU topology of the plan's "
+                   "mesh, no TPU needed), cpu (simulated devices); auto: tpu for a TPU plan "
+                   "when libtpu is installed")
+@click.option("--topology", default=None, metavar="KIND:AxB",
+              help="TPU topology to compile for, e.g. v5e:2x4 (default: from the device model "
+                   "and the mesh's device count)")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=1800.0,
+              show_default=True, help="seconds before the compile is given up")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def verify_command(plan_dir, compiler, topology, timeout, fmt):
+    """Compile the plan in PLAN_DIR with XLA (no run) and print predicted vs compiled
+    collectives per kind and mesh axes, and the peak memory per device."""
+    from hloplan.verify import format_verify_report, verify_plan
+
+    try:
+        report = verify_plan(plan_dir, compiler=compiler, topology=topology, timeout=timeout)
+    except HloplanError as exc:
+        _fail(exc, plan_dir, fmt)
+        return
+    if fmt == "json":
+        click.echo(json.dumps(report, indent=1, sort_keys=True))
+    else:
+        click.echo(format_verify_report(report))
+
+
+@main.command("calibrate")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="device model TOML to write (for --device FILE)")
+@click.option("--base", default=None,
+              help="device model (name or TOML) for what is not measured (default: the shipped "
+                   "model of the platform jax runs on)")
+@click.option("--name", default=None, help="model name to write (default: calibrated-BASE)")
+@click.option("--quick", is_flag=True, help="tiny sizes: seconds, not representative")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def calibrate_command(output, base, name, quick, fmt):
+    """Measure the accelerator jax sees (matmul FLOP/s per dtype and size, HBM bandwidth,
+    program overhead, all-reduce bandwidth and latency across its devices) and write a device
+    model TOML."""
+    from hloplan.calibrate import calibrate
+    from hloplan.cost_models import DeviceModelError, load_device_model
+
+    try:
+        base_file = None
+        if base is not None:
+            model = load_device_model(base)
+            base_file = model.source if not model.source.startswith("package:") else None
+            if base_file is None:
+                from importlib import resources
+
+                base_file = resources.files("hloplan.cost_models").joinpath(
+                    model.source.removeprefix("package:"))
+        measured = calibrate(output, base_file=base_file, name=name, quick=quick)
+        load_device_model(output)  # what was written loads
+    except DeviceModelError as exc:
+        _fail(UsageError(str(exc)), output, fmt)
+        return
+    except OSError as exc:
+        _fail(UsageError(f"cannot write {output}: {exc.strerror or exc}"), output, fmt)
+        return
+    if fmt == "json":
+        click.echo(json.dumps({"ok": True, "output": output, "measured": measured},
+                              indent=1, sort_keys=True))
+        return
+    from hloplan.units import format_seconds
+
+    click.echo(f"{measured['devices']} x {measured['device_kind']} ({measured['platform']}): "
+               f"matmul f32 {measured['matmul_f32_large'] / 1e12:.3g} TFLOP/s, bf16 "
+               f"{measured['matmul_bf16_large'] / 1e12:.3g} TFLOP/s (n="
+               f"{measured['matmul_large_n']}); HBM {measured['hbm_bandwidth'] / 1e9:.3g} GB/s; "
+               f"program overhead {format_seconds(measured['program_overhead'])}"
+               + (f"; all-reduce {measured['allreduce_bandwidth'] / 1e9:.3g} GB/s, "
+                  f"{format_seconds(measured['allreduce_latency'])} per step"
+                  if "allreduce_bandwidth" in measured else ""))
+    click.echo(f"wrote {output}")
+
+
 if __name__ == "__main__":  # pragma: no cover
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     main()

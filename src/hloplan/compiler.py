@@ -531,8 +531,10 @@ def verify(job: Job, first: Candidate, options: CompileOptions) -> Verified:
     largest reserve found too small and the smallest that fits (a plan of another kind, found
     under a smaller reserve, may fit and be faster), up to VERIFY_PLANS plans in all. The
     fastest plan that fits is kept; plan.json "memory_check" records every try."""
-    from hloplan.verify import checked_peak, measure_files
+    from hloplan.verify import checked_peak, measure_files, resolve_target
 
+    target = resolve_target(options.device, options.mesh.size)  # libtpu for a TPU model
+    notes = [target.note] if target.note else []
     budget = options.budget
     tries: list[dict] = []
     fitting: list[tuple[Candidate, Rendered, int]] = []  # (plan, its files, its try)
@@ -560,7 +562,8 @@ def verify(job: Job, first: Candidate, options: CompileOptions) -> Verified:
             if name.endswith(".jaxexport") and name != REFERENCE_FILE)).hexdigest()
         if key not in seen:
             files = {**rendered.files, PLAN_FILE: dumps(rendered.plan).encode()}
-            seen[key] = (len(tries), measure_files(files, options.mesh.size))
+            seen[key] = (len(tries), measure_files(files, options.mesh.size, target=target,
+                                                   notes=notes))
         first_try, measured = seen[key]
         check = checked_peak(rendered.plan, measured)
         check["step_time_s"] = _round(candidate.estimate.step_seconds)
@@ -589,7 +592,10 @@ def verify(job: Job, first: Candidate, options: CompileOptions) -> Verified:
         raise _unverified(tries, budget)
     kept = choose([c for c, _, _ in fitting])
     _, rendered, index = next(f for f in fitting if f[0] is kept)
-    return Verified(rendered, {"platform": "cpu", "tries": tries, "kept": index}, verify_seconds)
+    for note in notes:
+        kept.state.log.remark(f"--verify-memory: {note}")
+    return Verified(rendered, {**target.describe(), "notes": notes, "tries": tries,
+                               "kept": index}, verify_seconds)
 
 
 def _unverified(tries: list[dict], budget: float) -> NoPlanFits:

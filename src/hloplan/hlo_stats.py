@@ -25,6 +25,11 @@ of "reduce, then keep my shard") is counted as a reduce-scatter, as XLA's GPU an
 rewrite it (ReduceScatterCreator); the CPU pipeline, which these measurements often come from,
 keeps the all-reduce. `collective_stats(..., fold_reduce_scatter=False)` counts it as compiled.
 A combined (tuple) all-reduce is split: its scattered elements become one reduce-scatter entry.
+
+TPU HLO (libtpu): collectives sit inside fusions (reached through `calls=`), async ones as an
+AsyncCollectiveStart / AsyncCollectiveDone pair of fusions whose done half repeats the
+collective (counted once, at the start); replica groups print in the iota and `mesh[...]`
+forms; all-gathers of sharded weights are often partly collective-permutes, counted as such.
 """
 
 from __future__ import annotations
@@ -1000,6 +1005,15 @@ def _split_reduce_scatter(op: CollectiveOp, ins: _Instr, scattered: list[int]) -
     return [remaining, scatter]
 
 
+def _is_async_collective_done(comp: _Computation) -> bool:
+    """XLA's TPU pipeline runs a collective asynchronously as two fusions: the start's fused
+    computation holds the collective under a custom-call AsyncCollectiveStart, the done's holds
+    a copy of it (same channel) under AsyncCollectiveDone. The copy is not a second collective."""
+    root = comp.root
+    return (root is not None and root.opcode == "custom-call"
+            and 'custom_call_target="AsyncCollectiveDone"' in root.attrs)
+
+
 def collective_stats(
     hlo_text: str,
     *,
@@ -1028,6 +1042,8 @@ def collective_stats(
     ops: list[CollectiveOp] = []
     for comp_name, (mult, known) in multipliers.items():
         comp = module.computations[comp_name]
+        if _is_async_collective_done(comp):
+            continue
         users = _users(comp) if fold_reduce_scatter else {}
         for ins in comp.instrs:
             spec = _OPCODES.get(ins.opcode)

@@ -13,24 +13,34 @@ loader runs it) read back:
   task of the stage compiles above its own estimate (the loader's held arrays are the
   estimate's; the compiled task replaces the task's estimated peak).
 
-The compile runs in a child process on simulated CPU devices (XLA_FLAGS
---xla_force_host_platform_device_count), so any machine can check a plan for any mesh, and the
-caller's jax (devices, backend) is left alone. For a GPU target that makes the check a proxy,
-on the safe side where the two compilers differ in what we have measured: XLA's CPU pipeline
-keeps a reduce-scatter as an all-reduce whose whole result is allocated, and its packing of
-temporaries is its own.
+The compile runs in a child process, so the caller's jax (devices, backend) is left alone:
+
+- for a TPU device model, with libtpu installed (`pip install "hloplan[tpu]"`), by XLA's TPU
+  compiler for the matching TPU topology, deviceless (tpu.py); the allocation is libtpu's own
+  peak (`peak_memory_in_bytes`);
+- otherwise on simulated CPU devices (XLA_FLAGS --xla_force_host_platform_device_count), so any
+  machine can check a plan for any mesh. For a GPU or TPU target that makes the check a proxy,
+  on the safe side where the two compilers differ in what we have measured: XLA's CPU pipeline
+  keeps a reduce-scatter as an all-reduce whose whole result is allocated, and its packing of
+  temporaries is its own. A TPU plan checked this way (no libtpu) says so in a note.
+
+`hloplan verify PLAN_DIR` (`verify_plan`) compiles a written plan the same way and sets the
+compiled collectives (per kind and mesh axes) and peak beside the plan's predictions.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from hloplan.diagnostics import HloplanError
+from hloplan.diagnostics import HloplanError, UsageError
 from hloplan.multiprocess import isolated_python
 
 # A compile of the largest benchmark programs on 1,024 simulated devices takes a minute.
@@ -41,6 +51,67 @@ class VerifyError(HloplanError):
     pass
 
 
+@dataclass(frozen=True)
+class Target:
+    """Which XLA compiles a plan for checking: "cpu" (simulated devices) or "tpu" (libtpu, for
+    `topology`); `note` says why a TPU plan is checked with the CPU compiler, or how."""
+
+    compiler: str
+    devices: int
+    topology: str | None = None
+    note: str | None = None
+
+    def describe(self) -> dict:
+        out: dict = {"platform": self.compiler}
+        if self.topology:
+            out["topology"] = self.topology
+        return out
+
+
+NO_LIBTPU = ("libtpu is not installed (pip install \"hloplan[tpu]\"): checked with XLA's CPU "
+             "compiler on simulated devices instead of the TPU compiler")
+
+
+def resolve_target(model, devices: int, compiler: str = "auto",
+                   topology: str | None = None) -> Target:
+    """The compiler a plan for device model `model` on `devices` devices is checked with.
+    `compiler`: auto (tpu for a TPU model when libtpu is installed, else cpu), cpu or tpu;
+    `topology`: a TPU topology name instead of the one the model and device count give."""
+    from hloplan.tpu import libtpu_available, parse_topology, topology_for
+
+    if compiler not in ("auto", "cpu", "tpu"):
+        raise UsageError(f"unknown compiler {compiler!r} (auto, cpu, tpu)")
+    is_tpu = model is not None and model.platform == "tpu"
+    if compiler == "cpu" or (compiler == "auto" and not is_tpu and topology is None):
+        return Target("cpu", devices)
+    if not libtpu_available():
+        if compiler == "tpu" or topology is not None:
+            raise UsageError("the TPU compiler needs libtpu: pip install \"hloplan[tpu]\" "
+                             "(or libtpu==0.0.42.*)")
+        return Target("cpu", devices, note=NO_LIBTPU)
+    if topology is not None:
+        topo = parse_topology(topology)
+    else:
+        kind = getattr(model, "tpu_topology", None) if is_tpu else None
+        if kind is None:
+            raise UsageError("which TPU? the device model names no TPU topology: pass "
+                             "--topology (e.g. v5e:2x4) or plan with a TPU device model")
+        topo = topology_for(kind, devices)
+    if topo.devices != devices:
+        raise UsageError(f"TPU topology {topo.name} has {topo.devices} devices; the plan's mesh "
+                         f"has {devices}")
+    return Target("tpu", devices, topo.name)
+
+
+def compiled_peak(memory: dict, compiler: str) -> int:
+    """A compiled program's allocation per device: arguments + results + temporaries - aliased
+    (memory_stats); on TPU the larger of that and libtpu's own peak (`peak_memory_in_bytes`,
+    which counts what libtpu keeps outside its temporary allocation too)."""
+    if compiler == "tpu" and memory.get("xla_peak_bytes"):
+        return int(max(memory["xla_peak_bytes"], memory["peak_bytes"] or 0))
+    return int(memory["peak_bytes"])
+
+
 def _abstract_call(exported, shardings):
     import jax
 
@@ -48,54 +119,114 @@ def _abstract_call(exported, shardings):
             for a, s in zip(exported.in_avals, shardings, strict=True)]
 
 
-def measure_plan_dir(plan_dir: str | os.PathLike) -> dict:
+def _collectives_by_axes(hlo_text: str, mesh) -> list[dict]:
+    """The compiled program's collectives per (kind, mesh axes): executions and per-device
+    bytes per step (hlo_stats.collective_stats)."""
+    from hloplan.hlo_stats import collective_stats
+
+    stats = collective_stats(hlo_text, num_devices=mesh.size,
+                             mesh_axes=tuple(zip(mesh.axis_names, mesh.devices.shape)))
+    order = {name: i for i, name in enumerate(mesh.axis_names)}
+    table: dict[tuple[str, str], dict] = {}
+    for op in stats.ops:
+        # Axes in mesh order, as the plan lists them (a group's own order moves no bytes).
+        axes = ",".join(sorted(op.axes, key=order.__getitem__)) or "?"
+        slot = table.setdefault((op.kind, axes),
+                                {"count": 0, "bytes": 0.0, "async": 0})
+        slot["count"] += op.trip_count
+        slot["bytes"] += op.total_bytes_sent
+        slot["async"] += op.trip_count if op.is_async else 0
+    return [{"kind": kind, "axes": axes, **slot} for (kind, axes), slot in sorted(table.items())]
+
+
+def measure_plan_dir(plan_dir: str | os.PathLike, devices=None, compiler: str = "cpu",
+                     details: bool = False) -> dict:
     """In this process: the compiled allocation per device of the plan's programs, by name
-    ("program", or each task's name). jax must see the plan's devices."""
+    ("program", or each task's name). jax must see the plan's devices, or `devices` are given
+    (a TPU topology's). With `details`: {"programs": that, "details": {name: {"memory",
+    "collectives", "flops"}}}."""
 
     from hloplan.emit.loader import Runner, load, read_plan
     from hloplan.hlo_stats import memory_stats
 
-    def _allocation(compiled) -> int:  # arguments + results + temporaries - aliased
-        return memory_stats(compiled)["peak_bytes"]
-
     plan = read_plan(plan_dir)
-    measured = {}
+    measured: dict = {}
+    info: dict = {}
+
+    def record(name, compiled, mesh):
+        memory = memory_stats(compiled)
+        measured[name] = compiled_peak(memory, compiler)
+        if details:
+            cost = compiled.cost_analysis()
+            if isinstance(cost, list | tuple):
+                cost = cost[0] if cost else {}
+            info[name] = {"memory": memory,
+                          "collectives": _collectives_by_axes(compiled.as_text(), mesh),
+                          "flops": float((cost or {}).get("flops", 0.0))}
+
     if plan.get("pipeline", {}).get("tasks"):
-        runner = load(plan_dir)
+        runner = load(plan_dir, devices=devices)
         for task in runner.tasks:
             args = _abstract_call(task["exported"], task["in_shardings"])
-            measured[task["name"]] = _allocation(task["call"].lower(*args).compile())
+            record(task["name"], task["call"].lower(*args).compile(),
+                   runner.meshes[task["stage"]])
     else:
         # Donating what the export donates, as the loader runs it.
-        measured["program"] = _allocation(Runner(plan_dir).compile_abstract())
-    return measured
+        runner = Runner(plan_dir, devices=devices)
+        record("program", runner.compile_abstract(), runner.mesh)
+    return {"programs": measured, "details": info} if details else measured
 
 
-def measure_files(files: dict[str, bytes], devices: int, timeout: float = TIMEOUT_S) -> dict:
+def _run_child(plan_dir: str, target: Target, timeout: float, details: bool) -> dict:
+    """measure_plan_dir in a child process for `target`; the plan directory is the child's to
+    change (a TPU check relabels a program exported for another platform)."""
+    if target.compiler == "tpu":
+        from hloplan.tpu import child_env
+
+        env = child_env()
+        argv = ["--compiler", "tpu", "--topology", target.topology]
+    else:
+        env = dict(os.environ)
+        env["XLA_FLAGS"] = " ".join(
+            [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+            + [f"--xla_force_host_platform_device_count={target.devices}"])
+        env["JAX_PLATFORMS"] = "cpu"
+        argv = []
+    if details:
+        argv.append("--details")
+    what = f"XLA's {target.compiler.upper()} compiler" + (
+        f" ({target.topology})" if target.topology else "")
+    try:
+        done = subprocess.run([*isolated_python("hloplan.verify"), plan_dir, *argv],
+                              env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise VerifyError(f"{what} did not compile the plan within {timeout:.0f} s") from None
+    if done.returncode != 0:
+        lines = [line for line in (done.stderr or done.stdout).strip().splitlines()
+                 if "error" in line.lower()] or (done.stderr or done.stdout).strip().splitlines()
+        raise VerifyError(f"{what} could not compile the plan: " + " | ".join(lines[-3:]))
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_files(files: dict[str, bytes], devices: int, timeout: float = TIMEOUT_S,
+                  target: Target | None = None, notes: list[str] | None = None) -> dict:
     """The plan's files (as compile renders them), measured by measure_plan_dir in a child
-    process with `devices` simulated CPU devices."""
+    process: with `devices` simulated CPU devices, or as `target` says (what the TPU check
+    had to assume is appended to `notes`)."""
+    target = target or Target("cpu", devices)
     with tempfile.TemporaryDirectory(prefix="hloplan-verify-") as tmp:
         for name, data in files.items():
             path = Path(tmp) / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
-        env = dict(os.environ)
-        env["XLA_FLAGS"] = " ".join(
-            [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-            + [f"--xla_force_host_platform_device_count={devices}"])
-        env["JAX_PLATFORMS"] = "cpu"
         try:
-            done = subprocess.run([*isolated_python("hloplan.verify"), tmp], env=env, cwd=tmp,
-                                  capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise VerifyError(f"--verify-memory: XLA did not compile the plan within "
-                              f"{timeout:.0f} s") from None
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            raise VerifyError("--verify-memory: XLA could not compile the plan: "
-                              + " | ".join(tail))
-        return json.loads(done.stdout.strip().splitlines()[-1])
+            result = _run_child(tmp, target, timeout, details=False)
+        except VerifyError as exc:
+            raise VerifyError(f"--verify-memory: {exc.diagnostics[0].message}") from None
+    if notes is not None:
+        notes.extend(n for n in result["notes"] if n not in notes)
+    return result["programs"]
 
 
 def checked_peak(plan: dict, measured: dict) -> dict:
@@ -115,8 +246,120 @@ def checked_peak(plan: dict, measured: dict) -> dict:
             "estimated_bytes": plan["estimate"]["peak_memory_bytes"], "programs": measured}
 
 
+def verify_plan(plan_dir: str | os.PathLike, compiler: str = "auto",
+                topology: str | None = None, timeout: float = TIMEOUT_S) -> dict:
+    """`hloplan verify`: compile the plan in PLAN_DIR (a child process, on a copy) and set what
+    the compiler made of it beside the plan's predictions: per program the per-device peak and
+    the collectives per kind and mesh axes (executions and per-device bytes per step)."""
+    from hloplan.cost_models import DeviceModelError, load_device_model
+    from hloplan.emit.loader import PlanLoadError, read_plan
+
+    try:
+        plan = read_plan(plan_dir)
+    except PlanLoadError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        model = load_device_model(plan["device_model"]["name"])
+    except DeviceModelError:  # a model from a file that is not at hand: its platform is
+        model = None          # still in the plan
+        if plan["device_model"].get("platform") == "tpu" and topology is None and \
+                compiler != "cpu":
+            raise UsageError(f"the plan's device model {plan['device_model']['name']!r} is "
+                             "not a shipped one: pass --topology (e.g. v5e:2x4)") from None
+    target = resolve_target(model, int(plan["mesh"]["devices"]), compiler, topology)
+    with tempfile.TemporaryDirectory(prefix="hloplan-verify-") as tmp:
+        copy = Path(tmp) / "plan"
+        shutil.copytree(plan_dir, copy)
+        result = _run_child(str(copy), target, timeout, details=True)
+    notes = ([target.note] if target.note else []) + result["notes"]
+    report = {"plan": str(plan_dir), "device_model": plan["device_model"]["name"],
+              "mesh": dict(zip(plan["mesh"]["axis_names"], plan["mesh"]["axis_sizes"])),
+              **target.describe(), "notes": notes, "programs": {}}
+    pipeline = plan.get("pipeline", {})
+    for name, info in result["details"].items():
+        entry = {"compiled": {"peak_bytes": result["programs"][name],
+                              "memory": info["memory"], "flops": info["flops"],
+                              "collectives": info["collectives"]}}
+        if name == "program":
+            est = plan["estimate"]
+            entry["predicted"] = {"peak_bytes": est["peak_memory_bytes"],
+                                  "collectives": _predicted(est["collectives"])}
+        else:
+            task = next(t for t in pipeline["tasks"] if t["name"] == name)
+            entry["predicted"] = {"peak_bytes": task["peak_memory_bytes"], "collectives": []}
+        entry["peak_ratio"] = (entry["predicted"]["peak_bytes"] / entry["compiled"]["peak_bytes"]
+                               if entry["compiled"]["peak_bytes"] else None)
+        report["programs"][name] = entry
+    return report
+
+
+def _predicted(entries: list[dict]) -> list[dict]:
+    table: dict[tuple[str, str], dict] = {}
+    for e in entries:
+        slot = table.setdefault((e["kind"], e.get("axes") or "?"), {"count": 0, "bytes": 0.0})
+        slot["count"] += e["count"]
+        slot["bytes"] += e["bytes"]
+    return [{"kind": k, "axes": a, **v} for (k, a), v in sorted(table.items())]
+
+
+def format_verify_report(report: dict) -> str:
+    from hloplan.units import format_bytes
+
+    where = report["platform"].upper() + (f" {report['topology']}" if report.get("topology")
+                                          else " (simulated devices)")
+    mesh = ",".join(f"{k}={v}" for k, v in report["mesh"].items())
+    lines = [f"{report['plan']}: {report['device_model']} plan on mesh {mesh}, compiled by "
+             f"XLA for {where}"]
+    for name, entry in report["programs"].items():
+        pred, comp = entry["predicted"], entry["compiled"]
+        ratio = f" (predicted / compiled {entry['peak_ratio']:.2f})" if entry["peak_ratio"] \
+            else ""
+        lines.append(f"{name}: peak per device predicted {format_bytes(pred['peak_bytes'])}, "
+                     f"compiled {format_bytes(comp['peak_bytes'])}{ratio}")
+        lines.append(f"  {'collective (mesh axes)':<34} {'predicted':>20}   "
+                     f"{'compiled':>20}")
+        p_by = {(c["kind"], c["axes"]): c for c in pred["collectives"]}
+        c_by = {(c["kind"], c["axes"]): c for c in comp["collectives"]}
+        for key in sorted(set(p_by) | set(c_by)):
+            p = p_by.get(key, {"count": 0, "bytes": 0})
+            c = c_by.get(key, {"count": 0, "bytes": 0})
+            label = f"{key[0]} ({key[1]})"
+            lines.append(f"  {label:<34} {p['count']:>5} x {format_bytes(p['bytes']):>12}   "
+                         f"{c['count']:>5} x {format_bytes(c['bytes']):>12}")
+        if not p_by and not c_by:
+            lines.append("  (no collectives)")
+    lines.extend(f"note: {n}" for n in report["notes"])
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
-    print(json.dumps(measure_plan_dir(argv[0]), sort_keys=True))
+    """Child process: measure_plan_dir on PLAN_DIR, one JSON line on stdout."""
+    parser = argparse.ArgumentParser(prog="python -m hloplan.verify")
+    parser.add_argument("plan_dir")
+    parser.add_argument("--compiler", choices=("cpu", "tpu"), default="cpu")
+    parser.add_argument("--topology", default=None)
+    parser.add_argument("--details", action="store_true")
+    args = parser.parse_args(argv)
+    devices = None
+    notes = []
+    if args.compiler == "tpu":
+        from hloplan.tpu import parse_topology, retarget_exported, topology_devices
+
+        devices = topology_devices(parse_topology(args.topology))
+        for path in sorted(Path(args.plan_dir).rglob("*.jaxexport")):
+            if path.name == "reference.jaxexport":
+                continue
+            data, note = retarget_exported(path.read_bytes())
+            if note is not None:
+                path.write_bytes(data)
+                if note not in notes:
+                    notes.append(note)
+    result = measure_plan_dir(args.plan_dir, devices=devices, compiler=args.compiler,
+                              details=args.details)
+    if not args.details:
+        result = {"programs": result}
+    result["notes"] = notes
+    print(json.dumps(result, sort_keys=True))
     return 0
 
 

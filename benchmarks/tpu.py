@@ -1,0 +1,206 @@
+"""TPU section of the benchmarks: plans compiled by XLA's TPU compiler (libtpu, deviceless).
+
+    .venv/bin/python benchmarks/tpu.py                      # ~15 min on 2 CPU cores
+    .venv/bin/python benchmarks/tpu.py --cases gpt:v5e:2x4  # one case
+
+Needs libtpu (`pip install -e ".[tpu]"`). For each case (a benchmark program of models.py at a
+modest size, exported for the tpu platform, on a TPU v5e topology):
+
+- hloplan plans it (`--device tpu-v5e`, the topology's mesh) and the plan's own loader compiles
+  it for the topology (`loader.load(plan, devices=topology devices).compile_abstract()`);
+- the hand plans of hand_plans.py (DP, FSDP, Megatron TP + DP, FSDP + TP, expert parallel for
+  the MoE) are compiled by jax.jit for the same devices;
+- every compiled program is scored by one formula on its TPU-compiled per-device HLO:
+
+      step = FLOPs per device / f32 matmul rate measured on a v5e chip
+             + sum over collectives (per step) of latency_steps * latency + bytes / bandwidth
+
+  with tpu-v5e's ICI figures for the mesh axes the collective spans (latency_steps 2(n-1) for
+  all-reduce, n-1 for the other kinds, 1 for a collective-permute); a plan fits when libtpu's
+  peak per device is within the chip's 16 GiB;
+- hloplan's predictions are set beside what libtpu compiled of its plan: peak per device and
+  collective bytes per kind and mesh axes.
+
+Writes benchmarks/tpu_results.json (docs/tpu.md shows the figures).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["TPU_SKIP_MDS_QUERY"] = "1"
+os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+RESULTS = HERE / "tpu_results.json"
+FORMULA_DEVICE = HERE / "tpu-v5e-calibrated.toml"  # the f32 rate measured on the chip
+DEFAULT_CASES = ["mlp:v5e:2x4", "gpt:v5e:2x4", "llama:v5e:2x4", "bert:v5e:2x4", "moe:v5e:2x4",
+                 "resnet:v5e:2x4", "mlp:v5e:4x8", "gpt:v5e:4x8"]
+
+
+def config(model: str, devices: int) -> dict:
+    """Modest sizes (the realistic benchmarks at 1/4 to 1/8 of their width and a few sequences
+    per device): libtpu compiles each plan in seconds to tens of seconds on a shared 2-core
+    machine; the realistic sizes take minutes each."""
+    return {
+        "gpt": dict(vocab=2048, seq=128, d=256, heads=8, layers=2, batch=2 * devices),
+        "llama": dict(vocab=2048, seq=128, d=256, heads=8, kv_heads=4, ffn=704, layers=2,
+                      batch=2 * devices),
+        "bert": dict(vocab=2048, seq=128, d=256, heads=8, layers=2, batch=2 * devices),
+        "moe": dict(d=256, ffn=1024, experts=8, layers=2, batch=2 * devices, seq=128,
+                    capacity_factor=1.25),
+        "resnet": dict(image=16, channels=(32, 64), blocks=1, classes=64, batch=4 * devices),
+        "mlp": dict(sizes=(512, 2048, 2048, 512), batch=64 * devices),
+    }[model]
+
+
+def formula(compiled, mesh_axes, comm) -> dict:
+    """The score of one compiled program (module docstring) and what it is made of."""
+    from hloplan.hlo_stats import collective_stats, memory_stats
+
+    text = compiled.as_text()
+    stats = collective_stats(text, mesh_axes=mesh_axes)
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if cost else {}) if isinstance(cost, list | tuple) else cost
+    flops = float(cost.get("flops", 0.0))
+    compute = flops / comm.model.flops_for("f32")
+    communication = 0.0
+    by_axes: dict[str, dict] = {}
+    for op in stats.ops:
+        n = op.group_size
+        if op.axes:
+            group = comm.group(op.axes)
+            bandwidth, latency = group.bandwidth, group.latency
+        else:
+            bandwidth = min(link.bandwidth for link in comm.links)
+            latency = max(link.latency for link in comm.links)
+        steps = (2 * (n - 1) if op.kind == "all-reduce" else
+                 1 if op.kind in ("collective-permute", "collective-broadcast") else n - 1)
+        seconds = op.trip_count * (steps * latency + op.bytes_sent / bandwidth)
+        communication += seconds
+        axes = ",".join(a for a, _ in mesh_axes if a in op.axes) or "?"  # mesh order
+        slot = by_axes.setdefault(f"{op.kind}({axes})",
+                                  {"count": 0, "bytes": 0.0, "seconds": 0.0})
+        slot["count"] += op.trip_count
+        slot["bytes"] += op.total_bytes_sent
+        slot["seconds"] += seconds
+    memory = memory_stats(compiled)
+    peak = max(memory["xla_peak_bytes"] or 0, memory["peak_bytes"] or 0)
+    return {"step_s": compute + communication, "compute_s": compute,
+            "communication_s": communication, "flops": flops, "peak_bytes": peak,
+            "fits": peak <= comm.model.memory_bytes, "collectives": by_axes,
+            "memory": memory}
+
+
+def run_case(case: str) -> dict:
+    import hand_plans
+    import jax
+    import models
+    import numpy as np
+    from jax import export
+    from jax.sharding import AxisType, Mesh
+
+    from hloplan.compiler import compile_bytes, make_options
+    from hloplan.cost_models import CommModel, load_device_model
+    from hloplan.emit.loader import load
+    from hloplan.mesh import parse_mesh
+    from hloplan.tpu import parse_topology, topology_devices
+
+    name, kind, shape_text = case.split(":")
+    topology = parse_topology(f"{kind}:{shape_text}")
+    shape = topology.shape
+    devices = topology_devices(topology)
+    mesh_text = "x".join(map(str, shape))
+    names = ("x", "y", "z")[: len(shape)]
+    mesh = Mesh(np.array(devices).reshape(shape), names, axis_types=(AxisType.Auto,) * len(shape))
+    mesh_axes = tuple(zip(names, shape))
+    comm = CommModel(load_device_model(FORMULA_DEVICE), parse_mesh(mesh_text))
+    entry = models.MODELS[name]
+    cfg = config(name, topology.devices)
+    state_spec, batch_spec, step = entry.state_spec(cfg), entry.batch_spec(cfg), entry.make_step(cfg)
+    out: dict = {"case": case, "model": name, "topology": topology.name, "config": cfg,
+                 "hand": {}}
+    for plan in hand_plans.plans_for(name, shape):
+        if plan.name == "replicated":
+            continue
+        started = time.perf_counter()
+        compiled = hand_plans.compile_plan(plan, mesh, step, state_spec, batch_spec)
+        out["hand"][plan.name] = formula(compiled, mesh_axes, comm)
+        out["hand"][plan.name]["compile_s"] = time.perf_counter() - started
+    exported = export.export(jax.jit(step, donate_argnums=(0,)), platforms=("tpu",))(
+        models.abstract(state_spec), models.abstract(batch_spec))
+    started = time.perf_counter()
+    result = compile_bytes(bytes(exported.serialize()), f"{name}.jaxexport",
+                           make_options(mesh_text, device="tpu-v5e", mesh_views="off"))
+    plan_s = time.perf_counter() - started
+    plan = result.plan
+    with tempfile.TemporaryDirectory() as tmp:
+        result.write(Path(tmp) / "plan")
+        started = time.perf_counter()
+        compiled = load(Path(tmp) / "plan", devices=devices).compile_abstract()
+        compile_s = time.perf_counter() - started
+    ours = formula(compiled, mesh_axes, comm)
+    ours.update(plan_s=plan_s, compile_s=compile_s)
+    est = plan["estimate"]
+    predicted: dict[str, dict] = {}
+    for c in est["collectives"]:
+        slot = predicted.setdefault(f"{c['kind']}({c.get('axes') or '?'})",
+                                    {"count": 0, "bytes": 0.0})
+        slot["count"] += c["count"]
+        slot["bytes"] += c["bytes"]
+    ours["predicted"] = {"peak_bytes": est["peak_memory_bytes"], "step_s": est["step_time_s"],
+                         "collectives": predicted,
+                         "collective_bytes": sum(v["bytes"] for v in predicted.values())}
+    ours["peak_ratio"] = est["peak_memory_bytes"] / ours["peak_bytes"]
+    compiled_bytes = sum(v["bytes"] for v in ours["collectives"].values())
+    ours["collective_bytes_ratio"] = (ours["predicted"]["collective_bytes"] / compiled_bytes
+                                      if compiled_bytes else None)
+    out["hloplan"] = ours
+    fitting = {k: v["step_s"] for k, v in out["hand"].items() if v["fits"]}
+    best = min(fitting, key=fitting.get) if fitting else None
+    out["best_hand"] = best
+    out["vs_best_hand"] = ours["step_s"] / fitting[best] if best else None
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES))
+    parser.add_argument("--output", default=str(RESULTS))
+    args = parser.parse_args()
+    results = {"command": "JAX_PLATFORMS=cpu .venv/bin/python benchmarks/tpu.py"
+               + (f" --cases {args.cases}" if args.cases != ",".join(DEFAULT_CASES) else ""),
+               "formula_device": FORMULA_DEVICE.name, "cases": {}}
+    for case in args.cases.split(","):
+        started = time.perf_counter()
+        try:
+            row = run_case(case)
+        except Exception:  # a case that fails is reported, the others still run
+            row = {"case": case, "error": traceback.format_exc().strip().splitlines()[-1]}
+        row["seconds"] = time.perf_counter() - started
+        results["cases"][case] = row
+        if "error" in row:
+            print(f"{case}: ERROR {row['error']}", flush=True)
+        else:
+            h = row["hloplan"]
+            print(f"{case}: hloplan / best hand ({row['best_hand']}) {row['vs_best_hand']:.3f}; "
+                  f"peak predicted / compiled {h['peak_ratio']:.2f}; collective bytes "
+                  f"predicted / compiled {h['collective_bytes_ratio'] or 0:.2f}; "
+                  f"{row['seconds']:.0f} s", flush=True)
+        Path(args.output).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()

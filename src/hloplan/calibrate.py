@@ -1,0 +1,249 @@
+"""`hloplan calibrate -o my-device.toml`: measure the accelerator jax sees and write a device
+model (cost_models/hardware.py's schema) for `--device my-device.toml`.
+
+Measured, on the first device (and on all of them for collectives):
+
+- matmul FLOP/s per dtype (f32 at jax's default precision, bf16) and size class (square
+  matmuls of a small, medium and large size); [flops] takes the large size's rate;
+- HBM bandwidth: an elementwise pass over a large array, bytes read + bytes written per second
+  (the convention of the cost model's memory-bound terms);
+- per-program overhead: the wall time of a trivial jitted call;
+- with several devices: all-reduce over all of them (a one-axis mesh), bandwidth as the ring
+  algorithm sees it (2(n-1)/n S per device per second) from a large buffer, latency per ring
+  step from a small one; written as the innermost [[interconnect]] level.
+
+What is not measured (memory size where the backend does not say, slower interconnect levels,
+the combiner) comes from a base model (`--base`, default: the shipped model of the platform).
+Every figure goes into the file's [calibration] table as well.
+
+This module needs only jax, numpy and the standard library, so that it runs where hloplan is
+not installed: `python calibrate.py -o dev.toml --base-file tpu-v5e.toml`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+import tomllib
+from pathlib import Path
+
+# Square matmul sizes per size class; quick mode (tests, CPU) uses tiny ones.
+SIZES = {"small": 1024, "medium": 4096, "large": 8192}
+QUICK_SIZES = {"small": 64, "medium": 128, "large": 256}
+HBM_BYTES = 1 << 30
+QUICK_HBM_BYTES = 1 << 22
+ALLREDUCE_BYTES = 1 << 26
+QUICK_ALLREDUCE_BYTES = 1 << 16
+
+
+def _time(fn, *args, repeats: int, warmup: int = 2) -> float:
+    """Median wall seconds of fn(*args) (blocking on the result), after warmup calls."""
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_matmul(dtype: str, n: int, repeats: int) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype` (jax's default precision)."""
+    import jax
+    import jax.numpy as jnp
+
+    key = jax.random.PRNGKey(0)
+    a = jax.random.normal(key, (n, n), dtype=jnp.dtype(dtype))
+    b = jax.random.normal(jax.random.fold_in(key, 1), (n, n), dtype=jnp.dtype(dtype))
+    seconds = _time(jax.jit(jnp.matmul), a, b, repeats=repeats)
+    return 2.0 * n**3 / seconds
+
+
+def measure_hbm(nbytes: int, repeats: int) -> float:
+    """Bytes read + written per second by an elementwise pass over an f32 array."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    seconds = _time(jax.jit(lambda v: v * 2.0 + 1.0), x, repeats=repeats)
+    return 2.0 * nbytes / seconds
+
+
+def measure_overhead(repeats: int) -> float:
+    """Wall seconds of a trivial jitted call (dispatch, launch and sync)."""
+    import jax
+    import jax.numpy as jnp
+
+    return _time(jax.jit(lambda v: v + 1), jnp.float32(1.0), repeats=repeats, warmup=5)
+
+
+def measure_allreduce(nbytes: int, repeats: int) -> dict | None:
+    """All-reduce over all devices (one mesh axis): {"devices", "bandwidth", "latency"}; None
+    with one device."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = jax.devices()
+    n = len(devices)
+    if n < 2:
+        return None
+    mesh = Mesh(np.array(devices), ("d",))
+
+    def timed(size: int) -> float:
+        per_device = max(size // 4, 1)
+        x = jax.device_put(jnp.ones((n * per_device,), jnp.float32),
+                           NamedSharding(mesh, PartitionSpec("d")))
+
+        def body(v):
+            return jax.lax.psum(v, "d")
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec("d"),
+                                  out_specs=PartitionSpec("d")))
+        return _time(f, x, repeats=repeats)
+
+    small = timed(4)
+    large = timed(nbytes)
+    steps = 2 * (n - 1)
+    latency = small / steps
+    moved = 2 * (n - 1) / n * nbytes
+    bandwidth = moved / max(large - small, 1e-9)
+    return {"devices": n, "bandwidth": bandwidth, "latency": latency,
+            "small_seconds": small, "large_seconds": large, "large_bytes": nbytes}
+
+
+def measure(quick: bool = False) -> dict:
+    """Every measurement, as a flat dict of figures (the [calibration] table)."""
+    import jax
+
+    device = jax.devices()[0]
+    sizes = QUICK_SIZES if quick else SIZES
+    repeats = 3 if quick else 10
+    out: dict = {"platform": device.platform, "device_kind": device.device_kind,
+                 "devices": len(jax.devices()), "quick": quick, "jax": jax.__version__}
+    for dtype in ("float32", "bfloat16"):
+        short = {"float32": "f32", "bfloat16": "bf16"}[dtype]
+        for size_class, n in sizes.items():
+            out[f"matmul_{short}_{size_class}"] = measure_matmul(dtype, n, repeats)
+            out[f"matmul_{size_class}_n"] = n
+    out["hbm_bandwidth"] = measure_hbm(QUICK_HBM_BYTES if quick else HBM_BYTES, repeats)
+    out["program_overhead"] = measure_overhead(20 if quick else 200)
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # some backends do not report memory
+        stats = {}
+    if stats.get("bytes_limit"):
+        out["memory_bytes"] = int(stats["bytes_limit"])
+    collective = measure_allreduce(QUICK_ALLREDUCE_BYTES if quick else ALLREDUCE_BYTES, repeats)
+    if collective is not None:
+        out.update({f"allreduce_{k}": v for k, v in collective.items()})
+    return out
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.6g}" if math.isfinite(value) else "0.0"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} to TOML")
+
+
+def render(measured: dict, base: dict, name: str) -> str:
+    """The device TOML: measured figures where there are some, the base model's elsewhere."""
+    lines = [f"# Measured by `hloplan calibrate` on {measured['devices']} x "
+             f"{measured['device_kind']} ({measured['platform']}, jax {measured['jax']})"
+             + (" in quick mode (tiny sizes: not representative)" if measured["quick"] else "")
+             + f"; unmeasured fields from {base.get('name', 'the base model')}.",
+             f"name = {_toml_value(name)}",
+             f"description = {_toml_value('calibrated ' + str(measured['device_kind']))}",
+             f"platform = {_toml_value(base['platform'])}"]
+    if base.get("tpu_topology"):
+        lines.append(f"tpu_topology = {_toml_value(base['tpu_topology'])}")
+    memory = measured.get("memory_bytes", base["memory"])
+    lines += [f"memory = {_toml_value(memory)}",
+              f"hbm_bandwidth = {_toml_value(measured['hbm_bandwidth'])}",
+              f"program_overhead = {_toml_value(measured['program_overhead'])}"]
+    if "collective_overhead" in base:
+        lines.append(f"collective_overhead = {_toml_value(base['collective_overhead'])}")
+    flops = dict(base["flops"])
+    flops["f32"] = measured["matmul_f32_large"]
+    flops["bf16"] = measured["matmul_bf16_large"]
+    lines += ["", "[flops]  # the large matmuls' rates; [calibration] has every size class"]
+    lines += [f"{k} = {_toml_value(float(v))}" for k, v in flops.items()]
+    levels = [dict(level) for level in base["interconnect"]]
+    if "allreduce_bandwidth" in measured:
+        inner = {"name": "measured", "devices": int(measured["allreduce_devices"]),
+                 "bandwidth": measured["allreduce_bandwidth"],
+                 "latency": measured["allreduce_latency"]}
+        # The measured level replaces the base's levels that reach no further than it.
+        outer = [lv for lv in levels if lv["devices"] == 0 or lv["devices"] > inner["devices"]]
+        if len(outer) < len(levels):
+            inner["name"] = levels[0]["name"]
+        levels = [inner] + outer
+    for level in levels:
+        lines += ["", "[[interconnect]]"]
+        lines += [f"{k} = {_toml_value(level[k])}" for k in ("name", "devices", "bandwidth",
+                                                              "latency")]
+    if base.get("combiner"):
+        lines += ["", "[combiner]"]
+        lines += [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in base["combiner"].items()]
+    lines += ["", "[calibration]"]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in sorted(measured.items())]
+    return "\n".join(lines) + "\n"
+
+
+def base_for(measured: dict) -> str:
+    """The shipped model whose unmeasured figures a calibration of this device starts from."""
+    kind = str(measured["device_kind"]).lower()
+    if measured["platform"] == "tpu":
+        for key, model in (("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"), ("v6", "tpu-v6e"),
+                           ("v5p", "tpu-v5p"), ("v5", "tpu-v5p")):
+            if key in kind:
+                return model
+        return "tpu-v5e"
+    return "h100" if measured["platform"] in ("cuda", "rocm") else "cpu"
+
+
+def calibrate(output: str | Path, base_file: str | Path | None = None, name: str | None = None,
+              quick: bool = False) -> dict:
+    """Measure, write the device TOML to `output`, return the measurements."""
+    measured = measure(quick=quick)
+    if base_file is None:
+        from importlib import resources
+
+        base_text = resources.files("hloplan.cost_models").joinpath(
+            base_for(measured) + ".toml").read_text()
+    else:
+        base_text = Path(base_file).read_text()
+    base = tomllib.loads(base_text)
+    Path(output).write_text(render(measured, base, name or f"calibrated-{base['name']}"))
+    return measured
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-o", "--output", required=True)
+    parser.add_argument("--base-file", default=None)
+    parser.add_argument("--name", default=None)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    measured = calibrate(args.output, args.base_file, args.name, args.quick)
+    print(json.dumps(measured, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,213 @@
+"""The TPU compiler in the loop: topologies, the compiler choice, TPU HLO collectives, a plan
+checked by libtpu for v5e:2x4 (deviceless, on CPU), and `hloplan calibrate`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from hloplan.cli import main
+from hloplan.cost_models import load_device_model
+from hloplan.diagnostics import UsageError
+from hloplan.hlo_stats import collective_stats
+from hloplan.tpu import libtpu_available, parse_topology, topology_for
+from hloplan.verify import NO_LIBTPU, format_verify_report, resolve_target
+
+needs_libtpu = pytest.mark.skipif(not libtpu_available(),
+                                  reason="libtpu is not installed (pip install '.[tpu]')")
+
+
+def test_topology_by_device_count():
+    assert [topology_for("v5e", n).name for n in (1, 2, 4, 8, 32, 256)] == [
+        "v5e:1x1", "v5e:1x2", "v5e:2x2", "v5e:2x4", "v5e:4x8", "v5e:16x16"]
+    assert [topology_for("v5p", n).name for n in (4, 8, 16, 64)] == [
+        "v5p:2x2x1", "v5p:2x2x2", "v5p:2x2x4", "v5p:4x4x4"]
+    assert topology_for("v4", 8).name == "v4:2x2x1"  # two devices (TensorCores) per chip
+    assert topology_for("v5e", 1).host_bounds == [1, 1, 1]
+    assert topology_for("v5e", 8).host_bounds is None
+    with pytest.raises(UsageError, match="no TPU v5e topology has 12 devices"):
+        topology_for("v5e", 12)
+    with pytest.raises(UsageError, match="no TPU v5e topology has 512 devices"):
+        topology_for("v5e", 512)
+    with pytest.raises(UsageError, match="unknown TPU topology"):
+        parse_topology("v5litepod-8")
+    assert parse_topology("V5E:4x8").devices == 32
+
+
+def test_compiler_choice(monkeypatch):
+    v5e, h100 = load_device_model("tpu-v5e"), load_device_model("h100")
+    assert resolve_target(h100, 8).compiler == "cpu"
+    assert resolve_target(v5e, 8, compiler="cpu").compiler == "cpu"
+    monkeypatch.setattr("hloplan.tpu.libtpu_available", lambda: False)
+    target = resolve_target(v5e, 8)
+    assert (target.compiler, target.note) == ("cpu", NO_LIBTPU)
+    with pytest.raises(UsageError, match="needs libtpu"):
+        resolve_target(v5e, 8, compiler="tpu")
+    monkeypatch.setattr("hloplan.tpu.libtpu_available", lambda: True)
+    assert resolve_target(v5e, 8).topology == "v5e:2x4"
+    assert resolve_target(h100, 8, topology="v6e:2x4").topology == "v6e:2x4"
+    with pytest.raises(UsageError, match="has 16 devices; the plan's mesh has 8"):
+        resolve_target(v5e, 8, topology="v5e:4x4")
+    with pytest.raises(UsageError, match="no TPU v5e topology has 6 devices"):
+        resolve_target(v5e, 6)
+
+
+# An async all-gather as libtpu prints it: the start fusion holds the collective, the done
+# fusion a copy of it (same channel); a combined all-reduce in the entry.
+TPU_HLO = """\
+HloModule m, num_partitions=8
+
+%start_comp (p0: bf16[32,64]) -> (bf16[32,64], bf16[64,64], u32[]) {
+  %p0 = bf16[32,64]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %all-gather.1 = bf16[64,64]{1,0:T(8,128)(2,1)} all-gather(%p0), channel_id=3, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}, use_global_device_ids=true
+  ROOT %cc.1 = (bf16[32,64]{1,0}, bf16[64,64]{1,0}, u32[]{:S(2)}) custom-call(%all-gather.1), custom_call_target="AsyncCollectiveStart"
+}
+
+%done_comp (q0: bf16[32,64], q1: bf16[64,64], q2: u32[]) -> bf16[64,64] {
+  %q0 = bf16[32,64]{1,0} parameter(0)
+  %q1 = bf16[64,64]{1,0} parameter(1)
+  %q2 = u32[]{:S(2)} parameter(2)
+  %all-gather.2 = bf16[64,64]{1,0:T(8,128)(2,1)} all-gather(%q0), channel_id=3, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}, use_global_device_ids=true
+  ROOT %cc.2 = bf16[64,64]{1,0} custom-call(%q0, %q1, %all-gather.2, %q2), custom_call_target="AsyncCollectiveDone"
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: bf16[32,64], g: f32[256], h: f32[64]) -> (bf16[64,64], f32[256], f32[64]) {
+  %x = bf16[32,64]{1,0} parameter(0)
+  %g = f32[256]{0} parameter(1)
+  %h = f32[64]{0} parameter(2)
+  %start = (bf16[32,64]{1,0}, bf16[64,64]{1,0}, u32[]{:S(2)}) fusion(%x), kind=kCustom, calls=%start_comp
+  %gte0 = bf16[32,64]{1,0} get-tuple-element(%start), index=0
+  %gte1 = bf16[64,64]{1,0} get-tuple-element(%start), index=1
+  %gte2 = u32[]{:S(2)} get-tuple-element(%start), index=2
+  %done = bf16[64,64]{1,0} fusion(%gte0, %gte1, %gte2), kind=kCustom, calls=%done_comp
+  %ar = (f32[256]{0}, f32[64]{0}) all-reduce(%g, %h), channel_id=4, replica_groups=mesh['axis_0'=8] {'axis_0'}, use_global_device_ids=true, to_apply=%add
+  %r0 = f32[256]{0} get-tuple-element(%ar), index=0
+  %r1 = f32[64]{0} get-tuple-element(%ar), index=1
+  ROOT %out = (bf16[64,64]{1,0}, f32[256]{0}, f32[64]{0}) tuple(%done, %r0, %r1)
+}
+"""
+
+
+def test_tpu_hlo_collectives():
+    stats = collective_stats(TPU_HLO, mesh_axes=[("x", 2), ("y", 4)])
+    kinds = {(op.kind, op.axes): op for op in stats.ops}
+    assert set(kinds) == {("all-gather", ("x",)), ("all-reduce", ("x", "y"))}
+    gather = kinds[("all-gather", ("x",))]
+    assert gather.group_size == 2 and gather.result_bytes == 64 * 64 * 2
+    assert gather.bytes_sent == pytest.approx(0.5 * 64 * 64 * 2)
+    reduce = kinds[("all-reduce", ("x", "y"))]
+    assert reduce.operand_bytes == (256 + 64) * 4
+    assert reduce.bytes_sent == pytest.approx(2 * 7 / 8 * (256 + 64) * 4)
+
+
+def _train_step_export():
+    """A two-layer MLP train step (SGD), exported for cpu and tpu."""
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+
+    def loss(params, x, y):
+        h = jnp.tanh(x @ params["w1"])
+        return jnp.mean((h @ params["w2"] - y) ** 2)
+
+    def step(params, x, y):
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        return value, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    f32 = jnp.float32
+    # Large enough that the plan shards: one device would spend longer than the collectives.
+    params = {"w1": jax.ShapeDtypeStruct((512, 2048), f32),
+              "w2": jax.ShapeDtypeStruct((2048, 512), f32)}
+    args = (params, jax.ShapeDtypeStruct((2048, 512), f32),
+            jax.ShapeDtypeStruct((2048, 512), f32))
+    return export.export(jax.jit(step, donate_argnums=(0,)), platforms=("cpu", "tpu"))(*args)
+
+
+@pytest.fixture(scope="module")
+def tpu_plan(tmp_path_factory):
+    """The train step planned for tpu-v5e on 2x4 with --verify-memory (libtpu when present)."""
+    from hloplan.compiler import compile_bytes, make_options
+
+    data = bytes(_train_step_export().serialize())
+    options = make_options("2x4", device="tpu-v5e", verify_memory=True, mesh_views="off",
+                           time_limit=30)
+    result = compile_bytes(data, "step.jaxexport", options)
+    out = tmp_path_factory.mktemp("tpu") / "plan"
+    result.write(out)
+    return out, result.plan
+
+
+@needs_libtpu
+def test_verify_memory_uses_libtpu(tpu_plan):
+    _, plan = tpu_plan
+    check = plan["memory_check"]
+    assert (check["platform"], check["topology"]) == ("tpu", "v5e:2x4")
+    assert check["notes"] == []  # exported for tpu: nothing assumed
+    compiled = check["tries"][check["kept"]]["peak_bytes"]
+    # The arguments alone (a shard of each weight at least) are a floor.
+    assert compiled >= (512 * 2048 * 2 * 4) // 8
+
+
+@needs_libtpu
+def test_verify_command_tpu_predicted_vs_compiled(tpu_plan):
+    plan_dir, plan = tpu_plan
+    out = CliRunner().invoke(main, ["verify", str(plan_dir), "--format", "json"])
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.output[out.output.index("{"):])
+    assert (report["platform"], report["topology"]) == ("tpu", "v5e:2x4")
+    entry = report["programs"]["program"]
+    predicted = {(c["kind"], c["axes"]): c for c in entry["predicted"]["collectives"]}
+    compiled = {(c["kind"], c["axes"]): c for c in entry["compiled"]["collectives"]}
+    # A plan that shards anything communicates, and libtpu compiles collectives for it over
+    # named mesh axes; the bytes it sends per device are the predicted ones within 2x.
+    assert predicted and compiled
+    assert all(axes != "?" for _, axes in compiled)
+    p_bytes = sum(c["bytes"] for c in predicted.values())
+    c_bytes = sum(c["bytes"] for c in compiled.values())
+    assert 0.5 < p_bytes / c_bytes < 2.0, (predicted, compiled)
+    assert 0.3 < entry["peak_ratio"] < 3.0
+    assert "compiled by XLA for TPU v5e:2x4" in format_verify_report(report)
+    print(format_verify_report(report))
+
+
+def test_verify_command_cpu(tpu_plan):
+    plan_dir, _ = tpu_plan
+    out = CliRunner().invoke(main, ["verify", str(plan_dir), "--compiler", "cpu",
+                                    "--format", "json"])
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.output[out.output.index("{"):])
+    assert report["platform"] == "cpu" and "topology" not in report
+    assert report["programs"]["program"]["compiled"]["peak_bytes"] > 0
+
+
+def test_verify_command_bad_topology(tpu_plan):
+    plan_dir, _ = tpu_plan
+    out = CliRunner().invoke(main, ["verify", str(plan_dir), "--topology", "v5e:3x3"])
+    if not libtpu_available():
+        assert out.exit_code == 2 and "needs libtpu" in out.output
+    else:
+        assert out.exit_code == 2 and "has 9 devices; the plan's mesh has 8" in out.output
+
+
+def test_calibrate_quick(tmp_path):
+    path = tmp_path / "dev.toml"
+    out = CliRunner().invoke(main, ["calibrate", "-o", str(path), "--quick", "--format", "json"])
+    assert out.exit_code == 0, out.output
+    measured = json.loads(out.output[out.output.index("{"):])["measured"]
+    model = load_device_model(path)
+    assert model.hbm_bandwidth == pytest.approx(measured["hbm_bandwidth"], rel=1e-5)
+    assert model.flops["f32"] == pytest.approx(measured["matmul_f32_large"], rel=1e-5)
+    assert 0 < model.program_overhead < 1.0
+    assert model.calibration["matmul_small_n"] == 64
+    if measured["devices"] > 1:  # the simulated devices of tests/conftest.py
+        inner = model.interconnect[0]
+        assert inner.devices == measured["devices"]
+        assert inner.bandwidth == pytest.approx(measured["allreduce_bandwidth"], rel=1e-5)
