@@ -431,9 +431,9 @@ def test_time_limit_reports_status(backend):
 def test_no_solver_solution_falls_back_to_the_heuristic(monkeypatch):
     # Simulate a solver stopped before any incumbent: the local-search start is returned,
     # flagged as unproven, with no bound.
-    from hloplan.solver import ilp
+    from hloplan.solver import backends, heuristics
 
-    monkeypatch.setattr(ilp, "_run", lambda *args, **kwargs: pulp.LpSolutionNoSolutionFound)
+    monkeypatch.setattr(backends, "run", lambda *args, **kwargs: pulp.LpSolutionNoSolutionFound)
     problem = random_problem(3, n=8, k=3, m=12)
     solution, stats = solve(problem)
     assert stats.status == "time_limit"
@@ -441,7 +441,7 @@ def test_no_solver_solution_falls_back_to_the_heuristic(monkeypatch):
     assert stats.extra["raw_status"] == "No Solution Found"
     assert evaluate(problem, solution).feasible
     assert stats.bound == -math.inf and stats.gap == math.inf
-    monkeypatch.setattr(ilp, "_heuristic", lambda *args: None)
+    monkeypatch.setattr(heuristics, "feasible_start", lambda *args: None)
     with pytest.raises(SolverError, match="no solution within"):
         solve(problem)
 
