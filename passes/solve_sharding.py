@@ -12,15 +12,8 @@ from hloplan.diagnostics import Diagnostic, HloplanError, NoPlanFits
 from hloplan.solver import axes
 from hloplan.solver.evaluate import copy_bytes, evaluate
 from hloplan.solver.ilp import InfeasibleError, SolverError
-from hloplan.solver.problem import (
-    LiveRange,
-    Node,
-    ShardingProblem,
-    Solution,
-    Strategy,
-    copy_spans,
-    first_live_points,
-)
+from hloplan.solver.liveness import Liveness
+from hloplan.solver.problem import LiveRange, Node, ShardingProblem, Solution, Strategy
 from hloplan.state import CompileState
 from hloplan.units import format_bytes
 
@@ -108,8 +101,9 @@ def _with_copies_held(problem: ShardingProblem, solution: Solution,
     largest per edge), in bytes the ILP can see: a copy held only at the reader's first live
     point as transient bytes there, one held longer as a node tied to the reader (its
     decision) and live over the copy's span. The added nodes come after the problem's own."""
-    firsts = first_live_points(problem)
-    spans = {e: (start, end) for e, start, end in copy_spans(problem, firsts)}
+    liveness = Liveness(problem)
+    firsts = liveness.made
+    spans = {e: (start, end) for e, start, end in liveness.spans}
     for e in spans:
         edge = problem.edges[e]
         i = solution.choice[edge.src]

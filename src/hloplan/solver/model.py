@@ -8,8 +8,9 @@ seconds and bytes; the backends (`backends.py`) scale it for the solver.
 
 Memory. Live points follow each other in program order, and consecutive points share most of
 their live values, so the model keeps the bytes of every point as *events*: the decision groups
-whose coefficients change at that point (`Memory`); the loads of all points under a choice
-cost time linear in the events, never points x live values.
+whose coefficients change at that point (`Memory`, from the problem's liveness sweep,
+`liveness.py`); the loads of all points under a choice cost time linear in the events, never
+points x live values.
 
 A model answers, for one strategy index per group: its seconds (`Model.objective`), whether it
 fits a budget (`Model.fits`); and it can be restricted to a subset of each group's strategies
@@ -26,7 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hloplan.solver.evaluate import MEMORY_RTOL
-from hloplan.solver.problem import ShardingProblem, Solution, first_live_points
+from hloplan.solver.liveness import sweep
+from hloplan.solver.problem import ShardingProblem, Solution
 
 __all__ = ["Group", "Launch", "Memory", "Model", "ModelInfeasible", "compile_model"]
 
@@ -67,31 +69,17 @@ class Memory:
         events: list[list[np.ndarray]] = [[] for _ in sizes]
         vectors: dict[int, np.ndarray] = {}  # id(strategies) -> bytes per strategy
         current: dict[int, np.ndarray] = {}
-        previous: set[int] = set()
         constant = 0.0
         nodes = problem.nodes
         transients: dict[int, np.ndarray] = {}  # id(strategies) -> transient bytes
-        enter: dict[int, list[int]] = {}
-        leave: dict[int, list[int]] = {}
-        # A node's first live point also holds its transient bytes (gone at the next).
-        flash_in: dict[int, list[int]] = {}
-        flash_out: dict[int, list[int]] = {}
-        for r in problem.live_ranges:
-            enter.setdefault(r.first, []).append(r.node)
-            leave.setdefault(r.last + 1, []).append(r.node)
-        for index, first in first_live_points(problem).items():
-            if any(s.transient for s in nodes[index].strategies):
-                flash_in.setdefault(first, []).append(index)
-                flash_out.setdefault(first + 1, []).append(index)
-        for p, point in enumerate(problem.live_points):
-            live = set(point.nodes)
+        for point in sweep(problem, copies=False):
+            p = point.point
             changed: dict[int, np.ndarray] = {}
-            entering = sorted(live - previous) + sorted(enter.get(p, ()))
-            leaving = sorted(previous - live) + sorted(leave.get(p, ()))
             for sign, moved, kind, cache in (
-                    (1.0, entering, "memory", vectors), (-1.0, leaving, "memory", vectors),
-                    (1.0, sorted(flash_in.get(p, ())), "transient", transients),
-                    (-1.0, sorted(flash_out.get(p, ())), "transient", transients)):
+                    (1.0, point.entering, "memory", vectors),
+                    (-1.0, point.leaving, "memory", vectors),
+                    (1.0, point.transient_in, "transient", transients),
+                    (-1.0, point.transient_out, "transient", transients)):
                 for index in moved:
                     g = group_of[index]
                     strategies = nodes[index].strategies
@@ -114,7 +102,6 @@ class Memory:
                 events_at[g].append(p)
                 events[g].append(new)
             self.constant[p] = point.fixed_bytes + constant
-            previous = live
         self.at = [np.array(a, dtype=np.int64) for a in events_at]
         self.vectors = [np.array(v) if v else np.zeros((0, size))
                         for v, size in zip(events, sizes, strict=True)]
