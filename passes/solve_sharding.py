@@ -150,11 +150,12 @@ def _infeasible_diagnostic(state: CompileState, exc: InfeasibleError, tightened:
         notes.insert(0, f"planned under the budget less the resharded copies the first plans "
                      f"read (an all-gathered operand is held while its op runs; {tightened} "
                      "times)")
-    details = getattr(exc, "details", None) or {}
-    minimum = details.get("min_peak") if isinstance(details, dict) else None
-    if minimum is not None:
-        notes.append(f"the smallest peak any plan reaches is {format_bytes(minimum)}, "
-                     f"{format_bytes(max(minimum - budget, 0))} over the budget")
+    details = exc.details
+    at_least = "" if details.proven else "at least "
+    notes.append(f"the smallest peak any plan reaches is {at_least}"
+                 f"{format_bytes(details.min_peak)}, {at_least}"
+                 f"{format_bytes(max(details.shortfall, 0))} over the "
+                 f"{format_bytes(details.budget)} it was planned under")
     dominant = _largest_values(state)
     if dominant:
         notes.append("largest tensors: " + ", ".join(dominant))

@@ -613,6 +613,23 @@ def test_a_copy_held_over_a_span_is_seen_by_the_re_solve():
     assert state.facts["memory_tightened"] == 1
 
 
+def test_no_plan_fits_says_the_smallest_peak_any_plan_reaches():
+    from hloplan.compiler import make_options
+    from hloplan.passes.solve_sharding import SolveSharding
+    from hloplan.state import CompileState
+
+    # A's smaller strategy takes 40 bytes, on top of 10 fixed: 50 against a budget of 30.
+    problem = ShardingProblem(
+        (Node("A", (Strategy("x", memory=60.0), Strategy("y", memory=40.0))),),
+        (), (LivePoint((0,), 10.0),), 30.0)
+    state = CompileState(program=None, options=make_options("8", device="toy"), problem=problem)
+    with pytest.raises(NoPlanFits) as info:
+        SolveSharding().apply(state)
+    (diagnostic,) = info.value.diagnostics
+    assert ("the smallest peak any plan reaches is 50 B, 20 B over the 30 B it was planned "
+            "under") in diagnostic.notes
+
+
 def test_solve_sharding_plans_again_when_resharded_copies_break_the_budget():
     from hloplan.compiler import make_options
     from hloplan.passes.solve_sharding import SolveSharding
