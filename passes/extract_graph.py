@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from hloplan import ir
 from hloplan.diagnostics import UsageError
 from hloplan.graph import DONATE_CHOICES
+from hloplan.op_rules import OpRule, rule_for
 from hloplan.state import CompileState
 
 
@@ -21,6 +22,9 @@ from hloplan.state import CompileState
 class ExtractGraph:
     name: str = "extract-graph"
     donate: str = "export"
+    # Remark each op's sharding rule (op_rules.rule_for: its factors, and the factors of each
+    # operand and result dim): what the planner may shard, for golden tests and debugging.
+    print_op_rules: bool = False
 
     def apply(self, state: CompileState) -> None:
         if self.donate not in DONATE_CHOICES:
@@ -43,3 +47,28 @@ class ExtractGraph:
                 state.log.warn("loop trip count not recognised: its body is costed as running once",
                                op.location, op.name)
         state.facts["ops"] = len(state.graph.ops)
+        if self.print_op_rules:
+            for op in graph.ops:
+                state.log.remark(f"{op.name}: {describe_rule(rule_for(graph, op))}", op.location)
+
+
+def describe_rule(rule: OpRule) -> str:
+    """One line: the factors (f<i>=size, with their kind unless "pass"), then each operand's and
+    result's dims as the factors they map to, major to minor ("-": none, "none": not planned)."""
+    def dims(tensor) -> str:
+        if tensor is None:
+            return "none"
+        return "[" + ", ".join("*".join(f"f{i}" for i in dim) or "-" for dim in tensor) + "]"
+
+    factors = ", ".join(f"f{i}={f.size}" + ("" if f.kind == "pass" else f" {f.kind}")
+                        for i, f in enumerate(rule.factors))
+    text = (f"factors {{{factors}}} operands {' '.join(dims(t) for t in rule.operands) or '-'}"
+            f" results {' '.join(dims(t) for t in rule.results) or '-'}")
+    if any(f.kind == "reduce" for f in rule.factors) and rule.reduction != "sum":
+        text += f" reduction {rule.reduction}"
+    for flag in ("free", "pointwise"):
+        if getattr(rule, flag):
+            text += f" {flag}"
+    if rule.fallback is not None:
+        text += f" replicated ({rule.fallback})"
+    return text

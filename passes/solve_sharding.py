@@ -12,15 +12,8 @@ from hloplan.diagnostics import Diagnostic, HloplanError, NoPlanFits
 from hloplan.solver import axes
 from hloplan.solver.evaluate import copy_bytes, evaluate
 from hloplan.solver.ilp import InfeasibleError, SolverError
-from hloplan.solver.problem import (
-    LiveRange,
-    Node,
-    ShardingProblem,
-    Solution,
-    Strategy,
-    copy_spans,
-    first_live_points,
-)
+from hloplan.solver.liveness import Liveness
+from hloplan.solver.problem import LiveRange, Node, ShardingProblem, Solution, Strategy
 from hloplan.state import CompileState
 from hloplan.units import format_bytes
 
@@ -108,8 +101,9 @@ def _with_copies_held(problem: ShardingProblem, solution: Solution,
     largest per edge), in bytes the ILP can see: a copy held only at the reader's first live
     point as transient bytes there, one held longer as a node tied to the reader (its
     decision) and live over the copy's span. The added nodes come after the problem's own."""
-    firsts = first_live_points(problem)
-    spans = {e: (start, end) for e, start, end in copy_spans(problem, firsts)}
+    liveness = Liveness(problem)
+    firsts = liveness.made
+    spans = {e: (start, end) for e, start, end in liveness.spans}
     for e in spans:
         edge = problem.edges[e]
         i = solution.choice[edge.src]
@@ -156,11 +150,12 @@ def _infeasible_diagnostic(state: CompileState, exc: InfeasibleError, tightened:
         notes.insert(0, f"planned under the budget less the resharded copies the first plans "
                      f"read (an all-gathered operand is held while its op runs; {tightened} "
                      "times)")
-    details = getattr(exc, "details", None) or {}
-    minimum = details.get("min_peak") if isinstance(details, dict) else None
-    if minimum is not None:
-        notes.append(f"the smallest peak any plan reaches is {format_bytes(minimum)}, "
-                     f"{format_bytes(max(minimum - budget, 0))} over the budget")
+    details = exc.details
+    at_least = "" if details.proven else "at least "
+    notes.append(f"the smallest peak any plan reaches is {at_least}"
+                 f"{format_bytes(details.min_peak)}, {at_least}"
+                 f"{format_bytes(max(details.shortfall, 0))} over the "
+                 f"{format_bytes(details.budget)} it was planned under")
     dominant = _largest_values(state)
     if dominant:
         notes.append("largest tensors: " + ", ".join(dominant))

@@ -39,7 +39,8 @@ import time
 from dataclasses import dataclass
 
 from hloplan.graph import Graph
-from hloplan.solver.problem import ShardingProblem, copy_spans, first_live_points
+from hloplan.solver.liveness import Liveness
+from hloplan.solver.problem import ShardingProblem
 from hloplan.state import CompileState, PlanSpace
 
 # Attributes that hold op indices or value ids: they differ between copies of a layer.
@@ -330,19 +331,15 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
             class_ids[key] = len(class_ids)
             class_max.append(max(memory))
         class_of[index] = class_ids[key]
-    # A node's transient bytes (at its first live point only) count as a node of their own
-    # there, of a class of their own.
+    # A node's transient bytes (held where it is made, liveness.py) count as a node of their
+    # own there, of a class of their own.
+    liveness = Liveness(problem)
     flash_class: dict[int, int] = {}  # node -> class (-1: the same bytes for every choice)
     flash_constant: dict[int, float] = {}
-    flash_in: dict[int, list[int]] = {}
-    flash_out: dict[int, list[int]] = {}
-    firsts = first_live_points(problem)
-    for index, first in firsts.items():
+    for index in liveness.made:
         transient = tuple(s.transient for s in problem.nodes[index].strategies)
         if not any(transient):
             continue
-        flash_in.setdefault(first, []).append(index)
-        flash_out.setdefault(first + 1, []).append(index)
         node = problem.nodes[index]
         if min(transient) == max(transient):
             flash_class[index], flash_constant[index] = -1, transient[0]
@@ -355,9 +352,7 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
     # A resharded copy counts over its span as an item of a class keyed by its two decisions
     # and its tables: copies with equal keys hold equal bytes under any tie-respecting choice.
     copy_class: dict[int, int] = {}  # edge -> class
-    copy_in: dict[int, list[int]] = {}
-    copy_out: dict[int, list[int]] = {}
-    for e, start, end in copy_spans(problem, firsts):
+    for e, _, _ in liveness.spans:
         edge = problem.edges[e]
         if not any(edge.copies):
             continue
@@ -368,43 +363,33 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
             class_ids[key] = len(class_ids)
             class_max.append(max(edge.copies))
         copy_class[e] = class_ids[key]
-        copy_in.setdefault(start, []).append(e)
-        copy_out.setdefault(end + 1, []).append(e)
     width = max(len(class_ids), 1)
     largest = np.array(class_max + [0.0] * (width - len(class_max)))
-    # Walk the points keeping the class counts up to date from the nodes that join and leave
-    # (a point's own list, or a live range starting or ending there). First pass: each
-    # point's net change of class counts and its constant bytes, without numpy (cheap).
-    enter: dict[int, list[int]] = {}
-    leave: dict[int, list[int]] = {}
-    for r in problem.live_ranges:
-        enter.setdefault(r.first, []).append(r.node)
-        leave.setdefault(r.last + 1, []).append(r.node)
+    # Walk the points keeping the class counts up to date from the liveness sweep's events.
+    # First pass: each point's net change of class counts and its constant bytes, without
+    # numpy (cheap).
     class_list = class_of.tolist()
     constant_list = constant_of.tolist()
     changes: list[dict[int, int]] = []  # per point: class -> net change from the previous one
     constants: list[float] = []
     constant_sum = 0.0  # whole bytes: the running sum is exact
-    previous: set[int] = set()
-    for p, point in enumerate(points):
-        live = set(point.nodes) if point.nodes or previous else previous
+    for events in liveness.sweep():
         change: dict[int, int] = {}
         for sign, moved, classes, constant_bytes in (
-                (1, [*(live - previous), *enter.get(p, ())], class_list, constant_list),
-                (-1, [*(previous - live), *leave.get(p, ())], class_list, constant_list),
-                (1, flash_in.get(p, ()), flash_class, flash_constant),
-                (-1, flash_out.get(p, ()), flash_class, flash_constant),
-                (1, copy_in.get(p, ()), copy_class, None),
-                (-1, copy_out.get(p, ()), copy_class, None)):
+                (1, events.entering, class_list, constant_list),
+                (-1, events.leaving, class_list, constant_list),
+                (1, events.transient_in, flash_class, flash_constant),
+                (-1, events.transient_out, flash_class, flash_constant),
+                (1, [e for e in events.copies_in if e in copy_class], copy_class, None),
+                (-1, [e for e in events.copies_out if e in copy_class], copy_class, None)):
             for index in moved:
                 c = classes[index]
                 if c < 0:
                     constant_sum += sign * constant_bytes[index]
                 else:
                     change[c] = change.get(c, 0) + sign
-        previous = live
         changes.append({c: n for c, n in change.items() if n})
-        constants.append(point.fixed_bytes + constant_sum)
+        constants.append(events.fixed_bytes + constant_sum)
     # A point its neighbour dominates goes at once: the next point when it only gains nodes
     # and constant bytes, the previous one when it only lost some (strictly, so that of two
     # equal neighbours one stays). Dominance is transitive, so a dropped point is always

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from hloplan.solver.evaluate import MEMORY_RTOL, Evaluation, copy_delta, evaluate
-from hloplan.solver.problem import ShardingProblem, Solution, copy_spans, first_live_points
+from hloplan.solver.liveness import Liveness
+from hloplan.solver.problem import ShardingProblem, Solution
 from hloplan.state import CompileState
 from hloplan.strategies import OpStrategy, spec_names
 from hloplan.units import format_bytes, format_seconds
@@ -98,9 +99,9 @@ class DecisionIndex:
             for member in picks:
                 self.launches_of[member].append(k)
         self.memory = np.asarray(self.evaluation.memory, dtype=float)
-        self.first_live = first_live_points(problem)
-        self.copy_span = {e: (start, end) for e, start, end in
-                          copy_spans(problem, self.first_live)}
+        liveness = Liveness(problem)
+        self.first_live = liveness.made  # where each node holds its transient bytes
+        self.copy_span = {e: (start, end) for e, start, end in liveness.spans}
         budget = problem.memory_budget
         self.limit = budget + MEMORY_RTOL * abs(budget)
         self.over = {p for p in range(len(self.memory)) if not self.memory[p] <= self.limit}

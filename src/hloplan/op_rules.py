@@ -183,6 +183,18 @@ def _dot_general(graph: Graph, op: Op) -> OpRule:
                   flops=2.0 * out.elements * contracting)
 
 
+def _dot(graph: Graph, op: Op) -> OpRule:
+    """stablehlo.dot: a vector or matrix lhs contracts its last dim with the rhs's first."""
+    lhs, rhs = _type(graph, op.operands[0]), _type(graph, op.operands[1])
+    b = _Builder()
+    lhs_free = tuple(b.new(n) for n in lhs.shape[:-1])
+    contracted = b.new(lhs.shape[-1], "reduce")
+    rhs_free = tuple(b.new(n) for n in rhs.shape[1:])
+    out = _type(graph, op.results[0])
+    return b.rule([(*lhs_free, contracted), (contracted, *rhs_free)], [(*lhs_free, *rhs_free)],
+                  flops=2.0 * out.elements * lhs.shape[-1])
+
+
 def _convolution(graph: Graph, op: Op) -> OpRule:
     a = op.attrs
     lhs, rhs = _type(graph, op.operands[0]), _type(graph, op.operands[1])
@@ -621,7 +633,7 @@ def _dynamic_slice(graph: Graph, op: Op) -> OpRule:
 
 _HANDLERS = {
     "stablehlo.dot_general": _dot_general,
-    "stablehlo.dot": None,
+    "stablehlo.dot": _dot,
     "stablehlo.convolution": _convolution,
     "stablehlo.reduce": _reduce,
     "stablehlo.broadcast_in_dim": _broadcast_in_dim,

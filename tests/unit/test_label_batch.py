@@ -16,7 +16,7 @@ from hloplan.compiler import make_options
 from hloplan.passes.extract_graph import ExtractGraph
 from hloplan.passes.inline_calls import InlineCalls
 from hloplan.passes.label_batch import BatchError, analyse
-from hloplan.pipeline import run_pipeline
+from hloplan.passmanager import run_passes
 
 B, S, D, V = 8, 6, 16, 32
 PARAMS = {"table": jax.ShapeDtypeStruct((V, D), jnp.float32),
@@ -32,7 +32,7 @@ def _graph(loss):
 
     exported = export.export(jax.jit(step))(PARAMS, TOKENS)
     program = ir.load_program(exported.serialize(), "step.jaxexport")
-    return run_pipeline(program, make_options("8", device="toy"),
+    return run_passes(program, make_options("8", device="toy"),
                         [InlineCalls(), ExtractGraph()]).graph
 
 

@@ -431,9 +431,9 @@ def test_time_limit_reports_status(backend):
 def test_no_solver_solution_falls_back_to_the_heuristic(monkeypatch):
     # Simulate a solver stopped before any incumbent: the local-search start is returned,
     # flagged as unproven, with no bound.
-    from hloplan.solver import ilp
+    from hloplan.solver import backends, heuristics
 
-    monkeypatch.setattr(ilp, "_run", lambda *args, **kwargs: pulp.LpSolutionNoSolutionFound)
+    monkeypatch.setattr(backends, "run", lambda *args, **kwargs: pulp.LpSolutionNoSolutionFound)
     problem = random_problem(3, n=8, k=3, m=12)
     solution, stats = solve(problem)
     assert stats.status == "time_limit"
@@ -441,7 +441,7 @@ def test_no_solver_solution_falls_back_to_the_heuristic(monkeypatch):
     assert stats.extra["raw_status"] == "No Solution Found"
     assert evaluate(problem, solution).feasible
     assert stats.bound == -math.inf and stats.gap == math.inf
-    monkeypatch.setattr(ilp, "_heuristic", lambda *args: None)
+    monkeypatch.setattr(heuristics, "feasible_start", lambda *args: None)
     with pytest.raises(SolverError, match="no solution within"):
         solve(problem)
 
@@ -611,6 +611,23 @@ def test_a_copy_held_over_a_span_is_seen_by_the_re_solve():
     SolveSharding().apply(state)
     assert state.solution.choice == (0, 1, 0)
     assert state.facts["memory_tightened"] == 1
+
+
+def test_no_plan_fits_says_the_smallest_peak_any_plan_reaches():
+    from hloplan.compiler import make_options
+    from hloplan.passes.solve_sharding import SolveSharding
+    from hloplan.state import CompileState
+
+    # A's smaller strategy takes 40 bytes, on top of 10 fixed: 50 against a budget of 30.
+    problem = ShardingProblem(
+        (Node("A", (Strategy("x", memory=60.0), Strategy("y", memory=40.0))),),
+        (), (LivePoint((0,), 10.0),), 30.0)
+    state = CompileState(program=None, options=make_options("8", device="toy"), problem=problem)
+    with pytest.raises(NoPlanFits) as info:
+        SolveSharding().apply(state)
+    (diagnostic,) = info.value.diagnostics
+    assert ("the smallest peak any plan reaches is 50 B, 20 B over the 30 B it was planned "
+            "under") in diagnostic.notes
 
 
 def test_solve_sharding_plans_again_when_resharded_copies_break_the_budget():

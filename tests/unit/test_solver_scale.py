@@ -22,9 +22,10 @@ from hloplan.passes.build_sharding_problem import BuildShardingProblem
 from hloplan.passes.extract_graph import ExtractGraph
 from hloplan.passes.inline_calls import InlineCalls
 from hloplan.passmanager import run_passes
-from hloplan.solver import axes, ilp
+from hloplan.solver import axes, heuristics, ilp
 from hloplan.solver.evaluate import evaluate
 from hloplan.solver.ilp import available_solvers, solve
+from hloplan.solver.model import compile_model
 from hloplan.solver.problem import (
     Edge,
     LivePoint,
@@ -271,7 +272,7 @@ def test_lazy_and_chained_memory_rows_find_the_optimum(seed, rows):
 
 def test_memory_model_events_match_evaluate():
     problem = _ranged_problem(5)
-    model = ilp._compile(problem)
+    model = compile_model(problem)
     rng = random.Random(5)
     for _ in range(10):
         choice = [rng.randrange(g.size) for g in model.groups]
@@ -284,15 +285,15 @@ def test_memory_model_events_match_evaluate():
 
 def test_restricted_models_price_choices_like_the_full_model():
     problem = _ranged_problem(7, k=4)
-    model = ilp._compile(problem)
+    model = compile_model(problem)
     rng = random.Random(7)
     allowed = [np.array(sorted(rng.sample(range(g.size), 2)))
                for g in model.groups]
-    sub = ilp._restrict(model, allowed)
+    sub = model.restrict(allowed)
     for _ in range(10):
         local = [rng.randrange(2) for _ in model.groups]
         full = [int(keep[i]) for keep, i in zip(allowed, local)]
-        assert ilp._objective(sub, local) == pytest.approx(ilp._objective(model, full))
+        assert sub.objective(local) == pytest.approx(model.objective(full))
         assert tuple(sub.memory.choice_loads(local)) == pytest.approx(
             tuple(model.memory.choice_loads(full)))
 
@@ -304,7 +305,7 @@ def test_memory_rows_leave_out_groups_whose_bytes_do_not_depend_on_the_choice():
     same = Node("n0", tuple(dataclasses.replace(s, memory=2 * GIB)
                             for s in base.nodes[0].strategies))
     problem = dataclasses.replace(base, nodes=(same, *base.nodes[1:]))
-    model = ilp._compile(problem)
+    model = compile_model(problem)
     group = model.group_of[0]
     rows = model.memory.rows(range(model.memory.count))
     assert all(group not in coefficients for coefficients in rows.values())
@@ -365,7 +366,19 @@ def _solved_path(seed: int, n: int = 24):
     """A chain problem (`_path_problem`), its compiled model and its optimal choice."""
     problem = _path_problem(seed, n)
     best, _ = solve(problem)
-    return problem, ilp._compile(problem), list(best.choice)
+    return problem, compile_model(problem), list(best.choice)
+
+
+def _search_neighbourhoods(model, budget: float, relaxed, incumbent):
+    """heuristics.search_neighbourhoods with each sub-ILP solved exactly by HiGHS."""
+    deadline = time.perf_counter() + 30
+
+    def solve_sub(sub, start):
+        return ilp.solve_model(sub, budget, "highs", deadline, 1, True, start,
+                               search=False).choice
+
+    return heuristics.search_neighbourhoods(model, budget, relaxed, incumbent, deadline,
+                                            solve_sub)
 
 
 def _split(choice: int) -> np.ndarray:
@@ -392,15 +405,13 @@ def test_neighbourhood_search_solves_the_free_groups_exactly(seed):
         choice = list(incumbent)
         for g, i in zip(free, values):
             choice[g] = i
-        expected = min(expected, ilp._objective(model, choice))
-    found, rounds = ilp._search_neighbourhoods(model, problem.memory_budget, "highs",
-                                               time.perf_counter() + 30, 1, True, relaxed,
-                                               incumbent)
+        expected = min(expected, model.objective(choice))
+    found, rounds = _search_neighbourhoods(model, problem.memory_budget, relaxed, incumbent)
     assert rounds >= 1 and found is not None
-    assert ilp._fits(model, problem.memory_budget, found)
-    assert ilp._objective(model, found) <= expected * (1 + 1e-9)
-    assert ilp._objective(model, found) < ilp._objective(model, incumbent)
-    assert ilp._objective(model, found) >= ilp._objective(model, optimum) * (1 - 1e-9)
+    assert model.fits(problem.memory_budget, found)
+    assert model.objective(found) <= expected * (1 + 1e-9)
+    assert model.objective(found) < model.objective(incumbent)
+    assert model.objective(found) >= model.objective(optimum) * (1 - 1e-9)
 
 
 @pytest.mark.skipif("highs" not in BACKENDS, reason="needs HiGHS")
@@ -416,13 +427,11 @@ def test_neighbourhood_search_goes_window_by_window_when_the_lp_is_fractional_ev
     relaxed = [np.eye(3)[optimum[g]] for g in range(n)]
     for g in range(0, n, 3):
         relaxed[g] = _split(optimum[g])
-    windows = ilp._windows([g for g in range(0, n, 3)], ilp._neighbours(model), n // 4)
+    windows = heuristics.free_windows([g for g in range(0, n, 3)], model.neighbours(), n // 4)
     assert len(windows) > 1 and all(len(w) <= n // 4 for w in windows)
-    found, rounds = ilp._search_neighbourhoods(model, problem.memory_budget, "highs",
-                                               time.perf_counter() + 30, 1, True, relaxed,
-                                               incumbent)
+    found, rounds = _search_neighbourhoods(model, problem.memory_budget, relaxed, incumbent)
     assert rounds >= 2 and found is not None
-    assert ilp._objective(model, found) == pytest.approx(ilp._objective(model, optimum), rel=1e-9)
+    assert model.objective(found) == pytest.approx(model.objective(optimum), rel=1e-9)
 
 
 @pytest.mark.skipif("highs" not in BACKENDS, reason="needs HiGHS")
@@ -433,11 +442,11 @@ def test_dive_fixes_part_of_the_fractional_groups_and_solves_the_lp_again():
     problem, model, optimum = _solved_path(4)
     n = len(model.groups)
     relaxed = [_split(optimum[g]) for g in range(n)]
-    found, solved = ilp._dive(model, problem.memory_budget, "highs", time.perf_counter() + 30,
-                              1, True, relaxed)
+    found, solved = heuristics.dive(model, problem.memory_budget, "highs",
+                                    time.perf_counter() + 30, 1, True, relaxed)
     assert solved >= 1 and found is not None
-    assert ilp._fits(model, problem.memory_budget, found)
-    fixed = int(ilp._DIVE_FRACTION * n)
+    assert model.fits(problem.memory_budget, found)
+    fixed = int(heuristics.DIVE_FRACTION * n)
     assert [found[g] for g in range(fixed)] == [int(np.argmax(relaxed[g])) for g in range(fixed)]
 
     def pinned(g, node):  # the fixed quarter held to the dive's choice by a prohibitive cost
@@ -449,8 +458,8 @@ def test_dive_fixes_part_of_the_fractional_groups_and_solves_the_lp_again():
 
     sub_best, _ = solve(dataclasses.replace(
         problem, nodes=tuple(pinned(g, node) for g, node in enumerate(problem.nodes))))
-    assert ilp._objective(model, found) == pytest.approx(
-        ilp._objective(model, list(sub_best.choice)), rel=1e-9)
+    assert model.objective(found) == pytest.approx(
+        model.objective(list(sub_best.choice)), rel=1e-9)
 
 
 # --------------------------------------------------------------------------- axis views

@@ -37,8 +37,9 @@ import time
 
 import numpy as np
 
-from hloplan.solver import ilp
+from hloplan.solver import backends, ilp
 from hloplan.solver.evaluate import memory_fits
+from hloplan.solver.model import ModelInfeasible, compile_model
 from hloplan.solver.problem import ShardingProblem, Solution, SolveStats
 
 __all__ = ["full_problem_variables", "solve"]
@@ -58,7 +59,7 @@ def full_problem_variables(model) -> int:
     """Binaries plus transportation-grid variables of the whole problem's ILP."""
     count = sum(g.size for g in model.groups)
     for matrix in model.pairs.values():
-        count += len(ilp._classes(matrix)) * len(ilp._classes(matrix.T))
+        count += len(backends.classes(matrix)) * len(backends.classes(matrix.T))
     return count
 
 
@@ -92,7 +93,7 @@ def solve(
     decompose: str = "auto",
     links: tuple | None = None,
     exact_rounds: int = EXACT_ROUNDS,
-    gap: float = ilp._MIP_REL_GAP,
+    gap: float = backends.MIP_REL_GAP,
 ) -> tuple[Solution, SolveStats]:
     """`ilp.solve`, or the view-and-moves search above for big problems on 3+ axis meshes.
 
@@ -106,19 +107,18 @@ def solve(
         return ilp.solve(problem, time_limit=time_limit, solver=solver, threads=threads, gap=gap)
     started = time.perf_counter()
     problem.validate()
-    model = ilp._compile(problem)
+    model = compile_model(problem)
     roles = _roles(problem, model)
     ndim = len(roles[0][0]) if roles and roles[0] else 0
     if (roles is None or ndim < 3
             or (decompose == "auto" and full_problem_variables(model) <= MAX_FULL_VARIABLES)):
-        # The model compiled here is the one ilp.solve would compile again.
-        return ilp.solve(problem, time_limit=time_limit, solver=solver, threads=threads,
-                         gap=gap, _model=model, _started=started)
-    backend = ilp._pick_backend(solver)
+        return ilp.solve_compiled(problem, model, time_limit=time_limit, solver=solver,
+                                  threads=threads, gap=gap, started=started)
+    backend = backends.pick_backend(solver)
     budget = problem.memory_budget
     memory = model.memory
     if memory.count and not all(memory_fits(float(v), budget) for v in memory.min_load):
-        raise ilp._infeasible(problem, model, backend, time_limit, threads)
+        raise ilp.infeasible_error(problem, model, backend, time_limit, threads)
     # The search's own limits are counts (rounds of moves), so the plan does not depend on
     # the machine's speed or load; the time limit only stops a search that overruns it.
     deadline = started + time_limit
@@ -130,12 +130,13 @@ def solve(
             break
         search = None
     if search is None:  # no view fits: the whole problem
-        return ilp.solve(problem, time_limit=max(deadline - time.perf_counter(), 1.0),
-                         solver=solver, threads=threads, gap=gap, _model=model)
+        return ilp.solve_compiled(problem, model,
+                                  time_limit=max(deadline - time.perf_counter(), 1.0),
+                                  solver=solver, threads=threads, gap=gap)
     search.descend(pairs, branch=False, rounds=LP_ROUNDS)
     search.descend(pairs, branch=True, rounds=exact_rounds)
     status = "decomposed" if time.perf_counter() < deadline else "time_limit"
-    return ilp._stats(
+    return ilp.solve_stats(
         problem, model.to_choice(search.choice), solver=backend, status=status,
         bound=-math.inf, started=started, variables=search.variables,
         constraints=search.constraints,
@@ -159,32 +160,32 @@ class _Search:
         if any(not len(keep) for keep in allowed):  # a group with no strategy in this view
             self.steps.append({"step": label, "result": "empty", "seconds": 0.0})
             return False
-        sub = ilp._restrict(self.model, allowed)
+        sub = self.model.restrict(allowed)
         start = None
         if self.choice is not None:
             position = [{k: i for i, k in enumerate(keep.tolist())} for keep in allowed]
             start = [position[g][k] for g, k in enumerate(self.choice)]
         step = {"step": label, "strategies": int(sum(len(a) for a in allowed))}
         try:
-            outcome = ilp._solve_model(sub, self.budget, self.backend, self.deadline,
+            outcome = ilp.solve_model(sub, self.budget, self.backend, self.deadline,
                                        self.threads, self.backend == "highs", start, branch)
-        except ilp._ModelInfeasible:
+        except ModelInfeasible:
             step.update(result="infeasible", seconds=time.perf_counter() - started)
             self.steps.append(step)
             return False
-        except ilp.SolverError as exc:
+        except backends.SolverError as exc:
             step.update(result=f"no solution: {exc}", seconds=time.perf_counter() - started)
             self.steps.append(step)
             return False
         choice = [int(keep[i]) for keep, i in zip(allowed, outcome.choice, strict=True)]
-        objective = ilp._objective(self.model, choice)
+        objective = self.model.objective(choice)
         better = self.choice is None or objective < self.objective - 1e-12 * abs(self.objective)
         step.update(result=outcome.status, objective=objective, variables=outcome.variables,
                     seconds=time.perf_counter() - started)
         self.steps.append(step)
         self.variables = max(self.variables, outcome.variables)
         self.constraints = max(self.constraints, outcome.constraints)
-        if better and ilp._fits(self.model, self.budget, choice):
+        if better and self.model.fits(self.budget, choice):
             self.choice, self.objective = choice, objective
             return True
         return False

@@ -7,10 +7,12 @@ CLI trust. It reads only the plain-data problem and a strategy index per node.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from numbers import Integral
 
-from hloplan.solver.problem import ShardingProblem, Solution, copy_spans, first_live_points
+from hloplan.solver.liveness import Liveness
+from hloplan.solver.problem import ShardingProblem, Solution
 from hloplan.units import format_bytes
 
 __all__ = ["MEMORY_RTOL", "Evaluation", "evaluate", "live_point_bytes", "memory_fits"]
@@ -81,64 +83,50 @@ def copy_delta(edge, choice, moved, k: int) -> float:
 
 def live_point_bytes(problem: ShardingProblem, solution: Solution, copies: bool = True
                      ) -> tuple[float, ...]:
-    """Bytes at each live point: its fixed bytes plus the chosen strategies' memory (and, at a
-    node's first live point, its transient bytes; with `copies`, the resharded copies over
-    their spans: the ILP's model leaves those out, see passes/solve_sharding.py).
+    """Bytes at each live point: its fixed bytes plus what the liveness rules (liveness.py)
+    hold there under the chosen strategies: results, transient bytes where values are made,
+    and with `copies` the resharded copies over their spans (the ILP's model leaves those out,
+    see passes/solve_sharding.py).
 
     A node listed twice at one point is counted once: a value is either live there or not.
     """
     picked = [node.strategies[pick] for node, pick in zip(problem.nodes, solution.choice)]
-    chosen = [s.memory for s in picked]
-    points, ranges = problem.live_points, problem.live_ranges
-    # A node's transient bytes at its first live point (partial sums before a reduce-scatter),
-    # and the resharded copies held at each point.
-    flash = [0.0] * (len(points) + 1)
-    firsts = first_live_points(problem)
-    for index, first in firsts.items():
-        flash[first] += picked[index].transient
-    # A copy is held over its span (Edge.held): a difference array over the points.
-    held = [0.0] * (len(points) + 1)
-    for e, start, end in copy_spans(problem, firsts) if copies else ():
+    memory = [s.memory for s in picked]
+    transient = [s.transient for s in picked]
+    liveness = Liveness(problem, copies)
+    copied = {}
+    for e, _, _ in liveness.spans:
         edge = problem.edges[e]
-        made = copy_bytes(edge, solution.choice[edge.src], solution.choice[edge.dst])
-        held[start] += made
-        held[end + 1] -= made
-    running_copies = 0.0
-    for p in range(len(points)):
-        running_copies += held[p]
-        flash[p] += running_copies
-    exact = all(float(m).is_integer() and abs(m) < _EXACT for m in chosen + flash) and all(
-        float(p.fixed_bytes).is_integer() and abs(p.fixed_bytes) < _EXACT for p in points)
-    totals = []
-    if not exact:
-        for p, point in enumerate(points):
-            used = point.fixed_bytes + flash[p]
-            for index in dict.fromkeys(point.nodes):
-                used += chosen[index]
-            for r in ranges:
-                if r.first <= p <= r.last:
-                    used += chosen[r.node]
-            totals.append(used)
-        return tuple(totals)
-    # Whole bytes add up exactly in any order: walk the points keeping a running sum over the
-    # nodes that join and leave (consecutive points share most of their nodes), instead of
-    # summing every point from scratch.
-    change = [0.0] * (len(points) + 1)
-    for r in ranges:
-        change[r.first] += chosen[r.node]
-        change[r.last + 1] -= chosen[r.node]
-    previous: set[int] = set()
+        copied[e] = copy_bytes(edge, solution.choice[edge.src], solution.choice[edge.dst])
+    exact = all(float(b).is_integer() and abs(b) < _EXACT for b in
+                (*memory, *transient, *copied.values(),
+                 *(p.fixed_bytes for p in problem.live_points)))
+    # What each point holds, walked from the sweep's events (consecutive points share most of
+    # their values): whole bytes add up exactly in any order, so a running sum is exact;
+    # other bytes are summed afresh at each point.
+    held: dict[tuple[str, int], int] = {}  # ("result" | "made" | "copy", index) -> count
     running = 0.0
-    for p, point in enumerate(points):
-        running += change[p]
-        if point.nodes or previous:
-            live = set(point.nodes)
-            for index in live - previous:
-                running += chosen[index]
-            for index in previous - live:
-                running -= chosen[index]
-            previous = live
-        totals.append(point.fixed_bytes + running + flash[p])
+    totals = []
+    for events in liveness.sweep():
+        for sign, moved, kind, sizes in (
+                (1, events.entering, "result", memory), (-1, events.leaving, "result", memory),
+                (1, events.transient_in, "made", transient),
+                (-1, events.transient_out, "made", transient),
+                (1, events.copies_in, "copy", copied), (-1, events.copies_out, "copy", copied)):
+            for index in moved:
+                if exact:
+                    running += sign * sizes[index]
+                else:
+                    key = (kind, index)
+                    held[key] = held.get(key, 0) + sign
+                    if not held[key]:
+                        del held[key]
+        if exact:
+            totals.append(events.fixed_bytes + running)
+        else:
+            sizes_of = {"result": memory, "made": transient, "copy": copied}
+            totals.append(math.fsum([events.fixed_bytes,
+                                     *(sizes_of[kind][i] for kind, i in held)]))
     return tuple(totals)
 
 
@@ -158,10 +146,10 @@ def point_contents(problem: ShardingProblem, solution: Solution, point: int) -> 
     with the point's fixed bytes, these add up to live_point_bytes at that point."""
     picked = [node.strategies[pick] for node, pick in zip(problem.nodes, solution.choice)]
     held = [Held("result", n, picked[n].memory) for n in problem.nodes_at(point)]
-    firsts = first_live_points(problem)
-    held += [Held("made", n, picked[n].transient) for n, first in firsts.items()
-             if first == point and picked[n].transient]
-    for e, start, end in copy_spans(problem, firsts):
+    liveness = Liveness(problem)
+    held += [Held("made", n, picked[n].transient) for n, made in liveness.made.items()
+             if made == point and picked[n].transient]
+    for e, start, end in liveness.spans:
         edge = problem.edges[e]
         made = copy_bytes(edge, solution.choice[edge.src], solution.choice[edge.dst])
         if start <= point <= end and made:

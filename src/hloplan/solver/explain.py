@@ -11,13 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from hloplan.solver.evaluate import Evaluation, copy_delta, evaluate, memory_fits
-from hloplan.solver.problem import (
-    ShardingProblem,
-    Solution,
-    Strategy,
-    copy_spans,
-    first_live_points,
-)
+from hloplan.solver.liveness import Liveness
+from hloplan.solver.problem import ShardingProblem, Solution, Strategy
 from hloplan.units import format_bytes, format_seconds
 
 __all__ = ["Reason", "compare", "format_bytes", "format_seconds", "next_best"]
@@ -151,8 +146,9 @@ def compare(problem: ShardingProblem, chosen: Solution, alternative: Solution) -
     evaluate(problem, alternative)  # validates the alternative's shape
     resharding = _resharding_deltas(problem, chosen, alternative)
     launches = _launch_deltas(problem, chosen, alternative)
-    firsts = first_live_points(problem)
-    spans = {e: (start, end) for e, start, end in copy_spans(problem, firsts)}
+    liveness = Liveness(problem)
+    firsts = liveness.made
+    spans = {e: (start, end) for e, start, end in liveness.spans}
     edges_of: dict[int, list[int]] = {}
     for e in spans:
         edge = problem.edges[e]

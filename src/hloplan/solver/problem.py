@@ -21,6 +21,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+# The liveness rules (made points, copy spans) live in liveness.py; they are re-exported here
+# for the passes that build problems.
+from hloplan.solver.liveness import copy_spans, first_live_points  # noqa: F401
+
 
 @dataclass(frozen=True)
 class Strategy:
@@ -36,7 +40,7 @@ class Strategy:
     # (strategies.axis_roles). Lets the solver plan meshes of many axes on smaller views.
     axes: tuple = ()
     # Bytes per device held only as the node's values are made: at its first live point
-    # (first_live_points; partial sums at full size before their reduce-scatter shrinks them).
+    # (liveness.first_live_points; partial sums at full size before their reduce-scatter shrinks them).
     transient: float = 0.0
 
     @property
@@ -67,7 +71,7 @@ class Edge:
     # (first, last): the live points holding the copy. XLA reshards a value once per layout
     # for all the matmuls of a region reading it (the forward and backward matmuls of an
     # FSDP-stored weight share one all-gather) and keeps the copy until the last of them
-    # reads it. None: dst's first live point only (copy_spans).
+    # reads it. None: dst's first live point only (liveness.copy_spans).
     held: tuple[int, int] | None = None
 
 
@@ -97,39 +101,6 @@ class LiveRange:
     @property
     def made_point(self) -> int:
         return self.first if self.made_at is None else self.made_at
-
-
-def first_live_points(problem) -> dict[int, int]:
-    """Per node live somewhere, its first live point (listed or in its range): where it
-    holds its strategy's transient bytes."""
-    first: dict[int, int] = {}
-    for p, point in enumerate(problem.live_points):
-        for index in point.nodes:
-            first.setdefault(index, p)
-    for r in problem.live_ranges:
-        if r.made:
-            first[r.node] = min(first.get(r.node, r.made_point), r.made_point)
-        elif first.get(r.node, -1) >= r.first:  # made at a point no longer checked
-            del first[r.node]
-    return first
-
-
-def copy_spans(problem, firsts: dict[int, int] | None = None
-               ) -> list[tuple[int, int, int]]:
-    """(edge index, first, last live point) of every resharded copy an edge may make
-    (Edge.copies, Edge.held; `firsts`: first_live_points(problem), when at hand)."""
-    spans = []
-    for e, edge in enumerate(problem.edges):
-        if not edge.copies:
-            continue
-        if edge.held is not None:
-            spans.append((e, *edge.held))
-            continue
-        if firsts is None:
-            firsts = first_live_points(problem)
-        if edge.dst in firsts:
-            spans.append((e, firsts[edge.dst], firsts[edge.dst]))
-    return spans
 
 
 @dataclass(frozen=True)

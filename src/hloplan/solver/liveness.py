@@ -1,0 +1,135 @@
+"""One sweep over a problem's live points: what each point holds, as changes from the previous.
+
+The memory rules of a `ShardingProblem`, defined here and nowhere else:
+
+- results: a node's values are live at the points that list it and over its live range
+  (`LiveRange`); a node listed twice at one point counts once.
+- transient bytes: a node holds its strategy's `transient` bytes at the point where its values
+  are made only (`first_live_points`: the first point that lists it, or its range's made point;
+  none when that point is no longer checked), gone at the next.
+- resharded copies: the copy an edge's reader needs (`Edge.copies`) is held over the edge's span
+  (`copy_spans`: `Edge.held`, or the reader's made point).
+
+`sweep(problem)` walks the points in order and yields, per point, which nodes' results join and
+leave, whose transient bytes start and stop, and which copies start and stop being held.
+Consecutive points share most of their live values, so the events are few: every consumer (the
+ILP's memory rows, the evaluator, layer tying's dominance test, the decision index, the
+infeasibility report) runs in time linear in the events, never points x live values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hloplan.solver.problem import ShardingProblem
+
+__all__ = ["PointEvents", "copy_spans", "first_live_points", "sweep"]
+
+
+def first_live_points(problem: ShardingProblem) -> dict[int, int]:
+    """Per node live somewhere, the point where its values are made: the only point where it
+    holds its strategy's transient bytes."""
+    first: dict[int, int] = {}
+    for p, point in enumerate(problem.live_points):
+        for index in point.nodes:
+            first.setdefault(index, p)
+    for r in problem.live_ranges:
+        if r.made:
+            first[r.node] = min(first.get(r.node, r.made_point), r.made_point)
+        elif first.get(r.node, -1) >= r.first:  # made at a point no longer checked
+            del first[r.node]
+    return first
+
+
+def copy_spans(problem: ShardingProblem, made: dict[int, int] | None = None
+               ) -> list[tuple[int, int, int]]:
+    """(edge index, first, last live point) of every resharded copy an edge may make
+    (Edge.copies, Edge.held; `made`: first_live_points(problem), when at hand)."""
+    spans = []
+    for e, edge in enumerate(problem.edges):
+        if not edge.copies:
+            continue
+        if edge.held is not None:
+            spans.append((e, *edge.held))
+            continue
+        if made is None:
+            made = first_live_points(problem)
+        if edge.dst in made:
+            spans.append((e, made[edge.dst], made[edge.dst]))
+    return spans
+
+
+@dataclass(frozen=True)
+class PointEvents:
+    """What changes at one live point, against the previous one (each list sorted)."""
+
+    point: int
+    fixed_bytes: float
+    # Nodes whose results are live from this point on: those the point lists and the previous
+    # one did not, then those whose live range starts here.
+    entering: tuple[int, ...]
+    # Nodes whose results were live up to the previous point: listed there and not here, then
+    # those whose live range ended there.
+    leaving: tuple[int, ...]
+    # Nodes made here that hold transient bytes under some strategy: they hold them here only.
+    transient_in: tuple[int, ...]
+    # Nodes made at the previous point that hold transient bytes: gone from here.
+    transient_out: tuple[int, ...]
+    # Edges whose resharded copy (copy_spans) is held from this point on.
+    copies_in: tuple[int, ...]
+    # Edges whose copy was held up to the previous point.
+    copies_out: tuple[int, ...]
+
+
+class Liveness:
+    """The made points and copy spans of a problem, and its sweep."""
+
+    def __init__(self, problem: ShardingProblem, copies: bool = True) -> None:
+        self.problem = problem
+        self.made = first_live_points(problem)
+        self.spans = copy_spans(problem, self.made) if copies else []
+
+    def sweep(self) -> Iterator[PointEvents]:
+        problem = self.problem
+        nodes = problem.nodes
+        enter: dict[int, list[int]] = {}
+        leave: dict[int, list[int]] = {}
+        for r in problem.live_ranges:
+            enter.setdefault(r.first, []).append(r.node)
+            leave.setdefault(r.last + 1, []).append(r.node)
+        flash_in: dict[int, list[int]] = {}
+        flash_out: dict[int, list[int]] = {}
+        for index, made in self.made.items():
+            if any(s.transient for s in nodes[index].strategies):
+                flash_in.setdefault(made, []).append(index)
+                flash_out.setdefault(made + 1, []).append(index)
+        copy_in: dict[int, list[int]] = {}
+        copy_out: dict[int, list[int]] = {}
+        for e, start, end in self.spans:
+            copy_in.setdefault(start, []).append(e)
+            copy_out.setdefault(end + 1, []).append(e)
+        previous: set[int] = set()
+        empty = ()
+        for p, point in enumerate(problem.live_points):
+            if point.nodes or previous:
+                live = set(point.nodes)
+                entering = (*sorted(live - previous), *sorted(enter.get(p, empty)))
+                leaving = (*sorted(previous - live), *sorted(leave.get(p, empty)))
+                previous = live
+            else:
+                entering = tuple(sorted(enter.get(p, empty)))
+                leaving = tuple(sorted(leave.get(p, empty)))
+            yield PointEvents(p, point.fixed_bytes, entering, leaving,
+                              tuple(sorted(flash_in.get(p, empty))),
+                              tuple(sorted(flash_out.get(p, empty))),
+                              tuple(sorted(copy_in.get(p, empty))),
+                              tuple(sorted(copy_out.get(p, empty))))
+
+
+def sweep(problem: ShardingProblem, copies: bool = True) -> Iterator[PointEvents]:
+    """The events of every live point of `problem`, in order (`copies=False`: without the
+    resharded copies, as the ILP's memory model has them)."""
+    return Liveness(problem, copies).sweep()
