@@ -124,7 +124,8 @@ _HIGH_ESCAPE = re.compile(rb"\\[89A-Fa-f][0-9A-Fa-f]")
 def _check_strings(module: ir.Module, filename: str, text: str | None) -> None:
     """Refuse a module with a string (a location's name or file, an attribute, a symbol) that
     is not UTF-8: the Python bindings abort the process when such a string is read."""
-    asm = module.operation.get_asm(binary=True, enable_debug_info=True)
+    asm = module.operation.get_asm(binary=True, enable_debug_info=True, large_elements_limit=16,
+                                   large_resource_limit=16, assume_verified=True)
     if not _HIGH_ESCAPE.search(asm):
         return  # printable ASCII only: nothing to decode
     for match in _STRING_LITERAL.finditer(asm):

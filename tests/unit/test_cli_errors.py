@@ -258,6 +258,10 @@ def _non_utf8_mlir() -> bytes:
     ("callback.mlir", CALLBACK.encode(), ":4:10:", "calls back into the Python process"),
     ("truncated.mlir", MLP_FORWARD.read_bytes()[:40], ":", "error:"),
     ("latin1.mlir", _non_utf8_mlir(), None, "not UTF-8"),
+    # The bindings abort the process when a string that is not UTF-8 is read.
+    ("escape.mlir", NO_MAIN.replace("@step", "@main").replace(
+        ": tensor<8x4xf32>\n  return", ': tensor<8x4xf32> loc("\\FF")\n  return').encode(),
+     ":2:", "a string that is not UTF-8"),
     ("truncated.vhlo", (FIXTURES / "mlp_train_step.vhlo").read_bytes()[:1500], ":1:1:",
      "error:"),
 ])
@@ -329,5 +333,7 @@ def test_mesh_axes_nothing_can_use_are_named(tmp_path):
     result = run("compile", program, "--mesh", "3x5", "-o", tmp_path / "plan")
     assert result.exit_code == 0
     assert "warning: mesh axes x=3, y=5 divide no dimension" in result.output
+    result = run("compile", program, "--mesh", "2x7", "-o", tmp_path / "plan3")
+    assert "warning: mesh axis x=2 divides no dimension" in result.output
     result = run("compile", MLP_FORWARD, "--mesh", "2", "-o", tmp_path / "plan2")
     assert "divide no dimension" not in result.output
