@@ -315,6 +315,8 @@ def test_unwritable_outputs_are_usage_errors(tmp_path, monkeypatch):
         result = run("compile", MLP_FORWARD, "--mesh", "2", "-o", output)
         assert result.exit_code == 2, (output, result.output)
         assert "internal compiler error" not in result.output
+    result = run("compile", MLP_FORWARD, "--mesh", "2", "--reproducer", afile / "repro")
+    assert result.exit_code == 2 and "--reproducer" in result.output
     plan = tmp_path / "plan"
     assert run("compile", MLP_FORWARD, "--mesh", "2", "-o", plan).exit_code == 0
     monkeypatch.chdir(plan)
