@@ -339,3 +339,15 @@ def test_mesh_axes_nothing_can_use_are_named(tmp_path):
     assert "warning: mesh axis x=2 divides no dimension" in result.output
     result = run("compile", MLP_FORWARD, "--mesh", "2", "-o", tmp_path / "plan2")
     assert "divide no dimension" not in result.output
+
+
+def test_control_characters_from_the_input_are_escaped(tmp_path):
+    program = tmp_path / "custom.mlir"
+    program.write_text(
+        'func.func public @main(%arg0: tensor<16x16xf32>) -> tensor<16x16xf32> {\n'
+        '  %0 = stablehlo.custom_call @my_kernel(%arg0) : (tensor<16x16xf32>) -> tensor<16x16xf32> '
+        'loc("mo\\1B[2Jdel.py":7:3)\n'
+        '  return %0 : tensor<16x16xf32>\n}\n')
+    result = run("compile", program, "--mesh", "2", "-o", tmp_path / "plan")
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.output and "mo\\x1b[2Jdel.py:7:3: warning" in result.output
