@@ -220,6 +220,9 @@ def _crashes_reader(read, filename: str, what: str) -> None:
         return
     if pid == 0:  # the child: silent, never returns
         try:
+            import faulthandler
+
+            faulthandler.disable()  # its crash is the answer, not something to report
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, 2)
             os.dup2(null, 1)

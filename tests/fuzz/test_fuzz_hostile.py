@@ -91,6 +91,8 @@ def _compile_holds(kind: str, data: bytes) -> None:
         assert errors, exc.diagnostics
         assert all(d.location is not None and d.location.line > 0 for d in errors[:1]), errors
         COUNTS[f"compile.{kind}.refused"] += 1
+        if "reader crashed" in errors[0].message:  # caught by the forked child
+            COUNTS[f"compile.{kind}.reader_crashed"] += 1
     COUNTS[f"compile.{kind}.held"] += 1
 
 
