@@ -115,9 +115,11 @@ def check_plan(plan_dir: str, *, inputs: str | None = None, seed: int = 0, rtol:
 
         try:
             pipelined = pipeline_runner(plan_dir, runner.plan)
+            outputs = pipelined(*args, **kwargs)
         except PlanLoadError as exc:
             raise UsageError(str(exc)) from None
-        outputs = pipelined(*args, **kwargs)
+        except (KeyError, IndexError, TypeError) as exc:  # a hand-edited pipeline section
+            raise UsageError(_bad_pipeline(plan_dir, exc)) from None
         if jax.process_count() > 1:
             # The results live on the stage submeshes, each on some of the processes: gather
             # them (a collective) so that every process checks all of them.
@@ -158,7 +160,10 @@ def check_plan(plan_dir: str, *, inputs: str | None = None, seed: int = 0, rtol:
         report["match"] = match
         report["differing"] = differing
     if pipelined is not None:
-        return _pipeline_report(report, pipelined, pipeline)
+        try:
+            return _pipeline_report(report, pipelined, pipeline)
+        except (KeyError, IndexError, TypeError) as exc:
+            raise UsageError(_bad_pipeline(plan_dir, exc)) from None
     compiled = runner.lower(*args, **kwargs).compile()
     mesh_axes = tuple(zip(runner.mesh.axis_names, runner.mesh.devices.shape))
     stats = collective_stats(compiled.as_text(), num_devices=runner.mesh.size, mesh_axes=mesh_axes)
@@ -178,6 +183,12 @@ def check_plan(plan_dir: str, *, inputs: str | None = None, seed: int = 0, rtol:
                            "peak_memory_bytes": estimate["peak_memory_bytes"],
                            "step_time_s": estimate["step_time_s"]}
     return report
+
+
+def _bad_pipeline(plan_dir, exc: Exception) -> str:
+    # The programs match their digests: what does not fit them is plan.json's own text.
+    return (f"{Path(plan_dir) / 'plan.json'}: pipeline: the section does not fit the plan's "
+            f"programs ({type(exc).__name__}: {exc}); compile the plan again")
 
 
 def _pipeline_report(report: dict, pipelined, pipeline: dict) -> dict:

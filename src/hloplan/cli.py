@@ -186,7 +186,10 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
             result = compile_bytes(data, filename, options, after_pass=after_pass,
                                    pipeline=pipeline, passes=passes)
         if reproducer:
-            _write_problem_reproducer(reproducer, data, filename, result.state)
+            try:
+                _write_problem_reproducer(reproducer, data, filename, result.state)
+            except OSError as exc:
+                raise UsageError(f"--reproducer {reproducer}: {exc.strerror or exc}") from None
         if output is not None:
             result.write(output)
     except HloplanError as exc:
@@ -194,7 +197,10 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
         return
     except Exception:  # an internal error: say where the reproducer went
         error = traceback.format_exc()
-        saved = _save_reproducer(reproducer, data, filename, sys.argv, error)
+        try:
+            saved = _save_reproducer(reproducer, data, filename, sys.argv, error)
+        except OSError:  # --reproducer DIR unwritable: a directory of our own
+            saved = _save_reproducer(None, data, filename, sys.argv, error)
         click.echo(f"{filename}: error: internal compiler error: "
                    f"{error.strip().splitlines()[-1]}", err=True)
         click.echo(f"{filename}: note: reproducer saved to {saved}; please report it", err=True)

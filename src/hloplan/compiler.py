@@ -638,8 +638,11 @@ def _warn_idle_axes(state: CompileState) -> None:
     idle = idle_axes(mesh, [v.type.shape for v in state.graph.values if v.type is not None])
     if idle:
         sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-        state.log.warn(f"mesh axes {', '.join(f'{a}={sizes[a]}' for a in idle)} divide no "
-                       "dimension of any tensor of the program: the plan replicates over them",
+        axes = ", ".join(f"{a}={sizes[a]}" for a in idle)
+        state.log.warn(f"mesh {'axis' if len(idle) == 1 else 'axes'} {axes} "
+                       f"{'divides' if len(idle) == 1 else 'divide'} no dimension of any tensor "
+                       "of the program: the plan replicates over "
+                       f"{'it' if len(idle) == 1 else 'them'}",
                        notes=("choose axis sizes that divide the batch or hidden dimensions",))
 
 

@@ -33,11 +33,13 @@ class Diagnostic:
     op: str | None = None
 
     def format(self, default_file: str = "<input>") -> str:
-        where = str(self.location) if self.location else default_file
-        lines = [f"{where}: {self.severity}: {self.message}"]
+        """The mlir-opt form, with control characters from the input (an op's name, a file
+        name) escaped so that printing it cannot drive the terminal."""
+        where = _printable(str(self.location) if self.location else default_file)
+        lines = [f"{where}: {self.severity}: {_printable(self.message)}"]
         if self.op:
-            lines.append(f"{where}: note: in op '{self.op}'")
-        lines.extend(f"{where}: note: {note}" for note in self.notes)
+            lines.append(f"{where}: note: in op '{_printable(self.op)}'")
+        lines.extend(f"{where}: note: {_printable(note)}" for note in self.notes)
         return "\n".join(lines)
 
     def to_json(self) -> dict:
@@ -121,3 +123,9 @@ def escape_strings(value):
     if isinstance(value, list):
         return [escape_strings(v) for v in value]
     return value
+
+
+def _printable(text: str) -> str:
+    """escape_control, keeping the line breaks and tabs of multi-line messages."""
+    return "\n".join("\t".join(escape_control(part) for part in line.split("\t"))
+                     for line in text.split("\n"))

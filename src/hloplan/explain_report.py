@@ -83,7 +83,7 @@ def load_plan_dir(plan_dir: str | Path) -> dict:
                            directory) from None
     try:
         plan = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise PlanDirError(f"{PLAN_FILE} is not valid JSON: {exc}", directory) from None
     validate_plan(plan, directory)
     from hloplan.diagnostics import escape_strings

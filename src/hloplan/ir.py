@@ -129,7 +129,8 @@ _HIGH_ESCAPE = re.compile(rb"\\[89A-Fa-f][0-9A-Fa-f]")
 def _check_strings(module: ir.Module, filename: str, text: str | None) -> None:
     """Refuse a module with a string (a location's name or file, an attribute, a symbol) that
     is not UTF-8: the Python bindings abort the process when such a string is read."""
-    asm = module.operation.get_asm(binary=True, enable_debug_info=True)
+    asm = module.operation.get_asm(binary=True, enable_debug_info=True, large_elements_limit=16,
+                                   large_resource_limit=16, assume_verified=True)
     if not _HIGH_ESCAPE.search(asm):
         return  # printable ASCII only: nothing to decode
     for match in _STRING_LITERAL.finditer(asm):
@@ -224,6 +225,9 @@ def _crashes_reader(read, filename: str, what: str) -> None:
         return
     if pid == 0:  # the child: silent, never returns
         try:
+            import faulthandler
+
+            faulthandler.disable()  # its crash is the answer, not something to report
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, 2)
             os.dup2(null, 1)

@@ -91,6 +91,8 @@ def _compile_holds(kind: str, data: bytes) -> None:
         assert errors, exc.diagnostics
         assert all(d.location is not None and d.location.line > 0 for d in errors[:1]), errors
         COUNTS[f"compile.{kind}.refused"] += 1
+        if "reader crashed" in errors[0].message:  # caught by the forked child
+            COUNTS[f"compile.{kind}.reader_crashed"] += 1
     COUNTS[f"compile.{kind}.held"] += 1
 
 
@@ -164,7 +166,7 @@ def corruption(draw, plan: dict, files: list[str]):
     return kind, name, draw(st.none() | st.just(b"") | st.binary(max_size=64))
 
 
-def _plan_holds(plan_dir: Path, work: Path, edit) -> None:
+def _plan_holds(plan_dir: Path, work: Path, edit, run_plans: bool = False) -> None:
     kind, name, data = edit
     COUNTS[f"plan.{kind}.tried"] += 1
     if work.exists():
@@ -177,9 +179,16 @@ def _plan_holds(plan_dir: Path, work: Path, edit) -> None:
     try:
         Runner(work)
         COUNTS[f"plan.{kind}.loaded"] += 1
+        loaded = True
     except PlanLoadError as exc:
         assert exc.file, exc
         COUNTS[f"plan.{kind}.refused"] += 1
+        loaded = False
+    if run_plans and loaded:  # the artifacts match their digests: it runs, and matches
+        result = CliRunner().invoke(main, ["run", str(work), "--check"])
+        assert result.exit_code in (0, 2), (result.output, result.exception)
+        assert result.exception is None or isinstance(result.exception, SystemExit)
+        COUNTS[f"plan.{kind}.ran.exit{result.exit_code}"] += 1
     result = CliRunner().invoke(main, ["explain", str(work)])
     assert result.exit_code in (0, 2), (result.output, result.exception)
     assert result.exception is None or isinstance(result.exception, SystemExit)
@@ -187,13 +196,13 @@ def _plan_holds(plan_dir: Path, work: Path, edit) -> None:
     COUNTS[f"plan.{kind}.held"] += 1
 
 
-def _given_plan(plan_dir: Path, work: Path):
+def _given_plan(plan_dir: Path, work: Path, run_plans: bool = False):
     plan = read_plan(plan_dir)
     files = sorted(plan["digests"])
 
     @given(corruption(plan, files))
     def check(edit):
-        _plan_holds(plan_dir, work, edit)
+        _plan_holds(plan_dir, work, edit, run_plans)
     return check
 
 
@@ -204,3 +213,13 @@ def test_corrupted_plan_directories_are_refused(plan_dir, tmp_path):
 @pytest.mark.slow
 def test_corrupted_plan_directories_are_refused_long(plan_dir, tmp_path):
     _settings(EXAMPLES * 40)(_given_plan(plan_dir, tmp_path / "work"))()
+
+
+def test_corrupted_plans_that_load_run(plan_dir, tmp_path):
+    """`run --check` on plans whose plan.json was edited but still loads: exit 0 or 2."""
+    _settings(max(EXAMPLES // 5, 1))(_given_plan(plan_dir, tmp_path / "work", True))()
+
+
+@pytest.mark.slow
+def test_corrupted_plans_that_load_run_long(plan_dir, tmp_path):
+    _settings(EXAMPLES * 5)(_given_plan(plan_dir, tmp_path / "work", True))()

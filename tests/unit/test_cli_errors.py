@@ -258,6 +258,10 @@ def _non_utf8_mlir() -> bytes:
     ("callback.mlir", CALLBACK.encode(), ":4:10:", "calls back into the Python process"),
     ("truncated.mlir", MLP_FORWARD.read_bytes()[:40], ":", "error:"),
     ("latin1.mlir", _non_utf8_mlir(), None, "not UTF-8"),
+    # The bindings abort the process when a string that is not UTF-8 is read.
+    ("escape.mlir", NO_MAIN.replace("@step", "@main").replace(
+        ": tensor<8x4xf32>\n  return", ': tensor<8x4xf32> loc("\\FF")\n  return').encode(),
+     ":2:", "a string that is not UTF-8"),
     ("truncated.vhlo", (FIXTURES / "mlp_train_step.vhlo").read_bytes()[:1500], ":1:1:",
      "error:"),
 ])
@@ -311,6 +315,8 @@ def test_unwritable_outputs_are_usage_errors(tmp_path, monkeypatch):
         result = run("compile", MLP_FORWARD, "--mesh", "2", "-o", output)
         assert result.exit_code == 2, (output, result.output)
         assert "internal compiler error" not in result.output
+    result = run("compile", MLP_FORWARD, "--mesh", "2", "--reproducer", afile / "repro")
+    assert result.exit_code == 2 and "--reproducer" in result.output
     plan = tmp_path / "plan"
     assert run("compile", MLP_FORWARD, "--mesh", "2", "-o", plan).exit_code == 0
     monkeypatch.chdir(plan)
@@ -329,5 +335,19 @@ def test_mesh_axes_nothing_can_use_are_named(tmp_path):
     result = run("compile", program, "--mesh", "3x5", "-o", tmp_path / "plan")
     assert result.exit_code == 0
     assert "warning: mesh axes x=3, y=5 divide no dimension" in result.output
+    result = run("compile", program, "--mesh", "2x7", "-o", tmp_path / "plan3")
+    assert "warning: mesh axis x=2 divides no dimension" in result.output
     result = run("compile", MLP_FORWARD, "--mesh", "2", "-o", tmp_path / "plan2")
     assert "divide no dimension" not in result.output
+
+
+def test_control_characters_from_the_input_are_escaped(tmp_path):
+    program = tmp_path / "custom.mlir"
+    program.write_text(
+        'func.func public @main(%arg0: tensor<16x16xf32>) -> tensor<16x16xf32> {\n'
+        '  %0 = stablehlo.custom_call @my_kernel(%arg0) : (tensor<16x16xf32>) -> tensor<16x16xf32> '
+        'loc("mo\\1B[2Jdel.py":7:3)\n'
+        '  return %0 : tensor<16x16xf32>\n}\n')
+    result = run("compile", program, "--mesh", "2", "-o", tmp_path / "plan")
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.output and "mo\\x1b[2Jdel.py:7:3: warning" in result.output

@@ -192,6 +192,7 @@ def test_format_bytes(n: int, expected: str) -> None:
         (1e-9, "1.00 ns"),
         (0.9996, "1.00 s"),  # rounds up into the next unit
         (-0.002, "-2.00 ms"),
+        (2.34e305, "2.34e+305 s"),  # a device model of absurd speed: short text
     ],
 )
 def test_format_seconds(s: float, expected: str) -> None:

@@ -363,3 +363,28 @@ def test_concurrent_writers_both_succeed_and_one_plan_wins(tmp_path):
         assert proc.returncode == 0, err.decode()
     assert _complete(target) in ("a14", "b14")
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_hand_edited_pipeline_sections_are_usage_errors(tmp_path):
+    plan = tmp_path / "plan"
+    result = run("compile", FIXTURES / "mlp_train_step.mlir", "--mesh", "4", "--device", "toy",
+                 "--stages", "2", "--microbatches", "2", "-o", plan)
+    assert result.exit_code == 0 and _plan(plan)["pipeline"]["tasks"], result.output
+    for name, edit in (("inputs", lambda p: p["pipeline"]["tasks"][0].pop("inputs")),
+                       ("order", lambda p: p["pipeline"].pop("order"))):
+        target = tmp_path / name
+        shutil.copytree(plan, target)
+        _edit(edit)(target, None)
+        for command in (("run", target, "--check"), ("explain", target)):
+            result = run(*command)
+            assert result.exit_code == 2, (name, command, result.output)
+            assert repr(name) in result.output and "Traceback" not in result.output
+
+
+def test_deeply_nested_plan_json_is_refused(plans, tmp_path):
+    target = tmp_path / "plan"
+    shutil.copytree(plans[0], target)
+    (target / "plan.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(PlanLoadError, match="not valid JSON"):
+        read_plan(target)
+    assert run("explain", target).exit_code == 2

@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -148,6 +149,8 @@ def render(state: CompileState, input_bytes: bytes, original_module_text: str | 
 
 STAGING_TAG = ".hloplan-"
 OLD_SUFFIX = "-old"
+# An unlocked hidden directory this recent, of a running process, may be a write just begun.
+FRESH_S = 60.0
 
 
 def _staging_prefix(target: Path) -> str:
@@ -232,9 +235,10 @@ def _writer_alive(directory: Path) -> bool:
 
 
 def _held(directory: Path) -> bool:
-    """A live writer works in `directory`: it holds its flock, or the process named in it
-    runs."""
-    if fcntl is None or _writer_alive(directory):
+    """A live writer works in `directory`: it holds its flock, or it has just created it (not
+    locked yet, or the old plan it swapped out, about to be deleted): its process runs and the
+    directory is recent. An old unlocked directory is stale even if its process id was reused."""
+    if fcntl is None:
         return True
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -246,7 +250,11 @@ def _held(directory: Path) -> bool:
         return True
     finally:
         os.close(fd)
-    return False
+    try:
+        age = time.time() - directory.stat().st_mtime
+    except OSError:
+        return True
+    return _writer_alive(directory) and age < FRESH_S
 
 
 def clean_stale(target: Path) -> list[Path]:
@@ -263,7 +271,8 @@ def clean_stale(target: Path) -> list[Path]:
         return []
     if not target.exists():
         for candidate in stale:
-            if candidate.name.endswith(OLD_SUFFIX) and _is_plan_dir(candidate):
+            if (candidate.name.endswith(OLD_SUFFIX) and not _writer_alive(candidate)
+                    and _is_plan_dir(candidate)):
                 with contextlib.suppress(OSError):
                     os.rename(candidate, target)
                     stale.remove(candidate)

@@ -72,7 +72,11 @@ class PipelineRunner:
                                   for s, mesh in enumerate(self.meshes)}
         self.tasks = []
         for task in self.pipe["tasks"]:
-            exported = export.deserialize(bytearray((self.plan_dir / task["file"]).read_bytes()))
+            name = Path(task["file"])
+            if name.is_absolute() or ".." in name.parts:  # plan.json not checked by the loader
+                raise RuntimeError(f"plan.json: task file {task['file']!r} leaves the plan "
+                                   "directory")
+            exported = export.deserialize(bytearray((self.plan_dir / name).read_bytes()))
             mesh = self.meshes[task["stage"]]
             self.tasks.append({
                 **task,
