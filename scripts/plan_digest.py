@@ -4,11 +4,18 @@ accumulating gradients under a tight --memory-budget; pipelined stages and micro
 --verify-memory) and print a sha256 of each plan's files. Two runs of the same compiler print
 the same digests; a change that keeps plans byte-identical keeps them.
 
-    .venv/bin/python scripts/plan_digest.py [--out digests.json] [--only SUBSTRING]
+    .venv/bin/python scripts/plan_digest.py --out before.json      # on the code before
+    .venv/bin/python scripts/plan_digest.py --compare before.json  # after: what differs
 
 What is digested: every file `hloplan.compile` renders (plan.json, module.mlir, the
 .jaxexport programs, the loader, tasks/*), i.e. CompileResult.files. Left out: timings.json
 (wall times; CompileResult.timings), the one file of a plan directory that varies between runs.
+
+The programs this script exports itself (the benchmark models, the recomputing and
+accumulating cases) carry its own source lines in their locations (JAX records the call
+stack), so compare digests made by the same version of this script: to check a change, run
+this version on the code before it too (e.g. from a `git worktree add --detach` checkout put
+first on PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -158,6 +165,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write {case: {file: sha256}} here as JSON")
     parser.add_argument("--only", help="only cases whose name contains this")
+    parser.add_argument("--compare", help="a JSON written by --out: list the files that differ")
     args = parser.parse_args(argv)
 
     import hloplan
@@ -191,7 +199,22 @@ def main(argv=None) -> int:
     print(f"{'TOTAL':48s} {total[:16]}  ({time.perf_counter() - started:.0f}s)")
     if args.out:
         Path(args.out).write_text(json.dumps(digests, indent=1, sort_keys=True) + "\n")
+    if args.compare:
+        return _compare(json.loads(Path(args.compare).read_text()), digests)
     return 0
+
+
+def _compare(before: dict, after: dict) -> int:
+    """Print each case whose files differ (by name); 1 if any does."""
+    differing = 0
+    for case in sorted(set(before) | set(after)):
+        old, new = before.get(case, {}), after.get(case, {})
+        files = sorted(f for f in set(old) | set(new) if f != "all" and old.get(f) != new.get(f))
+        if files:
+            differing += 1
+            print(f"differs: {case}: {', '.join(files)}")
+    print(f"{differing} of {len(after)} cases differ from the comparison file")
+    return 1 if differing else 0
 
 
 if __name__ == "__main__":
