@@ -12,7 +12,8 @@ _MODULE = b"""
 module @jit_dot {
   func.func public @main(%arg0: tensor<256x512xf32>, %arg1: tensor<512x1024xf32>,
                          %arg2: tensor<1024xf32>) -> (tensor<256xf32>) {
-    %0 = stablehlo.dot %arg0, %arg1 : (tensor<256x512xf32>, tensor<512x1024xf32>) -> tensor<256x1024xf32>
+    %0 = stablehlo.dot %arg0, %arg1
+        : (tensor<256x512xf32>, tensor<512x1024xf32>) -> tensor<256x1024xf32>
     %1 = stablehlo.tanh %0 : tensor<256x1024xf32>
     %2 = stablehlo.dot %1, %arg2 : (tensor<256x1024xf32>, tensor<1024xf32>) -> tensor<256xf32>
     return %2 : tensor<256xf32>

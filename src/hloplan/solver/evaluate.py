@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from numbers import Integral
 
+import numpy as np
+
 from hloplan.solver.liveness import Liveness
 from hloplan.solver.problem import ShardingProblem, Solution
 from hloplan.units import format_bytes
@@ -98,35 +100,43 @@ def live_point_bytes(problem: ShardingProblem, solution: Solution, copies: bool 
     for e, _, _ in liveness.spans:
         edge = problem.edges[e]
         copied[e] = copy_bytes(edge, solution.choice[edge.src], solution.choice[edge.dst])
-    exact = all(float(b).is_integer() and abs(b) < _EXACT for b in
-                (*memory, *transient, *copied.values(),
-                 *(p.fixed_bytes for p in problem.live_points)))
+    values = np.array([*memory, *transient, *copied.values(),
+                       *(p.fixed_bytes for p in problem.live_points)], dtype=float)
+    exact = bool((np.floor(values) == values).all() and (np.abs(values) < _EXACT).all())
     # What each point holds, walked from the sweep's events (consecutive points share most of
     # their values): whole bytes add up exactly in any order, so a running sum is exact;
     # other bytes are summed afresh at each point.
-    held: dict[tuple[str, int], int] = {}  # ("result" | "made" | "copy", index) -> count
-    running = 0.0
     totals = []
-    for events in liveness.sweep():
-        for sign, moved, kind, sizes in (
-                (1, events.entering, "result", memory), (-1, events.leaving, "result", memory),
-                (1, events.transient_in, "made", transient),
-                (-1, events.transient_out, "made", transient),
-                (1, events.copies_in, "copy", copied), (-1, events.copies_out, "copy", copied)):
-            for index in moved:
-                if exact:
-                    running += sign * sizes[index]
-                else:
-                    key = (kind, index)
-                    held[key] = held.get(key, 0) + sign
-                    if not held[key]:
-                        del held[key]
-        if exact:
+    if exact:
+        running = 0.0
+        for events in liveness.sweep():
+            for i in events.entering:
+                running += memory[i]
+            for i in events.leaving:
+                running -= memory[i]
+            for i in events.transient_in:
+                running += transient[i]
+            for i in events.transient_out:
+                running -= transient[i]
+            for e in events.copies_in:
+                running += copied[e]
+            for e in events.copies_out:
+                running -= copied[e]
             totals.append(events.fixed_bytes + running)
-        else:
-            sizes_of = {"result": memory, "made": transient, "copy": copied}
-            totals.append(math.fsum([events.fixed_bytes,
-                                     *(sizes_of[kind][i] for kind, i in held)]))
+        return tuple(totals)
+    held: dict[tuple[int, int], int] = {}  # (kind, index) -> count; kinds index `sizes`
+    sizes = (memory, transient, copied)
+    for events in liveness.sweep():
+        for sign, moved, kind in ((1, events.entering, 0), (-1, events.leaving, 0),
+                                  (1, events.transient_in, 1), (-1, events.transient_out, 1),
+                                  (1, events.copies_in, 2), (-1, events.copies_out, 2)):
+            for index in moved:
+                count = held.get((kind, index), 0) + sign
+                if count:
+                    held[kind, index] = count
+                else:
+                    del held[kind, index]
+        totals.append(math.fsum([events.fixed_bytes, *(sizes[k][i] for k, i in held)]))
     return tuple(totals)
 
 

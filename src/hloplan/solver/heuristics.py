@@ -20,8 +20,8 @@ from hloplan.solver.backends import INTEGRALITY_TOL, SolverError
 from hloplan.solver.evaluate import MEMORY_RTOL
 from hloplan.solver.model import Model, ModelInfeasible
 
-__all__ = ["DIVE_FRACTION", "NEIGHBOURHOOD_MAX_FRACTION", "dive", "feasible_start", "fractional_groups", "free_windows",
-           "improve", "repair", "search_neighbourhoods"]
+__all__ = ["DIVE_FRACTION", "NEIGHBOURHOOD_MAX_FRACTION", "dive", "feasible_start",
+           "fractional_groups", "free_windows", "improve", "repair", "search_neighbourhoods"]
 
 # The rounded LP relaxation is repaired by at most this many single-group moves (it is usually
 # a few bytes over at a handful of points; when it is far off, the solver does better).

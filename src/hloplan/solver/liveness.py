@@ -20,8 +20,7 @@ infeasibility report) runs in time linear in the events, never points x live val
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from hloplan.solver.problem import ShardingProblem
@@ -62,9 +61,9 @@ def copy_spans(problem: ShardingProblem, made: dict[int, int] | None = None
     return spans
 
 
-@dataclass(frozen=True)
-class PointEvents:
-    """What changes at one live point, against the previous one (each list sorted)."""
+class PointEvents(NamedTuple):
+    """What changes at one live point, against the previous one (each list sorted). A named
+    tuple: one is made per point, and consumers walk every point."""
 
     point: int
     fixed_bytes: float
@@ -95,38 +94,42 @@ class Liveness:
     def sweep(self) -> Iterator[PointEvents]:
         problem = self.problem
         nodes = problem.nodes
-        enter: dict[int, list[int]] = {}
-        leave: dict[int, list[int]] = {}
-        for r in problem.live_ranges:
-            enter.setdefault(r.first, []).append(r.node)
-            leave.setdefault(r.last + 1, []).append(r.node)
-        flash_in: dict[int, list[int]] = {}
-        flash_out: dict[int, list[int]] = {}
+
+        def at(pairs) -> dict[int, tuple[int, ...]]:
+            """point -> the sorted indices of the (point, index) pairs there."""
+            out: dict[int, list[int]] = {}
+            for point, index in pairs:
+                out.setdefault(point, []).append(index)
+            return {point: tuple(sorted(indices)) for point, indices in out.items()}
+
+        enter = at((r.first, r.node) for r in problem.live_ranges)
+        leave = at((r.last + 1, r.node) for r in problem.live_ranges)
+        holding: dict[int, bool] = {}  # id(strategies) -> whether some has transient bytes
+        flashing = []
         for index, made in self.made.items():
-            if any(s.transient for s in nodes[index].strategies):
-                flash_in.setdefault(made, []).append(index)
-                flash_out.setdefault(made + 1, []).append(index)
-        copy_in: dict[int, list[int]] = {}
-        copy_out: dict[int, list[int]] = {}
-        for e, start, end in self.spans:
-            copy_in.setdefault(start, []).append(e)
-            copy_out.setdefault(end + 1, []).append(e)
+            strategies = nodes[index].strategies
+            has = holding.get(id(strategies))
+            if has is None:
+                has = holding[id(strategies)] = any(s.transient for s in strategies)
+            if has:
+                flashing.append((made, index))
+        flash_in = at(flashing)
+        flash_out = at((made + 1, index) for made, index in flashing)
+        copy_in = at((start, e) for e, start, _ in self.spans)
+        copy_out = at((end + 1, e) for e, _, end in self.spans)
         previous: set[int] = set()
-        empty = ()
+        empty: tuple[int, ...] = ()
         for p, point in enumerate(problem.live_points):
+            entering, leaving = enter.get(p, empty), leave.get(p, empty)
             if point.nodes or previous:
                 live = set(point.nodes)
-                entering = (*sorted(live - previous), *sorted(enter.get(p, empty)))
-                leaving = (*sorted(previous - live), *sorted(leave.get(p, empty)))
+                if live != previous:
+                    entering = (*sorted(live - previous), *entering)
+                    leaving = (*sorted(previous - live), *leaving)
                 previous = live
-            else:
-                entering = tuple(sorted(enter.get(p, empty)))
-                leaving = tuple(sorted(leave.get(p, empty)))
             yield PointEvents(p, point.fixed_bytes, entering, leaving,
-                              tuple(sorted(flash_in.get(p, empty))),
-                              tuple(sorted(flash_out.get(p, empty))),
-                              tuple(sorted(copy_in.get(p, empty))),
-                              tuple(sorted(copy_out.get(p, empty))))
+                              flash_in.get(p, empty), flash_out.get(p, empty),
+                              copy_in.get(p, empty), copy_out.get(p, empty))
 
 
 def sweep(problem: ShardingProblem, copies: bool = True) -> Iterator[PointEvents]:

@@ -40,7 +40,8 @@ class Strategy:
     # (strategies.axis_roles). Lets the solver plan meshes of many axes on smaller views.
     axes: tuple = ()
     # Bytes per device held only as the node's values are made: at its first live point
-    # (liveness.first_live_points; partial sums at full size before their reduce-scatter shrinks them).
+    # (liveness.first_live_points; partial sums at full size before their reduce-scatter
+    # shrinks them).
     transient: float = 0.0
 
     @property
