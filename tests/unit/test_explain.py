@@ -185,7 +185,7 @@ def test_png_is_written_and_pictures_the_mesh(compiled, tmp_path):
     text = svg.read_text()
     # the mesh's axes, each device, and the tensors whose blocks the devices hold
     assert "axis y" in text and "axis x" in text
-    assert "batch x" in text and "parameter params[1]['w']" in text
+    assert "batch x" in text and "parameter params[1].w" in text
 
 
 def _plan(args, results=(), axes=("x", "y"), sizes=(2, 4), **extra):
