@@ -316,6 +316,13 @@ def format_verify_report(report: dict) -> str:
             else ""
         lines.append(f"{name}: peak per device predicted {format_bytes(pred['peak_bytes'])}, "
                      f"compiled {format_bytes(comp['peak_bytes'])}{ratio}")
+        memory = comp["memory"]
+        if memory.get("xla_peak_bytes") and memory.get("peak_bytes") is not None and \
+                memory["xla_peak_bytes"] != memory["peak_bytes"]:
+            lines.append(f"  (XLA's peak_memory_in_bytes {format_bytes(memory['xla_peak_bytes'])}"
+                         f", generated code {format_bytes(memory['generated_code_bytes'] or 0)}; "
+                         "arguments + results + temporaries - aliased "
+                         f"{format_bytes(memory['peak_bytes'])})")
         lines.append(f"  {'collective (mesh axes)':<34} {'predicted':>20}   "
                      f"{'compiled':>20}")
         p_by = {(c["kind"], c["axes"]): c for c in pred["collectives"]}
