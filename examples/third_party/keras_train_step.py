@@ -184,7 +184,7 @@ def _decoder(name, vocab, seq, d, layers, heads, kv_heads, ffn_of, batch, seed=0
 
     keras.utils.set_random_seed(seed)
     model = Decoder()
-    model.build((None, seq))
+    model(np.zeros((1, seq), "int32"))  # creates the variables (each layer builds on first call)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     step, state = _train_step(model, loss, keras.optimizers.AdamW(learning_rate=1e-3))
     rng = np.random.default_rng(seed + 1)
