@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import tempfile
 import time
@@ -70,8 +71,11 @@ def parameter_count(program, args) -> int:
 
 
 def _first_line(exc: Exception) -> str:
+    """The first line of an error, file paths shown from site-packages or the repository."""
     text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:300]
+    line = text[0] if text else type(exc).__name__
+    line = re.sub(r"/\S*/site-packages/", "", line).replace(f"{ROOT}/", "")
+    return line[:300]
 
 
 def _checked(data, args, want, mesh, **options) -> dict:
