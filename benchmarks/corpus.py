@@ -143,20 +143,20 @@ def report_program(program) -> dict:
         row["pipeline"] = {s: _checked(data, args, want, "8",
                                        pipeline=PipelineOptions(2, 4, s)) for s in SCHEDULES}
     if program.no_split is None and program.kind == "train":
-        row["accumulation"] = _accumulation(data, args, want)
+        row["accumulation"] = _accumulation(program, data, args, want)
     print(json.dumps({k: v for k, v in row.items() if k != "library"}), flush=True)
     return row
 
 
-def _accumulation(data, args, want) -> dict:
+def _accumulation(program, data, args, want) -> dict:
     try:
-        budget, why = corpus.accumulation_budget(data, TIME_LIMIT)
+        budget = corpus.accumulation_budget(data, TIME_LIMIT)
     except Exception as exc:
         return {"ok": False, "error": _first_line(exc)}
-    if budget is None:
-        return {"ok": False, "not_applicable": True, "error": why}
     out = _checked(data, args, want, "8", memory_budget=budget)
     out["budget_bytes"] = budget
+    if program.no_accumulation and not out["ok"]:
+        out["error"] = f"{program.no_accumulation} ({out['error']})"
     return out
 
 
@@ -317,9 +317,7 @@ def report_table(report: dict) -> list[str]:
             pipe_cell = "; ".join(f"{s}: {_cell(p)}" for s, p in pipe.items())
         acc = row.get("accumulation")
         if acc is None:
-            acc_cell = f"not applicable: {row['no_split']}"
-        elif acc.get("not_applicable"):
-            acc_cell = "no: " + acc["error"].split(":")[0]
+            acc_cell = "not applicable: " + (row["no_split"] or "inference (no gradients)")
         else:
             acc_cell = _cell(acc) + (f" ({acc['microbatches']} microbatches)"
                                      if acc.get("ok") else "")
@@ -443,8 +441,15 @@ def main(argv=None) -> int:
         REPORT_JSON.write_text(json.dumps(report, indent=1, default=str) + "\n")
     if args.bench:
         names = args.programs.split(",") if args.programs else list(BENCH_PROGRAMS)
-        BENCH_JSON.write_text(json.dumps(run_bench(names, args.mesh), indent=1, default=str)
-                              + "\n")
+        bench = run_bench(names, args.mesh)
+        if args.programs and BENCH_JSON.exists():  # update those cases of the full run
+            full = json.loads(BENCH_JSON.read_text())
+            fresh = {case["program"]: case for case in bench["cases"]}
+            full["cases"] = [fresh.pop(c["program"], c) for c in full["cases"]]
+            full["cases"] += list(fresh.values())
+            full["wall_s"] += bench["wall_s"]
+            bench = full
+        BENCH_JSON.write_text(json.dumps(bench, indent=1, default=str) + "\n")
     if args.report or args.bench or args.docs:
         write_docs()
         print(f"wrote {DOC}")
