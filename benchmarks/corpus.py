@@ -303,7 +303,8 @@ def report_table(report: dict) -> list[str]:
         passed = [m for m in MESHES if meshes[m].get("ok")]
         failed = [f"{m} ({meshes[m].get('error', '?')[:100]})" for m in MESHES
                   if not meshes[m].get("ok")]
-        compiled = ", ".join(passed) + ("; failed: " + "; ".join(failed) if failed else "")
+        compiled = ", ".join(passed) or "none"
+        compiled += "; failed: " + "; ".join(failed) if failed else ""
         pipe = row.get("pipeline")
         if pipe is None:
             pipe_cell = f"not applicable: {row['no_split']}"
@@ -346,7 +347,7 @@ def bench_table(bench: dict) -> list[str]:
             p = c["hand"].get(plan)
             cells.append("-" if p is None else "error" if "error" in p
                          else f"{p['step_s'] * 1e3:.1f}" + ("" if p["fits"] else " (OOM)"))
-        step = ("error: " + hl["error"][:100]) if "error" in hl else \
+        step = ("error: " + " ".join(hl["error"].split())[:100]) if "error" in hl else \
             f"{hl['step_s'] * 1e3:.1f}" + ("" if hl.get("fits", True) else " (OOM)")
         ratio = "-" if c.get("ratio") is None else f"{c['ratio']:.3f} ({c.get('best_hand')})"
         compile_s = f"{hl['compile_s']:.1f}" if "compile_s" in hl else "-"
@@ -415,7 +416,10 @@ def write_docs() -> None:
                  "parameter name (Megatron: query/key/value/up/gate by output features, "
                  "output/down by input features, embeddings by vocabulary rows). Ratio: "
                  "hloplan's step over the best hand plan that fits (below 1: hloplan is "
-                 "faster).", ""]
+                 "faster). The MoE's hand plans split each expert's hidden units for tensor "
+                 "parallel; there is no expert-parallel hand plan yet, and hloplan cannot plan "
+                 "the MoE until `chlo.top_k` survives inlining. The inference functions are "
+                 "not benchmarked (the hand plans are written for train steps).", ""]
         text += bench_table(bench)
     DOC.write_text("\n".join(text) + "\n")
 
