@@ -51,7 +51,9 @@ def _param(program, *values, slow: bool = False):
 SPLITTING = [p for p in corpus.PROGRAMS if p.no_split is None]
 TRAIN_SPLITTING = [p for p in SPLITTING if p.kind == "train"]
 BATCH_STATISTICS = [p for p in corpus.PROGRAMS if p.no_split == corpus.BATCH_STATISTICS]
-MESH_CASES = [_param(p, mesh) for p in corpus.PROGRAMS for mesh in MESHES]
+# A program expected to fail (xfail) keeps one mesh in CI, enough to flip when it is fixed.
+MESH_CASES = [_param(p, mesh, slow=bool(p.xfail) and mesh != MESHES[0]) for p in corpus.PROGRAMS
+              for mesh in MESHES]
 PIPELINE_CASES = [_param(p, s, slow=(p.name, s) not in CI_PIPELINES) for p in SPLITTING
                   for s in SCHEDULES]
 ACCUMULATION_CASES = [_param(p, slow=p.name not in CI_ACCUMULATION) for p in TRAIN_SPLITTING]
