@@ -45,7 +45,8 @@ def haiku_transformer(size: str = "tiny", batch: int = BATCH, seq: int = 16,
             # with_bias=False: the key bias gets an exactly-zero gradient (softmax ignores a
             # shift shared by all keys), rounding noise that AdamW's first step turns into
             # +-lr, and any reordering of sums (sharding included) changes it.
-            attention = hk.MultiHeadAttention(heads, d // heads, w_init_scale=1.0,
+            attention = hk.MultiHeadAttention(heads, d // heads,
+                                              w_init=hk.initializers.VarianceScaling(1.0),
                                               with_bias=False)
             x = x + attention(h, h, h, mask=mask)
             h = hk.LayerNorm(-1, create_scale=True, create_offset=True)(x)
@@ -74,8 +75,9 @@ def haiku_transformer(size: str = "tiny", batch: int = BATCH, seq: int = 16,
 
 
 def haiku_resnet(size: str = "tiny", batch: int = BATCH):
-    """hk.nets.ResNet in ResNet18's layout (BatchNorm with moving averages: hk.transform_with_state); the step
-    takes and returns the BatchNorm state beside the parameters."""
+    """hk.nets.ResNet in ResNet18's layout, BatchNorm with moving averages
+    (hk.transform_with_state); the step takes and returns the BatchNorm state beside the
+    parameters."""
     import haiku as hk
     import jax
     import numpy as np

@@ -184,7 +184,7 @@ def _decoder(name, vocab, seq, d, layers, heads, kv_heads, ffn_of, batch, seed=0
 
     keras.utils.set_random_seed(seed)
     model = Decoder()
-    model.build((None, seq))
+    model(np.zeros((1, seq), "int32"))  # creates the variables (each layer builds on first call)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     step, state = _train_step(model, loss, keras.optimizers.AdamW(learning_rate=1e-3))
     rng = np.random.default_rng(seed + 1)
@@ -201,13 +201,13 @@ def keras_gemma(size="tiny", batch=BATCH, seq=16, layers=4):
     return _decoder("keras_gemma", 128, seq, 32, 2, 4, 1, lambda: GatedMLP(64), batch)
 
 
-def keras_moe(size="tiny", batch=BATCH, seq=16):
+def keras_moe(size="tiny", batch=BATCH, seq=16, layers=2):
     """A Mixtral-style decoder: top-2 routing (`keras.ops.top_k`, i.e. `jax.lax.top_k`) over 4
     SwiGLU experts, grouped-query attention."""
     _, SparseMoE, _ = _decoder_layers()
-    if size == "real":  # 8 experts, 2 layers (keras allocates the weights)
-        return _decoder("keras_moe", 32000, seq, 1024, 2, 16, 4, lambda: SparseMoE(8, 2048),
-                        batch)
+    if size == "real":  # 8 experts (keras allocates the weights)
+        return _decoder("keras_moe", 32000, seq, 1024, layers, 16, 4,
+                        lambda: SparseMoE(8, 2048), batch)
     return _decoder("keras_moe", 128, seq, 32, 2, 4, 2, lambda: SparseMoE(4, 32), batch)
 
 

@@ -34,6 +34,8 @@ def _model(cls, config, size: str, layers: int | None = None):
     """(model, params): random weights when tiny; at the real size only their shapes
     (jax.ShapeDtypeStruct leaves: the benchmark compiles, it never runs them). `layers`
     replaces the configuration's depth (each stack's, for an encoder-decoder)."""
+    import functools
+
     import jax
 
     for depth in ("n_layer", "num_hidden_layers", "encoder_layers", "decoder_layers"):
@@ -43,7 +45,8 @@ def _model(cls, config, size: str, layers: int | None = None):
     # (the constructor's eager init is slow on CPU), or only abstractly at the real size.
     model = cls(config, seed=0, _do_init=False)
     if size == "real":
-        return model, jax.eval_shape(model.init_weights, jax.random.key(0), model.input_shape)
+        init = functools.partial(model.init_weights, input_shape=model.input_shape)
+        return model, jax.eval_shape(init, jax.random.key(0))
     init = jax.jit(model.init_weights, static_argnums=1)
     return model, init(jax.random.key(0), model.input_shape)
 

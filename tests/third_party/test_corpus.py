@@ -32,12 +32,12 @@ TIME_LIMIT = 5.0  # ILP seconds: the tiny programs solve in well under that
 
 
 # CI runs every program on every mesh, and pipelines and accumulation on the transformers
-# models the corpus was gathered for (both schedules for GPT-2 and Llama, one for BERT, BART
-# and ViT); the other splitting programs' pipelines and accumulation are slow tests (about 10 s
+# models the corpus was gathered for (both schedules for GPT-2 and Llama, one for BERT, BART,
+# ViT and the BERT classifier); the other splitting programs' pipelines and accumulation are slow tests (about 10 s
 # each on 2 cores).
 CI_PIPELINES = {("hf_gpt2", "gpipe"), ("hf_gpt2", "1f1b"), ("hf_llama", "gpipe"),
                 ("hf_llama", "1f1b"), ("hf_bert", "1f1b"), ("hf_bart", "gpipe"),
-                ("hf_vit", "1f1b")}
+                ("hf_vit", "1f1b"), ("hf_bert_classify", "gpipe")}
 CI_ACCUMULATION = {"hf_gpt2", "hf_llama"}
 
 
@@ -51,7 +51,9 @@ def _param(program, *values, slow: bool = False):
 SPLITTING = [p for p in corpus.PROGRAMS if p.no_split is None]
 TRAIN_SPLITTING = [p for p in SPLITTING if p.kind == "train"]
 BATCH_STATISTICS = [p for p in corpus.PROGRAMS if p.no_split == corpus.BATCH_STATISTICS]
-MESH_CASES = [_param(p, mesh) for p in corpus.PROGRAMS for mesh in MESHES]
+# A program expected to fail (xfail) keeps one mesh in CI, enough to flip when it is fixed.
+MESH_CASES = [_param(p, mesh, slow=bool(p.xfail) and mesh != MESHES[0]) for p in corpus.PROGRAMS
+              for mesh in MESHES]
 PIPELINE_CASES = [_param(p, s, slow=(p.name, s) not in CI_PIPELINES) for p in SPLITTING
                   for s in SCHEDULES]
 ACCUMULATION_CASES = [_param(p, slow=p.name not in CI_ACCUMULATION) for p in TRAIN_SPLITTING]
@@ -118,11 +120,15 @@ def test_pipelined(name, schedule, corpus_program, devices8, helpers, tmp_path):
 @pytest.mark.parametrize("name", ACCUMULATION_CASES)
 def test_accumulates_where_nothing_else_fits(name, corpus_program, devices8, helpers, tmp_path):
     import hloplan
+    from hloplan.diagnostics import HloplanError
 
     data, args, want = corpus_program(name)
-    budget, why = corpus.accumulation_budget(data, TIME_LIMIT)
-    if budget is None:
-        pytest.skip(why)
+    budget = corpus.accumulation_budget(data, TIME_LIMIT)
+    if corpus.BY_NAME[name].no_accumulation:  # then the fallback says that nothing fits
+        with pytest.raises(HloplanError) as info:
+            hloplan.compile(data, "8", device="toy", time_limit=TIME_LIMIT, memory_budget=budget)
+        assert "no plan fits" in str(info.value)
+        return
     result = hloplan.compile(data, "8", output=tmp_path / "plan", device="toy",
                              time_limit=TIME_LIMIT, memory_budget=budget)
     pipe = result.plan["pipeline"]
