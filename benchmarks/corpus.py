@@ -417,9 +417,9 @@ def write_docs() -> None:
                  "output/down by input features, embeddings by vocabulary rows). Ratio: "
                  "hloplan's step over the best hand plan that fits (below 1: hloplan is "
                  "faster). The MoE's hand plans split each expert's hidden units for tensor "
-                 "parallel; there is no expert-parallel hand plan yet, and hloplan cannot plan "
-                 "the MoE until `chlo.top_k` survives inlining. The inference functions are "
-                 "not benchmarked (the hand plans are written for train steps).", ""]
+                 "parallel; there is no expert-parallel hand plan yet. The inference "
+                 "functions are not benchmarked (the hand plans are written for train "
+                 "steps).", ""]
         text += bench_table(bench)
     DOC.write_text("\n".join(text) + "\n")
 
