@@ -10,7 +10,8 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[test,tpu]" --config-settings editable_mode=strict
 .venv/bin/ruff check .
-.venv/bin/python -m pytest -m "not slow" "$@"
+# Two workers: one per core of a small CI machine (HLOPLAN_TEST_WORKERS=0 runs in-process).
+.venv/bin/python -m pytest -m "not slow" -n "${HLOPLAN_TEST_WORKERS:-2}" "$@"
 if [ "$#" -eq 0 ] && [ -z "${HLOPLAN_SKIP_JAX_VERSIONS:-}" ]; then
   bash scripts/test-jax-versions.sh
 fi
