@@ -2,7 +2,7 @@
 
 Plain data in (the graph, the batch analysis), plain data out (`PipelineCut`):
 - forward ops of the per-microbatch part are cut into contiguous groups: at given positions
-  (`cut_at`: the stages the inter-operator DP chose, hloplan.inter_op), or into `stages` groups
+  (`cut_at`: the stages the inter-operator DP chose, hloplan.pipeline_parallel.inter_op), or into `stages` groups
   of balanced cost (`cut`: the cut minimising the most expensive stage; `layer_starts` gives the
   DP its candidate layers the same way);
 - a backward op goes to the stage of the forward values it reads (its residuals), else to the

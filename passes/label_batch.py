@@ -1,7 +1,7 @@
 """label-batch: find the batch axis and the accumulation frontier of a train step.
 
 An analysis, not a pass of the compile pipeline: the pipeline and accumulation planner
-(hloplan.pipelining) runs it on the inlined graph through `analyse_program`.
+(hloplan.pipeline_parallel) runs it on the inlined graph through `analyse_program`.
 
 Starting from the inputs that carry the batch, the label (which dim of each value is the batch)
 is propagated through the ops' factor rules (op_rules): a pass-through factor keeps it, a
