@@ -19,4 +19,4 @@ out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 "$VENV/bin/hloplan" compile fixtures/mlp_train_step.jaxexport --mesh 2x4 --device toy -q -o "$out/plan"
 "$VENV/bin/hloplan" run "$out/plan" --check --inputs fixtures/mlp_train_step.inputs.npz
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/numerics/test_fixtures_numerics.py -k mlp_train_step
+"$VENV/bin/python" -m pytest -p no:cacheprovider tests/numerics/test_fixtures_numerics.py -k mlp_train_step
