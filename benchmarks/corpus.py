@@ -342,11 +342,7 @@ def bench_table(bench: dict) -> list[str]:
                          + " |" * (len(plans) + 2))
             continue
         hl = c["hloplan"]
-        cells = []
-        for plan in plans:
-            p = c["hand"].get(plan)
-            cells.append("-" if p is None else "error" if "error" in p
-                         else f"{p['step_s'] * 1e3:.1f}" + ("" if p["fits"] else " (OOM)"))
+        cells = [third_party.hand_cell(c["hand"].get(plan), digits=1) for plan in plans]
         step = ("error: " + " ".join(hl["error"].split())[:100]) if "error" in hl else \
             f"{hl['step_s'] * 1e3:.1f}" + ("" if hl.get("fits", True) else " (OOM)")
         ratio = "-" if c.get("ratio") is None else f"{c['ratio']:.3f} ({c.get('best_hand')})"
@@ -424,6 +420,19 @@ def write_docs() -> None:
     DOC.write_text("\n".join(text) + "\n")
 
 
+def _write_results(path: Path, results: dict, key: str, partial: bool) -> None:
+    """Write `results` to `path`; a run of some programs (`partial`) updates those entries of
+    `results[key]` in the full file instead."""
+    if partial and path.exists():
+        full = json.loads(path.read_text())
+        fresh = {entry["program"]: entry for entry in results[key]}
+        full[key] = [fresh.pop(entry["program"], entry) for entry in full[key]]
+        full[key] += list(fresh.values())
+        full["wall_s"] += results["wall_s"]
+        results = full
+    path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--report", action="store_true")
@@ -434,26 +443,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.report:
         names = args.programs.split(",") if args.programs else [p.name for p in corpus.PROGRAMS]
-        report = run_report(names)
-        if args.programs and REPORT_JSON.exists():  # update those rows of the full report
-            full = json.loads(REPORT_JSON.read_text())
-            fresh = {row["program"]: row for row in report["rows"]}
-            full["rows"] = [fresh.pop(row["program"], row) for row in full["rows"]]
-            full["rows"] += list(fresh.values())
-            full["wall_s"] += report["wall_s"]
-            report = full
-        REPORT_JSON.write_text(json.dumps(report, indent=1, default=str) + "\n")
+        _write_results(REPORT_JSON, run_report(names), "rows", partial=bool(args.programs))
     if args.bench:
         names = args.programs.split(",") if args.programs else list(BENCH_PROGRAMS)
-        bench = run_bench(names, args.mesh)
-        if args.programs and BENCH_JSON.exists():  # update those cases of the full run
-            full = json.loads(BENCH_JSON.read_text())
-            fresh = {case["program"]: case for case in bench["cases"]}
-            full["cases"] = [fresh.pop(c["program"], c) for c in full["cases"]]
-            full["cases"] += list(fresh.values())
-            full["wall_s"] += bench["wall_s"]
-            bench = full
-        BENCH_JSON.write_text(json.dumps(bench, indent=1, default=str) + "\n")
+        _write_results(BENCH_JSON, run_bench(names, args.mesh), "cases",
+                       partial=bool(args.programs))
     if args.report or args.bench or args.docs:
         write_docs()
         print(f"wrote {DOC}")

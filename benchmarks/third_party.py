@@ -290,6 +290,16 @@ def run_case(model: str, mesh: str, workdir: str) -> dict:
     return case
 
 
+def hand_cell(result: dict | None, digits: int = 2) -> str:
+    """A hand plan's table cell: its step in ms, "(OOM)" when it does not fit, "-" when not
+    planned."""
+    if result is None:
+        return "-"
+    if "error" in result:
+        return "error"
+    return f"{result['step_s'] * 1e3:.{digits}f}" + ("" if result["fits"] else " (OOM)")
+
+
 def table(cases: list[dict]) -> list[str]:
     lines = ["| model | mesh | hloplan step (ms) | " + " | ".join(HAND_PLANS)
              + " | **ratio** (vs) | ratio, per-kernel roofline (vs) | hloplan peak GiB |"
@@ -297,11 +307,7 @@ def table(cases: list[dict]) -> list[str]:
              "|---|---|---|" + "---|" * len(HAND_PLANS) + "---|---|---|---|"]
     for c in cases:
         hl = c["hloplan"]
-        cells = []
-        for plan in HAND_PLANS:
-            p = c["hand"].get(plan)
-            cells.append("-" if p is None else "error" if "error" in p
-                         else f"{p['step_s'] * 1e3:.2f}" + ("" if p["fits"] else " (OOM)"))
+        cells = [hand_cell(c["hand"].get(plan)) for plan in HAND_PLANS]
         if "error" in hl:
             lines.append(f"| {c['model']} | {c['mesh']} | error: {hl['error'][:80]} | "
                          + " | ".join(cells) + " | | | |")

@@ -369,12 +369,15 @@ def run_command(plan_dir, check, inputs, seed, rtol, atol, processes, timeout, f
     except HloplanError as exc:
         _fail(exc, plan_dir, fmt)
         return
-    if fmt == "json":
-        click.echo(json.dumps(report, indent=1, sort_keys=True))
-    else:
-        click.echo(format_report(report))
+    _echo_report(report, fmt, format_report)
     if check and not report["match"]:
         sys.exit(EXIT_DIAGNOSTICS)
+
+
+def _echo_report(report: dict, fmt: str, format_text) -> None:
+    """A command's report on stdout: JSON, or format_text's rendering."""
+    click.echo(json.dumps(report, indent=1, sort_keys=True) if fmt == "json"
+               else format_text(report))
 
 
 @main.command("opt", hidden=True)  # a developer's tool: golden IR tests run passes with it
@@ -434,10 +437,7 @@ def verify_command(plan_dir, compiler, topology, timeout, fmt):
     except HloplanError as exc:
         _fail(exc, plan_dir, fmt)
         return
-    if fmt == "json":
-        click.echo(json.dumps(report, indent=1, sort_keys=True))
-    else:
-        click.echo(format_verify_report(report))
+    _echo_report(report, fmt, format_verify_report)
 
 
 @main.command("calibrate")

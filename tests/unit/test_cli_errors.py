@@ -77,15 +77,21 @@ def test_bad_mesh_is_a_usage_error(mesh, message):
     assert message in result.output
 
 
-def test_mesh_that_does_not_divide_tensors_is_planned_around(tmp_path):
-    # Every dim is prime (7, 11): no split divides it, so the plan replicates, and says so
-    # through its specs rather than crashing.
+def _prime_program(tmp_path):
+    """A matmul whose every dim is prime (7, 11): no mesh axis but 7 or 11 divides any of them."""
     program = tmp_path / "prime.mlir"
     program.write_text(
         "func.func public @main(%arg0: tensor<7x11xf32>, %arg1: tensor<11x7xf32>) -> tensor<7x7xf32> {\n"
         "  %0 = stablehlo.dot_general %arg0, %arg1, contracting_dims = [1] x [0] : "
         "(tensor<7x11xf32>, tensor<11x7xf32>) -> tensor<7x7xf32>\n"
         "  return %0 : tensor<7x7xf32>\n}\n")
+    return program
+
+
+def test_mesh_that_does_not_divide_tensors_is_planned_around(tmp_path):
+    # Every dim is prime (7, 11): no split divides it, so the plan replicates, and says so
+    # through its specs rather than crashing.
+    program = _prime_program(tmp_path)
     result = run("compile", program, "--mesh", "2x4", "-o", tmp_path / "plan")
     assert result.exit_code == 0
     plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
@@ -326,12 +332,7 @@ def test_unwritable_outputs_are_usage_errors(tmp_path, monkeypatch):
 
 
 def test_mesh_axes_nothing_can_use_are_named(tmp_path):
-    program = tmp_path / "prime.mlir"
-    program.write_text(
-        "func.func public @main(%arg0: tensor<7x11xf32>, %arg1: tensor<11x7xf32>) -> tensor<7x7xf32> {\n"
-        "  %0 = stablehlo.dot_general %arg0, %arg1, contracting_dims = [1] x [0] : "
-        "(tensor<7x11xf32>, tensor<11x7xf32>) -> tensor<7x7xf32>\n"
-        "  return %0 : tensor<7x7xf32>\n}\n")
+    program = _prime_program(tmp_path)
     result = run("compile", program, "--mesh", "3x5", "-o", tmp_path / "plan")
     assert result.exit_code == 0
     assert "warning: mesh axes x=3, y=5 divide no dimension" in result.output
