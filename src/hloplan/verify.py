@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hloplan.diagnostics import HloplanError, UsageError
-from hloplan.multiprocess import isolated_python
+from hloplan.multiprocess import cpu_worker_env, isolated_python
 
 # A compile of the largest benchmark programs on 1,024 simulated devices takes a minute.
 TIMEOUT_S = 1800.0
@@ -186,12 +186,7 @@ def _run_child(plan_dir: str, target: Target, timeout: float, details: bool) -> 
         env = child_env()
         argv = ["--compiler", "tpu", "--topology", target.topology]
     else:
-        env = dict(os.environ)
-        env["XLA_FLAGS"] = " ".join(
-            [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-            + [f"--xla_force_host_platform_device_count={target.devices}"])
-        env["JAX_PLATFORMS"] = "cpu"
+        env = cpu_worker_env(target.devices)
         argv = []
     if details:
         argv.append("--details")
