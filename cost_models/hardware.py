@@ -43,6 +43,12 @@ Schema (all fields required unless marked optional)::
     reduce-scatter = "30MiB"     # 0: never merged (each pays its full latency)
     all-gather = 0
 
+    [collectives]                # optional: how the platform's compiler lays out collectives
+    staged-gathers = true        # a value sharded over several mesh axes may be all-gathered one
+                                 # axis at a time (pinned so); false: one all-gather over them all
+    gather-per-use = false       # true: every matmul reading a resharded value gets its own
+                                 # collective (no sharing between forward and backward reads)
+
 Without a [combiner] table: all-reduces and reduce-scatters merge into 30 MiB buffers (XLA's
 default GPU threshold) and all-gathers are not merged (`DEFAULT_COMBINER`). The planner amortises
 each merged collective's latency over the buffer (`collectives.CommModel`).
@@ -92,6 +98,7 @@ _TOP_FIELDS = {
     "flops",
     "interconnect",
     "combiner",
+    "collectives",
     "program_overhead",
     "tpu_topology",
     "calibration",
@@ -103,6 +110,7 @@ DEFAULT_COMBINER: dict[str, float] = {
     "all-reduce": 30.0 * 1024 * 1024, "reduce-scatter": 30.0 * 1024 * 1024, "all-gather": 0.0,
 }
 _LEVEL_FIELDS = {"name", "devices", "bandwidth", "latency"}
+_COLLECTIVES_FIELDS = ("staged-gathers", "gather-per-use")
 
 
 class DeviceModelError(ValueError):
@@ -191,6 +199,13 @@ class DeviceModel:
     tpu_topology: str | None = None
     # What `hloplan calibrate` measured, as written in the file (informational).
     calibration: dict[str, Any] = field(default_factory=dict, hash=False)
+    # [collectives]: whether a multi-axis all-gather may be priced (and pinned) one axis at a
+    # time; XLA's TPU compiler merges such stages back into one all-gather over all the axes.
+    staged_gathers: bool = True
+    # [collectives]: whether each matmul reading a resharded value pays its own collective;
+    # XLA's TPU compiler re-gathers a weight for the backward pass instead of keeping the
+    # forward pass's copy.
+    gather_per_use: bool = False
 
     def flops_for(self, dtype_name: object) -> float:
         """Peak FLOP/s for arithmetic in `dtype_name`.
@@ -359,7 +374,23 @@ def _parse_model(data: dict[str, Any], source: str) -> DeviceModel:
         program_overhead=program_overhead,
         tpu_topology=tpu_topology,
         calibration=dict(calibration),
+        **_parse_collectives(data.get("collectives", {}), source),
     )
+
+
+def _parse_collectives(table: Any, source: str) -> dict[str, bool]:
+    if not isinstance(table, dict):
+        raise _fail(source, "field 'collectives' must be a table ([collectives])")
+    found = {}
+    for key, value in table.items():
+        name = key.strip().lower().replace("_", "-")
+        if name not in _COLLECTIVES_FIELDS:
+            raise _fail(source, f"unknown field 'collectives.{key}' (known: "
+                                f"{', '.join(_COLLECTIVES_FIELDS)})")
+        if not isinstance(value, bool):
+            raise _fail(source, f"field 'collectives.{key}' must be true or false, got {value!r}")
+        found[name.replace("-", "_")] = value
+    return found
 
 
 def _parse_combiner(table: Any, source: str) -> dict[str, float]:

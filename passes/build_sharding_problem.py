@@ -65,13 +65,16 @@ class BuildShardingProblem:
     # Price (and have propagate-sharding pin) a multi-axis all-gather as one all-gather per
     # axis, minor-most first, where that is cheaper: XLA gathers [(x, y)] -> [-] over all
     # devices at once, in n_x * n_y - 1 ring steps rather than (n_x - 1) + (n_y - 1).
+    # Only where the device model allows it ([collectives] staged-gathers: XLA's TPU compiler
+    # merges the stages back into one all-gather).
     staged_gathers: bool = True
 
     def apply(self, state: CompileState) -> None:
         graph = state.graph
         options = state.options
         comm = CommModel(options.device, options.mesh, hosts=options.hosts,
-                         combine=options.device.combiner, staged_gathers=self.staged_gathers)
+                         combine=options.device.combiner,
+                         staged_gathers=self.staged_gathers and options.device.staged_gathers)
         state.comm = comm
         builder = _ProblemBuilder(graph, comm, self.follow_pointwise, state, self.min_launch_s)
         state.space, state.problem = builder.build(options.plan_budget)
@@ -368,8 +371,11 @@ class _ProblemBuilder:
         all-gather of the output gradient), so such a matmul takes the value from the previous
         one's layout: free when both need the same, a reshard between the two layouts when
         not. Pricing each read from the value's own layout instead charges a second collective
-        that XLA does not issue."""
+        that XLA does not issue. A device model with [collectives] gather-per-use (XLA's TPU
+        compiler re-gathers a weight for each matmul reading it) shares none."""
         shared = {}
+        if self.comm.model.gather_per_use:
+            return shared
         for value in self.graph.values:
             value_id = value.id
             if len(value.users) < 2 or value_id in self.space.free_values:

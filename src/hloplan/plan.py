@@ -89,12 +89,17 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
     from hloplan.passes.build_sharding_problem import chosen_reshards
 
     # One reshard per value and layout: XLA computes the layout once (CSE) however many
-    # consumers need it (the ILP charges each consuming edge; see README, fidelity).
+    # consumers need it (the ILP charges each consuming edge; see README, fidelity), except
+    # for matmuls on a device model that gathers per use ([collectives] gather-per-use).
     seen_reshards: set = set()
-    for _op, value_id, src, dst, multiplier in chosen_reshards(state):
-        if (value_id, src, dst, multiplier) in seen_reshards:
+    per_use = options.device.gather_per_use
+    for op, value_id, src, dst, multiplier in chosen_reshards(state):
+        key = (value_id, src, dst, multiplier)
+        if per_use and op.name in ("stablehlo.dot_general", "stablehlo.convolution"):
+            key = (*key, op.index)
+        if key in seen_reshards:
             continue
-        seen_reshards.add((value_id, src, dst, multiplier))
+        seen_reshards.add(key)
         type_ = graph.type_of(value_id)
         for kind, axes, sent in state.comm.reshard(type_.shape, type_.itemsize, src, dst).collectives:
             label = state.comm.axes_label(axes)
