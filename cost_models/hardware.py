@@ -46,8 +46,8 @@ Schema (all fields required unless marked optional)::
     [collectives]                # optional: how the platform's compiler lays out collectives
     staged-gathers = true        # a value sharded over several mesh axes may be all-gathered one
                                  # axis at a time (pinned so); false: one all-gather over them all
-    gather-per-use = false       # true: every matmul reading a resharded value gets its own
-                                 # collective (no sharing between forward and backward reads)
+    matmul-input-dtype = "bf16"  # optional: f32 matmul operands at default precision are
+                                 # converted to this dtype before they are resharded
 
 Without a [combiner] table: all-reduces and reduce-scatters merge into 30 MiB buffers (XLA's
 default GPU threshold) and all-gathers are not merged (`DEFAULT_COMBINER`). The planner amortises
@@ -110,7 +110,7 @@ DEFAULT_COMBINER: dict[str, float] = {
     "all-reduce": 30.0 * 1024 * 1024, "reduce-scatter": 30.0 * 1024 * 1024, "all-gather": 0.0,
 }
 _LEVEL_FIELDS = {"name", "devices", "bandwidth", "latency"}
-_COLLECTIVES_FIELDS = ("staged-gathers", "gather-per-use")
+_COLLECTIVES_FIELDS = ("staged-gathers", "matmul-input-dtype")
 
 
 class DeviceModelError(ValueError):
@@ -202,10 +202,9 @@ class DeviceModel:
     # [collectives]: whether a multi-axis all-gather may be priced (and pinned) one axis at a
     # time; XLA's TPU compiler merges such stages back into one all-gather over all the axes.
     staged_gathers: bool = True
-    # [collectives]: whether each matmul reading a resharded value pays its own collective;
-    # XLA's TPU compiler re-gathers a weight for the backward pass instead of keeping the
-    # forward pass's copy.
-    gather_per_use: bool = False
+    # [collectives]: the dtype f32 matmul operands at default precision are resharded in
+    # (XLA's TPU compiler rounds them to bf16 for the MXU before the collective); None: f32.
+    matmul_input_dtype: str | None = None
 
     def flops_for(self, dtype_name: object) -> float:
         """Peak FLOP/s for arithmetic in `dtype_name`.
@@ -378,7 +377,7 @@ def _parse_model(data: dict[str, Any], source: str) -> DeviceModel:
     )
 
 
-def _parse_collectives(table: Any, source: str) -> dict[str, bool]:
+def _parse_collectives(table: Any, source: str) -> dict[str, Any]:
     if not isinstance(table, dict):
         raise _fail(source, "field 'collectives' must be a table ([collectives])")
     found = {}
@@ -387,7 +386,9 @@ def _parse_collectives(table: Any, source: str) -> dict[str, bool]:
         if name not in _COLLECTIVES_FIELDS:
             raise _fail(source, f"unknown field 'collectives.{key}' (known: "
                                 f"{', '.join(_COLLECTIVES_FIELDS)})")
-        if not isinstance(value, bool):
+        if name == "matmul-input-dtype":
+            value = normalize_dtype(_string(value, source, f"collectives.{key}"))
+        elif not isinstance(value, bool):
             raise _fail(source, f"field 'collectives.{key}' must be true or false, got {value!r}")
         found[name.replace("-", "_")] = value
     return found

@@ -12,10 +12,11 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 from hloplan.cost_models import CommModel
-from hloplan.graph import Graph, Op
+from hloplan.graph import Graph, Op, TensorType
 from hloplan.op_rules import (
     FREE_IF_INPUTS_FREE,
     OpRule,
@@ -47,6 +48,22 @@ from hloplan.strategies import (
 )
 
 UNPLANNED = {"stablehlo.while", "stablehlo.case", "stablehlo.if"}
+MATMULS = ("stablehlo.dot_general", "stablehlo.convolution")
+
+
+def resharded_type(type_: TensorType, consumer: Op, model) -> TensorType:
+    """The type a value is resharded in for `consumer`: an f32 matmul operand at default
+    precision goes in the device model's matmul_input_dtype ([collectives]; XLA's TPU compiler
+    converts it for the MXU before the collective), any other value as it is."""
+    narrow = model.matmul_input_dtype
+    if (narrow is None or consumer.name not in MATMULS or type_.dtype != "f32"
+            or any(p != "DEFAULT" for p in _precisions(consumer))):
+        return type_
+    return TensorType(type_.shape, narrow)
+
+
+def _precisions(op: Op) -> list[str]:
+    return re.findall(r"precision\s+(\w+)", op.attrs.get("precision", ""))
 
 
 @dataclass(frozen=True)
@@ -355,12 +372,14 @@ class _ProblemBuilder:
                                     lambda: (s.results[0] for s in consumer_strategies))
         else:
             dst_id = self._operand_specs_id(consumer.index, position)
-        costs = self._matrix(value.type, src_id, dst_id, multiplier, value_id in self.fused)
+        type_ = value.type if position < 0 else resharded_type(value.type, consumer,
+                                                               self.comm.model)
+        costs = self._matrix(type_, src_id, dst_id, multiplier, value_id in self.fused)
         if costs is None:
             return None
         return Edge(self.space.node_of[producer], self.space.node_of[consumer.index], costs,
                     label=f"%{value_id} -> %{consumer.index}",
-                    copies=self._copies(value.type, dst_id) if position >= 0 else ())
+                    copies=self._copies(type_, dst_id) if position >= 0 else ())
 
     def _shared_reshards(self) -> dict[tuple[int, int], tuple[int, int]]:
         """(matmul, operand position) -> (the previous matmul reading the same value, its
@@ -371,11 +390,8 @@ class _ProblemBuilder:
         all-gather of the output gradient), so such a matmul takes the value from the previous
         one's layout: free when both need the same, a reshard between the two layouts when
         not. Pricing each read from the value's own layout instead charges a second collective
-        that XLA does not issue. A device model with [collectives] gather-per-use (XLA's TPU
-        compiler re-gathers a weight for each matmul reading it) shares none."""
+        that XLA does not issue."""
         shared = {}
-        if self.comm.model.gather_per_use:
-            return shared
         for value in self.graph.values:
             value_id = value.id
             if len(value.users) < 2 or value_id in self.space.free_values:
@@ -383,7 +399,7 @@ class _ProblemBuilder:
             previous: dict[tuple, tuple[int, int]] = {}
             for user in dict.fromkeys(value.users):
                 op = self.graph.ops[user]
-                if (op.name not in ("stablehlo.dot_general", "stablehlo.convolution")
+                if (op.name not in MATMULS
                         or user not in self.space.strategies
                         or op.operands.count(value_id) != 1):
                     continue
@@ -400,7 +416,7 @@ class _ProblemBuilder:
         source, source_position = previous
         src_id = self._operand_specs_id(source, source_position)
         dst_id = self._operand_specs_id(consumer.index, position)
-        type_ = self.graph.type_of(value_id)
+        type_ = resharded_type(self.graph.type_of(value_id), consumer, self.comm.model)
         costs = self._matrix(type_, src_id, dst_id, consumer.multiplier)
         if costs is None:
             return None

@@ -1005,6 +1005,9 @@ def _split_reduce_scatter(op: CollectiveOp, ins: _Instr, scattered: list[int]) -
     return [remaining, scatter]
 
 
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+
+
 def _is_async_collective_done(comp: _Computation) -> bool:
     """XLA's TPU pipeline runs a collective asynchronously as two fusions: the start's fused
     computation holds the collective under a custom-call AsyncCollectiveStart, the done's holds
@@ -1040,6 +1043,7 @@ def collective_stats(
     mesh = tuple((str(a), int(s)) for a, s in mesh_axes) if mesh_axes else None
     multipliers = _multipliers(module)
     ops: list[CollectiveOp] = []
+    channels: set[tuple[str, str]] = set()
     for comp_name, (mult, known) in multipliers.items():
         comp = module.computations[comp_name]
         if _is_async_collective_done(comp):
@@ -1050,6 +1054,14 @@ def collective_stats(
             if spec is None:
                 continue
             kind, is_async = spec
+            # An asynchronous collective that XLA's TPU pipeline overlaps with several compute
+            # fusions appears in each of them (the start's, then continuation fusions that
+            # each hold a copy of it with the same channel): one collective.
+            channel = _CHANNEL.search(ins.attrs)
+            if channel is not None and "async_collective_fusion_config" in ins.attrs:
+                if (kind, channel.group(1)) in channels:
+                    continue
+                channels.add((kind, channel.group(1)))
             op = _collective(comp, ins, kind, is_async, num_devices, mesh, mult, known)
             if fold_reduce_scatter and kind == "all-reduce" and not is_async and op.group_size > 1:
                 scattered = _scattered_elements(module, comp, users, ins, op.group_size)

@@ -1016,7 +1016,9 @@ def op_attributes(op) -> dict:
                    rhs_batch=list(dims.rhs_batching_dimensions),
                    lhs_contracting=list(dims.lhs_contracting_dimensions),
                    rhs_contracting=list(dims.rhs_contracting_dimensions))
-    elif name == "stablehlo.convolution":
+    if name in ("stablehlo.dot_general", "stablehlo.convolution") and "precision_config" in attrs:
+        out["precision"] = str(attrs["precision_config"])
+    if name == "stablehlo.convolution":
         dims = stablehlo.ConvDimensionNumbers(attrs["dimension_numbers"])
         out.update(
             input_batch=dims.input_batch_dimension, input_feature=dims.input_feature_dimension,

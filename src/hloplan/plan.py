@@ -86,21 +86,16 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
             "times_per_step": op.multiplier,
             "replicated_fallback": state.space.fallbacks.get(op_index),
         })
-    from hloplan.passes.build_sharding_problem import chosen_reshards
+    from hloplan.passes.build_sharding_problem import chosen_reshards, resharded_type
 
     # One reshard per value and layout: XLA computes the layout once (CSE) however many
-    # consumers need it (the ILP charges each consuming edge; see README, fidelity), except
-    # for matmuls on a device model that gathers per use ([collectives] gather-per-use).
+    # consumers need it (the ILP charges each consuming edge; see README, fidelity).
     seen_reshards: set = set()
-    per_use = options.device.gather_per_use
     for op, value_id, src, dst, multiplier in chosen_reshards(state):
-        key = (value_id, src, dst, multiplier)
-        if per_use and op.name in ("stablehlo.dot_general", "stablehlo.convolution"):
-            key = (*key, op.index)
-        if key in seen_reshards:
+        if (value_id, src, dst, multiplier) in seen_reshards:
             continue
-        seen_reshards.add(key)
-        type_ = graph.type_of(value_id)
+        seen_reshards.add((value_id, src, dst, multiplier))
+        type_ = resharded_type(graph.type_of(value_id), op, options.device)
         for kind, axes, sent in state.comm.reshard(type_.shape, type_.itemsize, src, dst).collectives:
             label = state.comm.axes_label(axes)
             entry = collectives.setdefault(f"{kind}({label})", {"kind": kind, "axes": label,
