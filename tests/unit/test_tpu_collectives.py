@@ -1,0 +1,131 @@
+"""Collectives as XLA's TPU compiler lays them out: the device model's [collectives] table
+(one all-gather over several mesh axes, f32 matmul operands resharded in bf16) and hlo_stats
+counting an async collective that libtpu spreads over several fusions once."""
+
+from __future__ import annotations
+
+import pytest
+
+from hloplan.cost_models import CommModel, DeviceModelError, load_device_model
+from hloplan.cost_models.hardware import _load_text
+from hloplan.graph import Op, TensorType
+from hloplan.hlo_stats import collective_stats
+from hloplan.mesh import parse_mesh
+from hloplan.passes.build_sharding_problem import resharded_type
+
+MODEL = """\
+name = "toy"
+platform = "tpu"
+memory = "1GiB"
+hbm_bandwidth = 1e10
+
+[flops]
+default = 1e9
+
+[[interconnect]]
+name = "net"
+devices = 0
+bandwidth = 100e9
+latency = 1e-6
+"""
+
+
+def test_collectives_table_defaults_and_tpu_models():
+    toy = _load_text(MODEL, "toy.toml")
+    assert (toy.staged_gathers, toy.matmul_input_dtype) == (True, None)
+    for name in ("tpu-v5e", "tpu-v6e", "tpu-v5p"):
+        tpu = load_device_model(name)
+        assert (tpu.staged_gathers, tpu.matmul_input_dtype) == (False, "bf16")
+    for name in ("cpu", "h100", "toy"):
+        other = load_device_model(name)
+        assert (other.staged_gathers, other.matmul_input_dtype) == (True, None)
+    custom = _load_text(MODEL + '[collectives]\nstaged_gathers = false\n'
+                        'matmul-input-dtype = "bfloat16"\n', "custom.toml")
+    assert (custom.staged_gathers, custom.matmul_input_dtype) == (False, "bf16")
+
+
+@pytest.mark.parametrize("table, message", [
+    ("[collectives]\nstaged = true\n", "unknown field 'collectives.staged'"),
+    ("[collectives]\nstaged-gathers = 1\n", "must be true or false"),
+    ("collectives = 3\n", "must be a table"),
+])
+def test_collectives_table_errors(table, message):
+    with pytest.raises(DeviceModelError, match=message):
+        _load_text(table + MODEL if not table.startswith("[") else MODEL + table, "bad.toml")
+
+
+def test_one_gather_over_both_axes_when_not_staged():
+    """[x, y] -> replicated: one all-gather over (x, y) on a TPU model, two staged per-axis
+    gathers where the model allows staging."""
+    mesh = parse_mesh("x=2,y=4")
+    tpu = load_device_model("tpu-v5e")
+    one = CommModel(tpu, mesh, staged_gathers=tpu.staged_gathers).reshard(
+        (1024, 1024), 4, ((0, 1), ()), ((), ()))
+    assert [(kind, axes) for kind, axes, _ in one.collectives] == [("all-gather", (0, 1))]
+    assert one.bytes_sent == pytest.approx(7 / 8 * 4 * 1024 * 1024)
+    assert one.via == ()
+    staged = CommModel(tpu, mesh, staged_gathers=True).reshard(
+        (1024, 1024), 4, ((0, 1), ()), ((), ()))
+    assert [axes for _, axes, _ in staged.collectives] == [(1,), (0,)]
+
+
+def _dot(precision: str | None = None) -> Op:
+    attrs = {"precision": precision} if precision else {}
+    return Op(index=3, name="stablehlo.dot_general", operands=(0, 1), results=(2,), attrs=attrs)
+
+
+def test_matmul_operands_reshard_in_bf16_on_tpu():
+    f32 = TensorType((256, 512), "f32")
+    tpu, h100 = load_device_model("tpu-v5e"), load_device_model("h100")
+    assert resharded_type(f32, _dot(), tpu) == TensorType((256, 512), "bf16")
+    default = "[#stablehlo<precision DEFAULT>, #stablehlo<precision DEFAULT>]"
+    assert resharded_type(f32, _dot(default), tpu).dtype == "bf16"
+    # Multi-pass precision keeps f32 operands; other platforms, other ops, other dtypes as is.
+    highest = "[#stablehlo<precision HIGHEST>, #stablehlo<precision DEFAULT>]"
+    assert resharded_type(f32, _dot(highest), tpu) == f32
+    assert resharded_type(f32, _dot(), h100) == f32
+    add = Op(index=3, name="stablehlo.add", operands=(0, 1), results=(2,))
+    assert resharded_type(f32, add, tpu) == f32
+    s32 = TensorType((256, 512), "s32")
+    assert resharded_type(s32, _dot(), tpu) == s32
+
+
+# One async all-gather that libtpu overlaps with two compute fusions: the start fusion holds it,
+# a continuation fusion a copy (same channel, async_collective_fusion_config); another
+# all-gather on its own channel.
+CONTINUED = """\
+HloModule m, num_partitions=8
+
+%start_comp (p0: bf16[32,64]) -> (bf16[32,64], bf16[64,64]) {
+  %p0 = bf16[32,64]{1,0} parameter(0)
+  %all-gather.1 = bf16[64,64]{1,0} all-gather(%p0), channel_id=3, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}, use_global_device_ids=true, backend_config={"async_collective_fusion_config":{"flag_start":"-1","flag_end":"-1"}}
+  ROOT %cc.1 = (bf16[32,64]{1,0}, bf16[64,64]{1,0}) custom-call(%all-gather.1), custom_call_target="AsyncCollectiveStart"
+}
+
+%step_comp (q0: bf16[32,64], q1: f32[16]) -> (bf16[64,64], f32[16]) {
+  %q0 = bf16[32,64]{1,0} parameter(0)
+  %q1 = f32[16]{0} parameter(1)
+  %all-gather.2 = bf16[64,64]{1,0} all-gather(%q0), channel_id=3, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}, use_global_device_ids=true, backend_config={"async_collective_fusion_config":{"flag_start":"2","flag_end":"8"}}
+  %neg = f32[16]{0} negate(%q1)
+  ROOT %t = (bf16[64,64]{1,0}, f32[16]{0}) tuple(%all-gather.2, %neg)
+}
+
+ENTRY %main (x: bf16[32,64], y: bf16[32,64], z: f32[16]) -> (bf16[64,64], bf16[64,64], f32[16]) {
+  %x = bf16[32,64]{1,0} parameter(0)
+  %y = bf16[32,64]{1,0} parameter(1)
+  %z = f32[16]{0} parameter(2)
+  %start = (bf16[32,64]{1,0}, bf16[64,64]{1,0}) fusion(%x), kind=kCustom, calls=%start_comp
+  %gte0 = bf16[32,64]{1,0} get-tuple-element(%start), index=0
+  %step = (bf16[64,64]{1,0}, f32[16]{0}) fusion(%gte0, %z), kind=kCustom, calls=%step_comp
+  %g = bf16[64,64]{1,0} get-tuple-element(%step), index=0
+  %n = f32[16]{0} get-tuple-element(%step), index=1
+  %other = bf16[64,64]{1,0} all-gather(%y), channel_id=5, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}, use_global_device_ids=true
+  ROOT %out = (bf16[64,64]{1,0}, bf16[64,64]{1,0}, f32[16]{0}) tuple(%g, %other, %n)
+}
+"""
+
+
+def test_async_collective_in_continuation_fusions_counts_once():
+    stats = collective_stats(CONTINUED, mesh_axes=[("x", 2), ("y", 4)])
+    assert [(op.kind, op.axes) for op in stats.ops] == [("all-gather", ("x",))] * 2
+    assert stats.total_bytes == pytest.approx(2 * 0.5 * 64 * 64 * 2)
