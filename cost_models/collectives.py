@@ -126,7 +126,10 @@ class CommModel:
         self.model = model
         self.mesh = mesh
         self.hosts = hosts
-        self.staged_gathers = staged_gathers
+        # XLA's TPU compiler gathers every axis a reshard removes in one all-gather, whatever
+        # dims they are on ([x, y] -> [-, -] is one all-gather over (x, y)): no stages either.
+        self.one_gather = model.gathers == "one"
+        self.staged_gathers = staged_gathers and not self.one_gather
         self.combine = {_kind(k): float(v) for k, v in (combine or {}).items() if v > 0}
         self.links: tuple[Interconnect, ...] = axis_links(model, mesh, hosts)
         # Memos: the planner prices ~10^4 reshards between the same few axis groups and
@@ -309,6 +312,9 @@ class CommModel:
              at one dim from two or more dims ([x, y, -] -> [-, -, (x, y)]) are all-gathered
              where they are in step 1 instead;
           3. slices: dst axes not yet in place are free (each device keeps its part).
+        On a device model with [collectives] gathers = "one" (XLA's TPU compiler), the
+        all-gathers of step 1 are one all-gather over all their axes (mesh order), sized by the
+        per-device tensor after it.
         The per-device size is tracked through the steps (dims rounded up, as XLA pads). This is
         exact for the common cases, S->R (all-gather), S(d)->S(d') (all-to-all) and R->S (free);
         more tangled changes are priced as that sequence of steps.
@@ -348,12 +354,18 @@ class CommModel:
                 seconds += self.collective(kind, nbytes, axes)
                 steps.append((kind, axes, sent))
 
-        # 1. all-gathers, the last dim first (tests/unit/test_hlo_stats.py checks XLA's order)
+        # 1. all-gathers, the last dim first (tests/unit/test_hlo_stats.py checks XLA's order),
+        # or all in one (one_gather)
         via: list[Sharding] = []
+        together: list[int] = []
         for d in reversed(range(rank)):
             gathered = tuple(a for a in leaving[d]
                              if dst_dim.get(a, d) == d or dst_dim[a] in gathered_into)
             if not gathered:
+                continue
+            if self.one_gather:
+                current[d] = [a for a in current[d] if a not in gathered]
+                together.extend(gathered)
                 continue
             stages = self._gather_stages(shape, itemsize, current, d, gathered,
                                          self.staged_gathers if staged is None else staged)
@@ -365,6 +377,8 @@ class CommModel:
                 current[d].remove(axis)
                 record(ALL_GATHER, size(), (axis,))
                 via.append(tuple(tuple(axes) for axes in current))
+        if together:
+            record(ALL_GATHER, size(), tuple(sorted(together)))
         # 2. all-to-alls
         for d in range(rank):
             targets = sorted({dst_dim[a] for a in leaving[d]

@@ -44,8 +44,9 @@ Schema (all fields required unless marked optional)::
     all-gather = 0
 
     [collectives]                # optional: how the platform's compiler lays out collectives
-    staged-gathers = true        # a value sharded over several mesh axes may be all-gathered one
-                                 # axis at a time (pinned so); false: one all-gather over them all
+    gathers = "per-dim"          # "per-dim": a reshard all-gathers each tensor dim on its own
+                                 # (XLA's partitioner), staged one axis at a time where cheaper;
+                                 # "one": one all-gather over all the axes it removes (libtpu)
     matmul-input-dtype = "bf16"  # optional: f32 matmul operands at default precision are
                                  # converted to this dtype before they are resharded
 
@@ -110,7 +111,8 @@ DEFAULT_COMBINER: dict[str, float] = {
     "all-reduce": 30.0 * 1024 * 1024, "reduce-scatter": 30.0 * 1024 * 1024, "all-gather": 0.0,
 }
 _LEVEL_FIELDS = {"name", "devices", "bandwidth", "latency"}
-_COLLECTIVES_FIELDS = ("staged-gathers", "matmul-input-dtype")
+_COLLECTIVES_FIELDS = ("gathers", "matmul-input-dtype")
+_GATHERS = ("per-dim", "one")
 
 
 class DeviceModelError(ValueError):
@@ -199,9 +201,9 @@ class DeviceModel:
     tpu_topology: str | None = None
     # What `hloplan calibrate` measured, as written in the file (informational).
     calibration: dict[str, Any] = field(default_factory=dict, hash=False)
-    # [collectives]: whether a multi-axis all-gather may be priced (and pinned) one axis at a
-    # time; XLA's TPU compiler merges such stages back into one all-gather over all the axes.
-    staged_gathers: bool = True
+    # [collectives]: "per-dim" (one all-gather per tensor dim, maybe staged per axis) or "one"
+    # (one all-gather over every axis a reshard removes, as XLA's TPU compiler does).
+    gathers: str = "per-dim"
     # [collectives]: the dtype f32 matmul operands at default precision are resharded in
     # (XLA's TPU compiler rounds them to bf16 for the MXU before the collective); None: f32.
     matmul_input_dtype: str | None = None
@@ -377,7 +379,7 @@ def _parse_model(data: dict[str, Any], source: str) -> DeviceModel:
     )
 
 
-def _parse_collectives(table: Any, source: str) -> dict[str, Any]:
+def _parse_collectives(table: Any, source: str) -> dict[str, str]:
     if not isinstance(table, dict):
         raise _fail(source, "field 'collectives' must be a table ([collectives])")
     found = {}
@@ -386,10 +388,12 @@ def _parse_collectives(table: Any, source: str) -> dict[str, Any]:
         if name not in _COLLECTIVES_FIELDS:
             raise _fail(source, f"unknown field 'collectives.{key}' (known: "
                                 f"{', '.join(_COLLECTIVES_FIELDS)})")
+        value = _string(value, source, f"collectives.{key}")
         if name == "matmul-input-dtype":
-            value = normalize_dtype(_string(value, source, f"collectives.{key}"))
-        elif not isinstance(value, bool):
-            raise _fail(source, f"field 'collectives.{key}' must be true or false, got {value!r}")
+            value = normalize_dtype(value)
+        elif value not in _GATHERS:
+            raise _fail(source, f"field 'collectives.{key}' must be one of "
+                                f"{', '.join(map(repr, _GATHERS))}, got {value!r}")
         found[name.replace("-", "_")] = value
     return found
 

@@ -82,16 +82,14 @@ class BuildShardingProblem:
     # Price (and have propagate-sharding pin) a multi-axis all-gather as one all-gather per
     # axis, minor-most first, where that is cheaper: XLA gathers [(x, y)] -> [-] over all
     # devices at once, in n_x * n_y - 1 ring steps rather than (n_x - 1) + (n_y - 1).
-    # Only where the device model allows it ([collectives] staged-gathers: XLA's TPU compiler
-    # merges the stages back into one all-gather).
+    # (Not on a device model whose compiler gathers in one: [collectives] gathers = "one".)
     staged_gathers: bool = True
 
     def apply(self, state: CompileState) -> None:
         graph = state.graph
         options = state.options
         comm = CommModel(options.device, options.mesh, hosts=options.hosts,
-                         combine=options.device.combiner,
-                         staged_gathers=self.staged_gathers and options.device.staged_gathers)
+                         combine=options.device.combiner, staged_gathers=self.staged_gathers)
         state.comm = comm
         builder = _ProblemBuilder(graph, comm, self.follow_pointwise, state, self.min_launch_s)
         state.space, state.problem = builder.build(options.plan_budget)

@@ -1,5 +1,6 @@
 """Collectives as XLA's TPU compiler lays them out: the device model's [collectives] table
-(one all-gather over several mesh axes, f32 matmul operands resharded in bf16) and hlo_stats
+(one all-gather over all the axes a reshard removes, f32 matmul operands resharded in bf16),
+checked against libtpu where it is installed, and hlo_stats
 counting an async collective that libtpu spreads over several fusions once."""
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ from hloplan.graph import Op, TensorType
 from hloplan.hlo_stats import collective_stats
 from hloplan.mesh import parse_mesh
 from hloplan.passes.build_sharding_problem import resharded_type
+from hloplan.tpu import libtpu_available
+
+needs_libtpu = pytest.mark.skipif(not libtpu_available(),
+                                  reason="libtpu is not installed (pip install '.[tpu]')")
 
 MODEL = """\
 name = "toy"
@@ -32,21 +37,22 @@ latency = 1e-6
 
 def test_collectives_table_defaults_and_tpu_models():
     toy = _load_text(MODEL, "toy.toml")
-    assert (toy.staged_gathers, toy.matmul_input_dtype) == (True, None)
+    assert (toy.gathers, toy.matmul_input_dtype) == ("per-dim", None)
     for name in ("tpu-v5e", "tpu-v6e", "tpu-v5p"):
         tpu = load_device_model(name)
-        assert (tpu.staged_gathers, tpu.matmul_input_dtype) == (False, "bf16")
+        assert (tpu.gathers, tpu.matmul_input_dtype) == ("one", "bf16")
     for name in ("cpu", "h100", "toy"):
         other = load_device_model(name)
-        assert (other.staged_gathers, other.matmul_input_dtype) == (True, None)
-    custom = _load_text(MODEL + '[collectives]\nstaged_gathers = false\n'
-                        'matmul-input-dtype = "bfloat16"\n', "custom.toml")
-    assert (custom.staged_gathers, custom.matmul_input_dtype) == (False, "bf16")
+        assert (other.gathers, other.matmul_input_dtype) == ("per-dim", None)
+    custom = _load_text(MODEL + '[collectives]\ngathers = "one"\n'
+                        'matmul_input_dtype = "bfloat16"\n', "custom.toml")
+    assert (custom.gathers, custom.matmul_input_dtype) == ("one", "bf16")
 
 
 @pytest.mark.parametrize("table, message", [
-    ("[collectives]\nstaged = true\n", "unknown field 'collectives.staged'"),
-    ("[collectives]\nstaged-gathers = 1\n", "must be true or false"),
+    ('[collectives]\nstaged = "one"\n', "unknown field 'collectives.staged'"),
+    ('[collectives]\ngathers = "staged"\n', "must be one of 'per-dim', 'one'"),
+    ("[collectives]\ngathers = true\n", "must be a non-empty string"),
     ("collectives = 3\n", "must be a table"),
 ])
 def test_collectives_table_errors(table, message):
@@ -54,19 +60,50 @@ def test_collectives_table_errors(table, message):
         _load_text(table + MODEL if not table.startswith("[") else MODEL + table, "bad.toml")
 
 
-def test_one_gather_over_both_axes_when_not_staged():
-    """[x, y] -> replicated: one all-gather over (x, y) on a TPU model, two staged per-axis
-    gathers where the model allows staging."""
+# (source, destination) layouts of a (512, 2048) f32 tensor on mesh x=2, y=4, and the one
+# all-gather libtpu compiles for each (tested against libtpu below).
+ONE_GATHER = [
+    (((0,), (1,)), ((), ())),  # [x, y] -> replicated: one all-gather over (x, y)
+    (((1,), (0,)), ((), ())),  # [y, x]
+    (((0, 1), ()), ((), ())),  # [(x, y), -]
+    (((1, 0), ()), ((), ())),  # [(y, x), -]
+    (((), (0, 1)), ((), ())),  # [-, (x, y)]
+]
+
+
+@pytest.mark.parametrize("src, dst", ONE_GATHER)
+def test_one_gather_over_all_removed_axes(src, dst):
     mesh = parse_mesh("x=2,y=4")
-    tpu = load_device_model("tpu-v5e")
-    one = CommModel(tpu, mesh, staged_gathers=tpu.staged_gathers).reshard(
-        (1024, 1024), 4, ((0, 1), ()), ((), ()))
+    one = CommModel(load_device_model("tpu-v5e"), mesh, staged_gathers=True).reshard(
+        (512, 2048), 4, src, dst)
     assert [(kind, axes) for kind, axes, _ in one.collectives] == [("all-gather", (0, 1))]
-    assert one.bytes_sent == pytest.approx(7 / 8 * 4 * 1024 * 1024)
+    assert one.bytes_sent == pytest.approx(7 / 8 * 4 * 512 * 2048)
     assert one.via == ()
-    staged = CommModel(tpu, mesh, staged_gathers=True).reshard(
-        (1024, 1024), 4, ((0, 1), ()), ((), ()))
-    assert [axes for _, axes, _ in staged.collectives] == [(1,), (0,)]
+    # The partitioner's way (other device models): one all-gather per dim, or staged.
+    per_dim = CommModel(load_device_model("h100"), mesh, staged_gathers=True).reshard(
+        (512, 2048), 4, src, dst)
+    assert len(per_dim.collectives) == 2
+
+
+@needs_libtpu
+def test_one_gather_is_what_libtpu_compiles():
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+    from hloplan.tpu import parse_topology, topology_devices
+
+    devices = topology_devices(parse_topology("v5e:2x4"))
+    mesh = Mesh(np.array(devices).reshape(2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+    names = ("x", "y")
+    for src, _dst in ONE_GATHER:
+        spec = PartitionSpec(*(tuple(names[a] for a in axes) or None for axes in src))
+        compiled = jax.jit(lambda w: w * 2, in_shardings=NamedSharding(mesh, spec),
+                           out_shardings=NamedSharding(mesh, PartitionSpec())).lower(
+            jax.ShapeDtypeStruct((512, 2048), np.float32)).compile()
+        stats = collective_stats(compiled.as_text(), mesh_axes=[("x", 2), ("y", 4)])
+        assert [(op.kind, set(op.axes)) for op in stats.ops] == [("all-gather", {"x", "y"})]
+        assert stats.total_bytes == pytest.approx(7 / 8 * 4 * 512 * 2048)
 
 
 def _dot(precision: str | None = None) -> Op:
