@@ -639,20 +639,31 @@ def _live_range(node: int, first: int, last: int, made: int | None) -> LiveRange
 def chosen_reshards(state: CompileState):
     """The resharding the chosen plan does: (consumer op, value id, src spec, dst spec, multiplier)
     for every operand (and loop-carried value) whose producer's layout differs from the one its
-    consumer's strategy needs."""
+    consumer's strategy needs. The source is the earlier matmul's layout of the value where
+    propagate-sharding reshards it from there (_shared_reshards)."""
+    from hloplan.passes.propagate_sharding import PropagateSharding
+
     graph, space = state.graph, state.space
     for op_index in space.strategies:
         op = graph.ops[op_index]
         chosen = state.chosen(op_index)
-        pairs = [(v, chosen.operands[k] if k < len(chosen.operands) else None, op.multiplier)
+        pairs = [(v, chosen.operands[k] if k < len(chosen.operands) else None, op.multiplier, k)
                  for k, v in enumerate(op.operands)]
         if op.name == "while.carry" and "yield" in op.attrs:
-            pairs.append((op.attrs["yield"], chosen.results[0], op.attrs["yield_multiplier"]))
-        for value_id, required, multiplier in pairs:
+            pairs.append((op.attrs["yield"], chosen.results[0], op.attrs["yield_multiplier"],
+                          None))
+        for value_id, required, multiplier, position in pairs:
             value = graph.values[value_id]
             if (required is None or value.type is None or value_id in space.free_values
                     or value.producer not in space.strategies):
                 continue
             given = state.chosen(value.producer).results[value.result_index]
-            if given != required:
-                yield op, value_id, given, required, multiplier
+            if given == required:
+                continue
+            via = space.reads_via.get((op_index, position))
+            if via is not None and PropagateSharding._from_earlier(state, value_id, via, given,
+                                                                   required):
+                given = state.chosen(via[0]).operands[via[1]]
+                if given == required:
+                    continue  # the earlier reader's copy, as it is
+            yield op, value_id, given, required, multiplier
