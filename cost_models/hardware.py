@@ -49,6 +49,8 @@ Schema (all fields required unless marked optional)::
                                  # "one": one all-gather over all the axes it removes (libtpu)
     matmul-input-dtype = "bf16"  # optional: f32 matmul operands at default precision are
                                  # converted to this dtype before they are resharded
+    reassociate = false          # true: add(all-reduce(a), all-reduce(b)) compiles as
+                                 # all-reduce(a + b) (so do reduce-scatters): one collective
 
 Without a [combiner] table: all-reduces and reduce-scatters merge into 30 MiB buffers (XLA's
 default GPU threshold) and all-gathers are not merged (`DEFAULT_COMBINER`). The planner amortises
@@ -111,7 +113,7 @@ DEFAULT_COMBINER: dict[str, float] = {
     "all-reduce": 30.0 * 1024 * 1024, "reduce-scatter": 30.0 * 1024 * 1024, "all-gather": 0.0,
 }
 _LEVEL_FIELDS = {"name", "devices", "bandwidth", "latency"}
-_COLLECTIVES_FIELDS = ("gathers", "matmul-input-dtype")
+_COLLECTIVES_FIELDS = ("gathers", "matmul-input-dtype", "reassociate")
 _GATHERS = ("per-dim", "one")
 
 
@@ -207,6 +209,9 @@ class DeviceModel:
     # [collectives]: the dtype f32 matmul operands at default precision are resharded in
     # (XLA's TPU compiler rounds them to bf16 for the MXU before the collective); None: f32.
     matmul_input_dtype: str | None = None
+    # [collectives]: whether the compiler sums the partial results of two all-reduces (or
+    # reduce-scatters) over the same axes that only an add reads before one collective.
+    reassociate: bool = False
 
     def flops_for(self, dtype_name: object) -> float:
         """Peak FLOP/s for arithmetic in `dtype_name`.
@@ -379,7 +384,7 @@ def _parse_model(data: dict[str, Any], source: str) -> DeviceModel:
     )
 
 
-def _parse_collectives(table: Any, source: str) -> dict[str, str]:
+def _parse_collectives(table: Any, source: str) -> dict[str, Any]:
     if not isinstance(table, dict):
         raise _fail(source, "field 'collectives' must be a table ([collectives])")
     found = {}
@@ -388,6 +393,12 @@ def _parse_collectives(table: Any, source: str) -> dict[str, str]:
         if name not in _COLLECTIVES_FIELDS:
             raise _fail(source, f"unknown field 'collectives.{key}' (known: "
                                 f"{', '.join(_COLLECTIVES_FIELDS)})")
+        if name == "reassociate":
+            if not isinstance(value, bool):
+                raise _fail(source, f"field 'collectives.{key}' must be true or false, "
+                                    f"got {value!r}")
+            found[name] = value
+            continue
         value = _string(value, source, f"collectives.{key}")
         if name == "matmul-input-dtype":
             value = normalize_dtype(value)

@@ -667,3 +667,37 @@ def chosen_reshards(state: CompileState):
                 if given == required:
                     continue  # the earlier reader's copy, as it is
             yield op, value_id, given, required, multiplier
+
+
+def reassociated(state: CompileState) -> set[tuple[int, str, str]]:
+    """(op index, kind, axes) of the result collectives of the chosen plan that the compiler
+    folds into another (device model [collectives] reassociate; XLA's AllReduceReassociate and
+    ReduceScatterReassociate): where an add is the only reader of two values whose producers
+    each end in an all-reduce or reduce-scatter of the same kind and axes, and reads them in
+    the layouts they are made in, XLA adds the partial results and runs one collective. Of
+    each such pair, the second producer's collective is listed here."""
+    if not state.options.device.reassociate:
+        return set()
+    graph, space = state.graph, state.space
+    folded = set()
+    for op_index in space.strategies:
+        op = graph.ops[op_index]
+        if op.name != "stablehlo.add" or len(op.operands) != 2 or op.operands[0] == op.operands[1]:
+            continue
+        chosen = state.chosen(op_index)
+        sides = []
+        for k, value_id in enumerate(op.operands):
+            value = graph.values[value_id]
+            producer = value.producer
+            if (producer not in space.strategies or set(value.users) != {op_index}
+                    or len(graph.ops[producer].results) != 1
+                    or state.chosen(producer).results[0] != chosen.operands[k]):
+                break
+            sides.append((producer, {(kind, axes) for kind, axes, _ in
+                                     state.chosen(producer).collectives
+                                     if kind in ("all-reduce", "reduce-scatter")}))
+        else:
+            (_, first), (second, theirs) = sides
+            for kind, axes in sorted(first & theirs):
+                folded.add((second, kind, axes))
+    return folded

@@ -59,14 +59,19 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
                  for name, v in zip(graph.argument_names, graph.arguments)]
     results = [_tensor_entry(state, name, v, value_spec(state, v))
                for name, v in zip(graph.output_names, graph.outputs)]
+    from hloplan.passes.build_sharding_problem import chosen_reshards, reassociated, resharded_type
+
     ops = []
     collectives: dict[str, dict] = {}
+    folded = reassociated(state)
     for op_index in sorted(state.space.strategies):
         op = graph.ops[op_index]
         chosen = state.chosen(op_index)
         node = state.space.node_of[op_index]
         compute, communication, resharding = evaluation.per_node[node]
         for kind, axes, sent in chosen.collectives:
+            if (op_index, kind, axes) in folded:
+                continue  # summed into another's before one collective
             entry = collectives.setdefault(f"{kind}({axes})", {"kind": kind, "axes": axes,
                                                                "count": 0, "bytes": 0.0})
             entry["count"] += 1
@@ -86,8 +91,6 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
             "times_per_step": op.multiplier,
             "replicated_fallback": state.space.fallbacks.get(op_index),
         })
-    from hloplan.passes.build_sharding_problem import chosen_reshards, resharded_type
-
     # One reshard per value and layout: XLA computes the layout once (CSE) however many
     # consumers need it (the ILP charges each consuming edge; see README, fidelity).
     seen_reshards: set = set()

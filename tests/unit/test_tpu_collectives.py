@@ -5,14 +5,17 @@ counting an async collective that libtpu spreads over several fusions once."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from hloplan.cost_models import CommModel, DeviceModelError, load_device_model
 from hloplan.cost_models.hardware import _load_text
-from hloplan.graph import Op, TensorType
+from hloplan.graph import Graph, Op, TensorType, Value
 from hloplan.hlo_stats import collective_stats
 from hloplan.mesh import parse_mesh
-from hloplan.passes.build_sharding_problem import resharded_type
+from hloplan.passes.build_sharding_problem import reassociated, resharded_type
+from hloplan.strategies import OpStrategy
 from hloplan.tpu import libtpu_available
 
 needs_libtpu = pytest.mark.skipif(not libtpu_available(),
@@ -37,13 +40,14 @@ latency = 1e-6
 
 def test_collectives_table_defaults_and_tpu_models():
     toy = _load_text(MODEL, "toy.toml")
-    assert (toy.gathers, toy.matmul_input_dtype) == ("per-dim", None)
+    assert (toy.gathers, toy.matmul_input_dtype, toy.reassociate) == ("per-dim", None, False)
     for name in ("tpu-v5e", "tpu-v6e", "tpu-v5p"):
         tpu = load_device_model(name)
-        assert (tpu.gathers, tpu.matmul_input_dtype) == ("one", "bf16")
+        assert (tpu.gathers, tpu.matmul_input_dtype, tpu.reassociate) == ("one", "bf16", True)
     for name in ("cpu", "h100", "toy"):
         other = load_device_model(name)
-        assert (other.gathers, other.matmul_input_dtype) == ("per-dim", None)
+        assert (other.gathers, other.matmul_input_dtype, other.reassociate) == (
+            "per-dim", None, False)
     custom = _load_text(MODEL + '[collectives]\ngathers = "one"\n'
                         'matmul_input_dtype = "bfloat16"\n', "custom.toml")
     assert (custom.gathers, custom.matmul_input_dtype) == ("one", "bf16")
@@ -53,6 +57,7 @@ def test_collectives_table_defaults_and_tpu_models():
     ('[collectives]\nstaged = "one"\n', "unknown field 'collectives.staged'"),
     ('[collectives]\ngathers = "staged"\n', "must be one of 'per-dim', 'one'"),
     ("[collectives]\ngathers = true\n", "must be a non-empty string"),
+    ('[collectives]\nreassociate = "yes"\n', "must be true or false"),
     ("collectives = 3\n", "must be a table"),
 ])
 def test_collectives_table_errors(table, message):
@@ -166,3 +171,41 @@ def test_async_collective_in_continuation_fusions_counts_once():
     stats = collective_stats(CONTINUED, mesh_axes=[("x", 2), ("y", 4)])
     assert [(op.kind, op.axes) for op in stats.ops] == [("all-gather", ("x",))] * 2
     assert stats.total_bytes == pytest.approx(2 * 0.5 * 64 * 64 * 2)
+
+
+def _sum_of_two_matmuls(second_layout, second_reader=None):
+    """%2 = dot(...) and %3 = dot(...), each ending in a reduce-scatter over x, read by
+    %4 = add(%2, %3) (and `second_reader` too, if given)."""
+    graph = Graph()
+    f32 = TensorType((64, 64), "f32")
+    for index in range(5):
+        name = {2: "stablehlo.dot_general", 3: "stablehlo.dot_general", 4: "stablehlo.add"}.get(
+            index, "arg")
+        operands = {2: (0, 1), 3: (0, 1), 4: (2, 3)}.get(index, ())
+        graph.ops.append(Op(index=index, name=name, operands=operands, results=(index,)))
+        graph.values.append(Value(id=index, type=f32, producer=index, result_index=0))
+    graph.values[2].users = [4]
+    graph.values[3].users = [4] + ([second_reader] if second_reader is not None else [])
+    layout = ((0,), ())
+    scatter = (("reduce-scatter", "x", 1024.0),)
+    chosen = {
+        0: OpStrategy(results=(((), ()),), operands=()),
+        1: OpStrategy(results=(((), ()),), operands=()),
+        2: OpStrategy(results=(layout,), operands=((), ()), collectives=scatter),
+        3: OpStrategy(results=(second_layout,), operands=((), ()), collectives=scatter),
+        4: OpStrategy(results=(layout,), operands=(layout, layout)),
+    }
+    return SimpleNamespace(
+        graph=graph, space=SimpleNamespace(strategies=chosen), chosen=chosen.__getitem__,
+        options=SimpleNamespace(device=load_device_model("tpu-v5e")))
+
+
+def test_reassociated_collectives():
+    """add(reduce-scatter(a), reduce-scatter(b)) is one reduce-scatter of a + b on TPU models,
+    only where the add alone reads both, in the layouts they are made in."""
+    state = _sum_of_two_matmuls(((0,), ()))
+    assert reassociated(state) == {(3, "reduce-scatter", "x")}
+    assert reassociated(_sum_of_two_matmuls(((), (0,)))) == set()  # resharded for the add
+    assert reassociated(_sum_of_two_matmuls(((0,), ()), second_reader=1)) == set()
+    state.options.device = load_device_model("h100")
+    assert reassociated(state) == set()
