@@ -91,13 +91,15 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
             "times_per_step": op.multiplier,
             "replicated_fallback": state.space.fallbacks.get(op_index),
         })
-    # One reshard per value and layout: XLA computes the layout once (CSE) however many
-    # consumers need it (the ILP charges each consuming edge; see README, fidelity).
+    # One reshard per value, layout and region: XLA computes the layout once (CSE) however
+    # many consumers in a computation need it (the ILP charges each consuming edge; see
+    # README, fidelity), but once in each branch or loop body that reads it.
     seen_reshards: set = set()
     for op, value_id, src, dst, multiplier in chosen_reshards(state):
-        if (value_id, src, dst, multiplier) in seen_reshards:
+        key = (value_id, src, dst, multiplier, op.parent, op.region)
+        if key in seen_reshards:
             continue
-        seen_reshards.add((value_id, src, dst, multiplier))
+        seen_reshards.add(key)
         type_ = resharded_type(graph.type_of(value_id), op, options.device)
         for kind, axes, sent in state.comm.reshard(type_.shape, type_.itemsize, src, dst).collectives:
             label = state.comm.axes_label(axes)

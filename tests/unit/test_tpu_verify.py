@@ -167,12 +167,13 @@ def test_verify_command_tpu_predicted_vs_compiled(tpu_plan):
     predicted = {(c["kind"], c["axes"]): c for c in entry["predicted"]["collectives"]}
     compiled = {(c["kind"], c["axes"]): c for c in entry["compiled"]["collectives"]}
     # A plan that shards anything communicates, and libtpu compiles collectives for it over
-    # named mesh axes; the bytes it sends per device are the predicted ones within 2x.
+    # named mesh axes; the bytes it sends per device, per kind and mesh axes, are the
+    # predicted ones within 5%.
     assert predicted and compiled
     assert all(axes != "?" for _, axes in compiled)
-    p_bytes = sum(c["bytes"] for c in predicted.values())
-    c_bytes = sum(c["bytes"] for c in compiled.values())
-    assert 0.5 < p_bytes / c_bytes < 2.0, (predicted, compiled)
+    assert set(predicted) == set(compiled), (predicted, compiled)
+    for key, c in compiled.items():
+        assert predicted[key]["bytes"] == pytest.approx(c["bytes"], rel=0.05), key
     assert 0.3 < entry["peak_ratio"] < 3.0
     assert "compiled by XLA for TPU v5e:2x4" in format_verify_report(report)
     print(format_verify_report(report))
