@@ -26,6 +26,13 @@ modest size, exported for the tpu platform, on a TPU v5e topology):
   collective bytes per kind and mesh axes.
 
 Writes benchmarks/tpu_results.json (docs/tpu.md shows the figures).
+
+    .venv/bin/python benchmarks/tpu.py --corpus     # third-party programs, ~1 min each
+
+plans programs of the third-party corpus (examples/third_party/corpus.py, its tiny sizes,
+exported for tpu) for tpu-v5e on 2x4 and sets the plan's predicted collectives beside what
+libtpu compiled of it (hloplan.verify.verify_plan, as `hloplan verify PLAN --compiler tpu`):
+benchmarks/tpu_corpus_results.json.
 """
 
 from __future__ import annotations
@@ -50,6 +57,9 @@ sys.path.insert(0, str(HERE))
 
 RESULTS = HERE / "tpu_results.json"
 FORMULA_DEVICE = HERE / "tpu-v5e-calibrated.toml"  # the f32 rate measured on the chip
+CORPUS_RESULTS = HERE / "tpu_corpus_results.json"
+CORPUS_PROGRAMS = ["hf_gpt2", "hf_bert", "hf_llama", "nnx_transformer", "haiku_transformer",
+                   "linen_resnet", "keras_gemma", "keras_moe"]
 DEFAULT_CASES = ["mlp:v5e:2x4", "gpt:v5e:2x4", "llama:v5e:2x4", "bert:v5e:2x4", "moe:v5e:2x4",
                  "resnet:v5e:2x4", "mlp:v5e:4x8", "gpt:v5e:4x8"]
 
@@ -185,11 +195,76 @@ def run_case(case: str) -> dict:
     return out
 
 
+def corpus_case(name: str, mesh_text: str = "2x4") -> dict:
+    """A corpus program planned for tpu-v5e and verified by libtpu: predicted and compiled
+    collectives per kind and mesh axes (bytes per device per step) and peak per device."""
+    import jax
+
+    from hloplan.compiler import compile_bytes, make_options
+    from hloplan.verify import verify_plan
+
+    sys.path.insert(0, str(HERE.parent / "examples" / "third_party"))
+    import corpus
+
+    program = corpus.BY_NAME[name]
+    step, args = program.build()
+    donated = getattr(step, "donate_argnums", (0, 1) if len(args) == 4 else (0,))
+    exported = jax.export.export(jax.jit(step, donate_argnums=donated), platforms=("tpu",))(*args)
+    result = compile_bytes(bytes(exported.serialize()), f"{name}.jaxexport",
+                           make_options(mesh_text, device="tpu-v5e", mesh_views="off"))
+    with tempfile.TemporaryDirectory() as tmp:
+        result.write(Path(tmp) / "plan")
+        report = verify_plan(Path(tmp) / "plan", compiler="tpu")
+    entry = report["programs"]["program"]
+    table: dict[str, dict] = {}
+    for side in ("predicted", "compiled"):
+        for c in entry[side]["collectives"]:
+            slot = table.setdefault(f"{c['kind']}({c['axes']})",
+                                    {"predicted": 0.0, "compiled": 0.0})
+            slot[side] += c["bytes"]
+    for slot in table.values():
+        slot["ratio"] = slot["predicted"] / slot["compiled"] if slot["compiled"] else None
+    predicted = sum(v["predicted"] for v in table.values())
+    compiled = sum(v["compiled"] for v in table.values())
+    return {"program": name, "library": program.library, "topology": report["topology"],
+            "collectives": table, "collective_bytes_ratio": predicted / compiled if compiled
+            else None, "peak_ratio": entry["peak_ratio"], "notes": report["notes"]}
+
+
+def corpus_main(names: list[str], output: str) -> None:
+    results = {"command": "JAX_PLATFORMS=cpu .venv/bin/python benchmarks/tpu.py --corpus",
+               "programs": {}}
+    for name in names:
+        started = time.perf_counter()
+        try:
+            row = corpus_case(name)
+        except Exception:  # reported; the others still run
+            row = {"program": name, "error": traceback.format_exc().strip().splitlines()[-1]}
+        row["seconds"] = time.perf_counter() - started
+        results["programs"][name] = row
+        if "error" in row:
+            print(f"{name}: ERROR {row['error']}", flush=True)
+        else:
+            off = {k: round(v["ratio"], 3) if v["ratio"] is not None else None
+                   for k, v in row["collectives"].items()
+                   if v["ratio"] is None or abs(v["ratio"] - 1) > 0.05}
+            print(f"{name}: collective bytes predicted / compiled "
+                  f"{row['collective_bytes_ratio'] or 0:.3f}; off by more than 5%: {off}; "
+                  f"{row['seconds']:.0f} s", flush=True)
+        Path(output).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default=",".join(DEFAULT_CASES))
-    parser.add_argument("--output", default=str(RESULTS))
+    parser.add_argument("--output", default=None)
+    parser.add_argument("--corpus", nargs="?", const=",".join(CORPUS_PROGRAMS), default=None,
+                        help="third-party corpus programs (comma-separated; default: a few)")
     args = parser.parse_args()
+    if args.corpus is not None:
+        corpus_main(args.corpus.split(","), args.output or str(CORPUS_RESULTS))
+        return
+    args.output = args.output or str(RESULTS)
     results = {"command": "JAX_PLATFORMS=cpu .venv/bin/python benchmarks/tpu.py"
                + (f" --cases {args.cases}" if args.cases != ",".join(DEFAULT_CASES) else ""),
                "formula_device": FORMULA_DEVICE.name, "cases": {}}

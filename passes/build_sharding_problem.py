@@ -684,14 +684,10 @@ def reassociated(state: CompileState) -> set[tuple[int, str, str]]:
         op = graph.ops[op_index]
         if op.name != "stablehlo.add" or len(op.operands) != 2 or op.operands[0] == op.operands[1]:
             continue
-        chosen = state.chosen(op_index)
         sides = []
         for k, value_id in enumerate(op.operands):
-            value = graph.values[value_id]
-            producer = value.producer
-            if (producer not in space.strategies or set(value.users) != {op_index}
-                    or len(graph.ops[producer].results) != 1
-                    or state.chosen(producer).results[0] != chosen.operands[k]):
+            producer = _collective_source(state, op_index, k, value_id)
+            if producer is None:
                 break
             sides.append((producer, {(kind, axes) for kind, axes, _ in
                                      state.chosen(producer).collectives
@@ -701,3 +697,26 @@ def reassociated(state: CompileState) -> set[tuple[int, str, str]]:
             for kind, axes in sorted(first & theirs):
                 folded.add((second, kind, axes))
     return folded
+
+
+# Ops that only rearrange their operand's elements: XLA folds them into the producing kernel's
+# output, so a collective before them still meets the add (as far as reassociation goes).
+_REARRANGING = frozenset({"stablehlo.transpose", "stablehlo.reshape", "stablehlo.convert"})
+
+
+def _collective_source(state: CompileState, reader: int, position: int, value_id: int):
+    """The op whose result collective reaches operand `position` of op `reader`, back through
+    rearranging ops, each value on the way read by that op alone and in its own layout; None
+    if there is none."""
+    graph, space = state.graph, state.space
+    while True:
+        value = graph.values[value_id]
+        producer = value.producer
+        if (producer not in space.strategies or set(value.users) != {reader}
+                or len(graph.ops[producer].results) != 1
+                or state.chosen(producer).results[0] != state.chosen(reader).operands[position]):
+            return None
+        op = graph.ops[producer]
+        if op.name not in _REARRANGING or state.chosen(producer).collectives:
+            return producer
+        reader, position, value_id = producer, 0, op.operands[0]
