@@ -29,8 +29,8 @@ Writes benchmarks/tpu_results.json (docs/tpu.md shows the figures).
 
     .venv/bin/python benchmarks/tpu.py --corpus     # third-party programs, ~1 min each
 
-plans programs of the third-party corpus (examples/third_party/corpus.py, its tiny sizes,
-exported for tpu) for tpu-v5e on 2x4 and sets the plan's predicted collectives beside what
+plans programs of the third-party corpus (examples/third_party/corpus.py at realistic widths,
+2 layers, 2 sequences of 128 tokens per device; exported for tpu) for tpu-v5e on 2x4 and sets the plan's predicted collectives beside what
 libtpu compiled of it (hloplan.verify.verify_plan, as `hloplan verify PLAN --compiler tpu`):
 benchmarks/tpu_corpus_results.json.
 """
@@ -60,6 +60,10 @@ FORMULA_DEVICE = HERE / "tpu-v5e-calibrated.toml"  # the f32 rate measured on th
 CORPUS_RESULTS = HERE / "tpu_corpus_results.json"
 CORPUS_PROGRAMS = ["hf_gpt2", "hf_bert", "hf_llama", "nnx_transformer", "haiku_transformer",
                    "linen_resnet", "keras_gemma", "keras_moe"]
+# Realistic widths (the corpus's size="real"), shallow and a few sequences per device, like
+# config(): libtpu compiles each in seconds; the tiny sizes plan pure data parallelism.
+CORPUS_SIZES = {"*": dict(size="real", batch=16, seq=128, layers=2),
+                "linen_resnet": dict(size="real", batch=64)}
 DEFAULT_CASES = ["mlp:v5e:2x4", "gpt:v5e:2x4", "llama:v5e:2x4", "bert:v5e:2x4", "moe:v5e:2x4",
                  "resnet:v5e:2x4", "mlp:v5e:4x8", "gpt:v5e:4x8"]
 
@@ -207,7 +211,7 @@ def corpus_case(name: str, mesh_text: str = "2x4") -> dict:
     import corpus
 
     program = corpus.BY_NAME[name]
-    step, args = program.build()
+    step, args = program.build(**CORPUS_SIZES.get(name, CORPUS_SIZES["*"]))
     donated = getattr(step, "donate_argnums", (0, 1) if len(args) == 4 else (0,))
     exported = jax.export.export(jax.jit(step, donate_argnums=donated), platforms=("tpu",))(*args)
     result = compile_bytes(bytes(exported.serialize()), f"{name}.jaxexport",
