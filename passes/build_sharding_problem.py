@@ -51,15 +51,27 @@ UNPLANNED = {"stablehlo.while", "stablehlo.case", "stablehlo.if"}
 MATMULS = ("stablehlo.dot_general", "stablehlo.convolution")
 
 
-def resharded_type(type_: TensorType, consumer: Op, model) -> TensorType:
+def resharded_type(type_: TensorType, consumer: Op, model, graph: Graph | None = None
+                   ) -> TensorType:
     """The type a value is resharded in for `consumer`: an f32 matmul operand at default
     precision goes in the device model's matmul_input_dtype ([collectives]; XLA's TPU compiler
-    converts it for the MXU before the collective), any other value as it is."""
+    converts it for the MXU before the collective), also where only transposes and reshapes
+    (given `graph`) stand between the value and its matmuls; any other value as it is."""
     narrow = model.matmul_input_dtype
-    if (narrow is None or consumer.name not in MATMULS or type_.dtype != "f32"
-            or any(p != "DEFAULT" for p in _precisions(consumer))):
+    if narrow is None or type_.dtype != "f32" or not _feeds_matmuls(consumer, graph):
         return type_
     return TensorType(type_.shape, narrow)
+
+
+def _feeds_matmuls(op: Op, graph: Graph | None, depth: int = 0) -> bool:
+    """Whether `op` is a matmul at default precision, or (with `graph`) a transpose or reshape
+    all of whose readers are (a few levels deep)."""
+    if op.name in MATMULS:
+        return all(p == "DEFAULT" for p in _precisions(op))
+    if graph is None or depth > 3 or op.name not in ("stablehlo.transpose", "stablehlo.reshape"):
+        return False
+    users = [graph.ops[u] for r in op.results for u in graph.values[r].users]
+    return bool(users) and all(_feeds_matmuls(u, graph, depth + 1) for u in users)
 
 
 def _precisions(op: Op) -> list[str]:
@@ -371,7 +383,7 @@ class _ProblemBuilder:
         else:
             dst_id = self._operand_specs_id(consumer.index, position)
         type_ = value.type if position < 0 else resharded_type(value.type, consumer,
-                                                               self.comm.model)
+                                                               self.comm.model, self.graph)
         costs = self._matrix(type_, src_id, dst_id, multiplier, value_id in self.fused)
         if costs is None:
             return None
@@ -414,7 +426,8 @@ class _ProblemBuilder:
         source, source_position = previous
         src_id = self._operand_specs_id(source, source_position)
         dst_id = self._operand_specs_id(consumer.index, position)
-        type_ = resharded_type(self.graph.type_of(value_id), consumer, self.comm.model)
+        type_ = resharded_type(self.graph.type_of(value_id), consumer, self.comm.model,
+                               self.graph)
         costs = self._matrix(type_, src_id, dst_id, consumer.multiplier)
         if costs is None:
             return None

@@ -100,7 +100,7 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
         if key in seen_reshards:
             continue
         seen_reshards.add(key)
-        type_ = resharded_type(graph.type_of(value_id), op, options.device)
+        type_ = resharded_type(graph.type_of(value_id), op, options.device, graph)
         for kind, axes, sent in state.comm.reshard(type_.shape, type_.itemsize, src, dst).collectives:
             label = state.comm.axes_label(axes)
             entry = collectives.setdefault(f"{kind}({label})", {"kind": kind, "axes": label,

@@ -132,6 +132,21 @@ def test_matmul_operands_reshard_in_bf16_on_tpu():
     assert resharded_type(s32, _dot(), tpu) == s32
 
 
+@pytest.mark.parametrize("reader, narrowed", [("stablehlo.dot_general", True),
+                                              ("stablehlo.add", False)])
+def test_matmul_operands_through_a_transpose(reader, narrowed):
+    """A weight transposed before its matmul (Flax GPT-2's kernel.T) is gathered in bf16 too."""
+    f32 = TensorType((256, 512), "f32")
+    graph = Graph()
+    transpose = Op(index=0, name="stablehlo.transpose", operands=(0,), results=(1,))
+    graph.ops += [transpose, Op(index=1, name=reader, operands=(1, 2), results=(3,))]
+    graph.values += [Value(id=i, type=f32, producer=0, result_index=0) for i in range(4)]
+    graph.values[1].users = [1]
+    got = resharded_type(f32, transpose, load_device_model("tpu-v5e"), graph)
+    assert got.dtype == ("bf16" if narrowed else "f32")
+    assert resharded_type(f32, transpose, load_device_model("tpu-v5e")) == f32  # no graph
+
+
 # One async all-gather that libtpu overlaps with two compute fusions: the start fusion holds it,
 # a continuation fusion a copy (same channel, async_collective_fusion_config); another
 # all-gather on its own channel.
