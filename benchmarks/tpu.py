@@ -58,7 +58,7 @@ sys.path.insert(0, str(HERE))
 RESULTS = HERE / "tpu_results.json"
 FORMULA_DEVICE = HERE / "tpu-v5e-calibrated.toml"  # the f32 rate measured on the chip
 CORPUS_RESULTS = HERE / "tpu_corpus_results.json"
-CORPUS_PROGRAMS = ["hf_gpt2", "hf_bert", "hf_llama", "nnx_transformer", "haiku_transformer",
+CORPUS_PROGRAMS = ["hf_gpt2", "hf_bert", "hf_llama", "hf_bart", "haiku_transformer",
                    "linen_resnet", "keras_gemma", "keras_moe"]
 # Realistic widths (the corpus's size="real"), shallow and a few sequences per device, like
 # config(): libtpu compiles each in seconds; the tiny sizes plan pure data parallelism.

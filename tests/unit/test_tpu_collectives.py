@@ -90,25 +90,43 @@ def test_one_gather_over_all_removed_axes(src, dst):
     assert len(per_dim.collectives) == 2
 
 
+# Compiled by libtpu in a child process (as hloplan verify does): the TPU plugin is loaded
+# there only, with the environment hloplan.tpu.child_env gives it.
+_LIBTPU_GATHERS = """
+import json, sys
+import jax, numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from hloplan.hlo_stats import collective_stats
+from hloplan.tpu import parse_topology, topology_devices
+devices = topology_devices(parse_topology("v5e:2x4"))
+mesh = Mesh(np.array(devices).reshape(2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+out = []
+for src in json.loads(sys.argv[1]):
+    spec = PartitionSpec(*(tuple("xy"[a] for a in axes) or None for axes in src))
+    compiled = jax.jit(lambda w: w * 2, in_shardings=NamedSharding(mesh, spec),
+                       out_shardings=NamedSharding(mesh, PartitionSpec())).lower(
+        jax.ShapeDtypeStruct((512, 2048), np.float32)).compile()
+    stats = collective_stats(compiled.as_text(), mesh_axes=[("x", 2), ("y", 4)])
+    out.append([[op.kind, sorted(op.axes), op.total_bytes_sent] for op in stats.ops])
+print(json.dumps(out))
+"""
+
+
 @needs_libtpu
 def test_one_gather_is_what_libtpu_compiles():
-    import jax
-    import numpy as np
-    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+    import json
+    import subprocess
+    import sys
 
-    from hloplan.tpu import parse_topology, topology_devices
+    from hloplan.tpu import child_env
 
-    devices = topology_devices(parse_topology("v5e:2x4"))
-    mesh = Mesh(np.array(devices).reshape(2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
-    names = ("x", "y")
-    for src, _dst in ONE_GATHER:
-        spec = PartitionSpec(*(tuple(names[a] for a in axes) or None for axes in src))
-        compiled = jax.jit(lambda w: w * 2, in_shardings=NamedSharding(mesh, spec),
-                           out_shardings=NamedSharding(mesh, PartitionSpec())).lower(
-            jax.ShapeDtypeStruct((512, 2048), np.float32)).compile()
-        stats = collective_stats(compiled.as_text(), mesh_axes=[("x", 2), ("y", 4)])
-        assert [(op.kind, set(op.axes)) for op in stats.ops] == [("all-gather", {"x", "y"})]
-        assert stats.total_bytes == pytest.approx(7 / 8 * 4 * 512 * 2048)
+    sources = [src for src, _ in ONE_GATHER]
+    done = subprocess.run([sys.executable, "-c", _LIBTPU_GATHERS, json.dumps(sources)],
+                          env=child_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for ops in json.loads(done.stdout.strip().splitlines()[-1]):
+        assert [(kind, axes) for kind, axes, _ in ops] == [("all-gather", ["x", "y"])]
+        assert ops[0][2] == pytest.approx(7 / 8 * 4 * 512 * 2048)
 
 
 def _dot(precision: str | None = None) -> Op:
@@ -223,4 +241,23 @@ def test_reassociated_collectives():
     assert reassociated(_sum_of_two_matmuls(((), (0,)))) == set()  # resharded for the add
     assert reassociated(_sum_of_two_matmuls(((0,), ()), second_reader=1)) == set()
     state.options.device = load_device_model("h100")
+    assert reassociated(state) == set()
+
+
+def test_reassociated_through_a_transpose():
+    """dot -> transpose -> add: XLA folds the transpose into the matmul's output layout, so the
+    reduce-scatter still meets the add."""
+    state = _sum_of_two_matmuls(((0,), ()))
+    graph, chosen = state.graph, state.space.strategies
+    f32 = TensorType((64, 64), "f32")
+    # %5 = transpose(%3); the add reads %5 instead of %3.
+    graph.ops.append(Op(index=5, name="stablehlo.transpose", operands=(3,), results=(5,)))
+    graph.values.append(Value(id=5, type=f32, producer=5, result_index=0, users=[4]))
+    graph.values[3].users = [5]
+    graph.ops[4] = Op(index=4, name="stablehlo.add", operands=(2, 5), results=(4,))
+    chosen[3] = OpStrategy(results=(((), (0,)),), operands=((), ()),
+                           collectives=(("reduce-scatter", "x", 1024.0),))
+    chosen[5] = OpStrategy(results=(((0,), ()),), operands=(((), (0,)),))
+    assert reassociated(state) == {(3, "reduce-scatter", "x")}
+    chosen[5] = OpStrategy(results=(((0,), ()),), operands=(((), ()),))  # resharded on the way
     assert reassociated(state) == set()
