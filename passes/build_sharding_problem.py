@@ -51,6 +51,12 @@ UNPLANNED = {"stablehlo.while", "stablehlo.case", "stablehlo.if"}
 MATMULS = ("stablehlo.dot_general", "stablehlo.convolution")
 
 
+def _foldable(strategy: OpStrategy) -> bool:
+    """Whether the strategy's price is one all-reduce or reduce-scatter of its result."""
+    return (len(strategy.collectives) == 1 and strategy.communication > 0
+            and strategy.collectives[0][0] in ("all-reduce", "reduce-scatter"))
+
+
 def resharded_type(type_: TensorType, consumer: Op, model, graph: Graph | None = None
                    ) -> TensorType:
     """The type a value is resharded in for `consumer`: an f32 matmul operand at default
@@ -168,8 +174,9 @@ class _ProblemBuilder:
                 self.state.log.warn(f"{rule.fallback}; planned as replicated", op.location, op.name,
                                     notes=("its operands are gathered onto every device",))
             self.space.strategies[op.index] = self._strategies(op, rule)
+        folds = self._reassociations()
         nodes = self._nodes()
-        edges = self._edges()
+        edges = self._edges() + self._fold_edges(folds)
         points, ranges = self._live_points()
         problem = ShardingProblem(tuple(nodes), tuple(edges), tuple(points), budget,
                                   name=self.graph.name, live_ranges=tuple(ranges),
@@ -177,6 +184,59 @@ class _ProblemBuilder:
         problem = self._hold_shared_copies(problem)
         problem.validate()
         return self.space, problem
+
+    def _reassociations(self) -> list[tuple[int, int, tuple]]:
+        """The adds XLA reassociates on this device model ([collectives] reassociate): an add
+        that alone reads two values made by planned ops, following the first (so it reads both
+        in the first's layout). Where both end in the same all-reduce or reduce-scatter and
+        make the same layout, XLA runs one collective of their sum: the second producer's
+        strategies drop that collective's price here, and an edge from the first
+        (_fold_edges) charges it back for every pair of strategies that does not fold.
+        Returns (first, second, the second's strategies as they were)."""
+        if not self.comm.model.reassociate:
+            return []
+        folds, taken = [], set()
+        for op_index in self.space.strategies:
+            op = self.graph.ops[op_index]
+            if op.name != "stablehlo.add" or len(set(op.operands)) != 2:
+                continue
+            producers = []
+            for value_id in op.operands:
+                value = self.graph.values[value_id]
+                if (value.producer not in self.space.strategies
+                        or set(value.users) != {op_index}
+                        or len(self.graph.ops[value.producer].results) != 1):
+                    break
+                producers.append(value.producer)
+            else:
+                first, second = producers
+                root = self.tie_root.get(first, first)
+                if (second in taken or first in taken or self.tie_root.get(op_index) != root
+                        or self.tie_root.get(second, second) == root):
+                    continue
+                before = self.space.strategies[second]
+                if not any(_foldable(s) for s in before):
+                    continue
+                taken.update((first, second))
+                self.space.strategies[second] = [replace(s, communication=0.0)
+                                                 if _foldable(s) else s for s in before]
+                self.list_of[second] = self._list_id(("reassociated", second))
+                folds.append((first, second, tuple(before)))
+        return folds
+
+    def _fold_edges(self, folds) -> list[Edge]:
+        edges = []
+        for first, second, before in folds:
+            costs = tuple(
+                tuple(s2.communication if _foldable(s2) and not (
+                    s1.results[0] == s2.results[0]
+                    and {c[:2] for c in s1.collectives} & {c[:2] for c in s2.collectives})
+                      else 0.0 for s2 in before)
+                for s1 in self.space.strategies[first])
+            if any(any(row) for row in costs):
+                edges.append(Edge(self.space.node_of[first], self.space.node_of[second], costs,
+                                  label=f"%{first} + %{second} reassociated"))
+        return edges
 
     def _is_free(self, op: Op, rule: OpRule) -> bool:
         if rule.free:
@@ -688,12 +748,14 @@ def reassociated(state: CompileState) -> set[tuple[int, str, str]]:
     ReduceScatterReassociate): where an add is the only reader of two values whose producers
     each end in an all-reduce or reduce-scatter of the same kind and axes, and reads them in
     the layouts they are made in, XLA adds the partial results and runs one collective. Of
-    each such pair, the second producer's collective is listed here."""
+    each such pair, the second producer's collective is listed here; a sum of several such
+    values (an add of such adds) folds them all."""
     if not state.options.device.reassociate:
         return set()
     graph, space = state.graph, state.space
     folded = set()
-    for op_index in space.strategies:
+    carries: dict[int, set] = {}  # a folding add -> the collectives its sum still ends in
+    for op_index in sorted(space.strategies):
         op = graph.ops[op_index]
         if op.name != "stablehlo.add" or len(op.operands) != 2 or op.operands[0] == op.operands[1]:
             continue
@@ -702,13 +764,17 @@ def reassociated(state: CompileState) -> set[tuple[int, str, str]]:
             producer = _collective_source(state, op_index, k, value_id)
             if producer is None:
                 break
-            sides.append((producer, {(kind, axes) for kind, axes, _ in
-                                     state.chosen(producer).collectives
-                                     if kind in ("all-reduce", "reduce-scatter")}))
+            sides.append((producer, carries.get(producer) or {
+                (kind, axes) for kind, axes, _ in state.chosen(producer).collectives
+                if kind in ("all-reduce", "reduce-scatter")}))
         else:
             (_, first), (second, theirs) = sides
-            for kind, axes in sorted(first & theirs):
-                folded.add((second, kind, axes))
+            common = first & theirs
+            if common:
+                carries[op_index] = common
+            for kind, axes in sorted(common):
+                if second not in carries:  # an add's collective is its first side's
+                    folded.add((second, kind, axes))
     return folded
 
 
