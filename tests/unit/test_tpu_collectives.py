@@ -14,7 +14,7 @@ from hloplan.cost_models.hardware import _load_text
 from hloplan.graph import Graph, Op, TensorType, Value
 from hloplan.hlo_stats import collective_stats
 from hloplan.mesh import parse_mesh
-from hloplan.passes.build_sharding_problem import reassociated, resharded_type
+from hloplan.passes.build_sharding_problem import _ProblemBuilder, reassociated, resharded_type
 from hloplan.strategies import OpStrategy
 from hloplan.tpu import libtpu_available
 
@@ -261,3 +261,38 @@ def test_reassociated_through_a_transpose():
     assert reassociated(state) == {(3, "reduce-scatter", "x")}
     chosen[5] = OpStrategy(results=(((0,), ()),), operands=(((), ()),))  # resharded on the way
     assert reassociated(state) == set()
+
+
+def test_solver_prices_a_reassociated_pair_once():
+    """_ProblemBuilder on a TPU model: the second producer's strategies drop the collective an
+    add folds, and an edge from the first charges it back where the pair does not fold (no
+    collective on the first side, or a different layout)."""
+    state = _sum_of_two_matmuls(((0,), ()))
+    layout, other = ((0,), ()), ((), (0,))
+    scatter = (("reduce-scatter", "x", 1024.0),)
+    first = [OpStrategy(results=(layout,), operands=((), ()), collectives=scatter,
+                        communication=3e-6),
+             OpStrategy(results=(layout,), operands=((), ())),
+             OpStrategy(results=(other,), operands=((), ()), collectives=scatter,
+                        communication=3e-6)]
+    second = [OpStrategy(results=(layout,), operands=((), ()), collectives=scatter,
+                         communication=2e-6),
+              OpStrategy(results=(layout,), operands=((), ()))]
+    ids: dict = {}
+    builder = SimpleNamespace(
+        comm=SimpleNamespace(model=load_device_model("tpu-v5e")), graph=state.graph,
+        space=SimpleNamespace(strategies={2: first, 3: second, 4: [OpStrategy((), ())]},
+                              node_of={2: 0, 3: 1, 4: 2}),
+        tie_root={4: 2}, list_of={}, _list_id=lambda key: ids.setdefault(key, len(ids)))
+    folds = _ProblemBuilder._reassociations(builder)
+    assert [(a, b) for a, b, _ in folds] == [(2, 3)]
+    assert [s.communication for s in builder.space.strategies[3]] == [0.0, 0.0]
+    (edge,) = _ProblemBuilder._fold_edges(builder, folds)
+    assert (edge.src, edge.dst) == (0, 1)
+    assert edge.costs == ((0.0, 0.0), (2e-6, 0.0), (2e-6, 0.0))
+    # Not on other device models, nor where the add does not follow the first producer.
+    builder.comm.model = load_device_model("h100")
+    assert _ProblemBuilder._reassociations(builder) == []
+    builder.comm.model, builder.tie_root = load_device_model("tpu-v5e"), {}
+    builder.space.strategies[3] = second
+    assert _ProblemBuilder._reassociations(builder) == []
