@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from hloplan.cost_models import CommModel
-from hloplan.graph import Graph, Op
+from hloplan.graph import Graph, Op, dtype_bytes
 from hloplan.op_rules import (
     FREE_IF_INPUTS_FREE,
     OpRule,
@@ -112,6 +112,15 @@ class _ProblemBuilder:
         # Of those, the values XLA never writes out (it recomputes them in each consumer): no
         # memory either.
         self.unmaterialized = unmaterialized_values(graph, self.fused)
+        device = comm.model
+        if device.fused_reductions:
+            # A compiler whose reductions fuse the elementwise work they read (TPU) writes no
+            # fused value out: a softmax's exponentials, a cross entropy's one-hot products.
+            self.unmaterialized = set(self.fused)
+        # Ops whose results are written in a narrower dtype than their type (f32 values read
+        # only by matmuls, which run on the narrower type): op index -> bytes kept per byte.
+        self.narrowed = (matmul_narrowed(graph, self.folded, device.matmul_operands)
+                         if device.matmul_operands else {})
         # Collectives of ops that feed a matmul are never merged with others: each pays its
         # whole latency (XLA's combiners only merge independent collectives).
         self.chained = feeding_matmuls(graph)
@@ -242,6 +251,10 @@ class _ProblemBuilder:
             if plain is None:
                 plain = tuple(self._plain(s) for s in strategies)
                 converted[key] = plain
+            scale = self.narrowed.get(op_index)
+            if scale is not None:
+                plain = converted.setdefault(("narrowed", key, scale), tuple(
+                    replace(s, memory=s.memory * scale) for s in plain))
             nodes.append(Node(
                 name=f"%{op_index} {op.name}",
                 strategies=plain,
@@ -608,6 +621,33 @@ class _ProblemBuilder:
             ranges.append(_live_range(node, start, len(points) - 1, made.get(node)))
         ranges.sort(key=lambda r: r.node)
         return points, ranges
+
+
+def matmul_narrowed(graph: Graph, folded: set[int], dtype: str) -> dict[int, float]:
+    """Ops whose f32 results are read only by matmuls (directly or through transposes folded
+    into them), on a compiler that runs f32 matmuls on `dtype` operands: XLA's TPU compiler
+    converts such a value to bf16 inside the kernel that makes it and writes it out in bf16
+    (a cross entropy's logit gradients, an MLP's activations kept for the weight gradient).
+    Op index -> the bytes written per byte of the result type."""
+    matmuls = ("stablehlo.dot_general", "stablehlo.convolution")
+
+    def read_by_matmuls(value_id: int) -> bool:
+        users = graph.values[value_id].users
+        return bool(users) and all(
+            graph.ops[u].name in matmuls
+            or (u in folded and read_by_matmuls(graph.ops[u].results[0])) for u in users)
+
+    outputs = set(graph.outputs)
+    narrow = dtype_bytes(dtype)
+    out = {}
+    for op in graph.ops:
+        if op.name == "arg" or not op.results or op.index in folded:
+            continue
+        types = [graph.type_of(v) for v in op.results]
+        if all(t is not None and t.dtype == "f32" and v not in outputs and read_by_matmuls(v)
+               for t, v in zip(types, op.results)):
+            out[op.index] = narrow / 4
+    return out
 
 
 def _live_range(node: int, first: int, last: int, made: int | None) -> LiveRange:
