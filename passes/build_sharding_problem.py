@@ -252,9 +252,12 @@ class _ProblemBuilder:
                 plain = tuple(self._plain(s) for s in strategies)
                 converted[key] = plain
             scale = self.narrowed.get(op_index)
-            if scale is not None:
-                plain = converted.setdefault(("narrowed", key, scale), tuple(
-                    replace(s, memory=s.memory * scale) for s in plain))
+            if scale is not None:  # written in a narrower dtype: fewer bytes held
+                narrow = converted.get(("narrowed", key, scale))
+                if narrow is None:
+                    narrow = converted[("narrowed", key, scale)] = tuple(
+                        replace(s, memory=s.memory * scale) for s in plain)
+                plain = narrow
             nodes.append(Node(
                 name=f"%{op_index} {op.name}",
                 strategies=plain,
