@@ -321,11 +321,15 @@ class _ProblemBuilder:
                               lambda: (s.operands[position] if position < len(s.operands)
                                        else None for s in strategies))
 
-    def _matrix(self, type_, src_id: int, dst_id: int, multiplier: float, fused: bool = False):
+    def _matrix(self, type_, src_id: int, dst_id: int, multiplier: float, fused: bool = False,
+                unmaterialized: bool = False):
         """Resharding costs between two lists of layouts, or None when all are zero. `fused`:
         the value would stay inside a fused kernel; a reshard makes XLA write it to HBM and
-        read it back, so that traffic is priced with it."""
-        key = (type_, src_id, dst_id, multiplier, fused)
+        read it back, so that traffic is priced with it. `unmaterialized`: the value is never
+        written out in its own layout; a local slice of it into a smaller layout is not free
+        either: XLA's partitioner makes the whole value (a broadcast of a norm's scale to a
+        replicated [batch, seq, d]: 4 GiB per device on 256 chips) and slices it."""
+        key = (type_, src_id, dst_id, multiplier, fused, unmaterialized)
         if key in self.edge_cache:
             return self.edge_cache[key]
         src_specs, dst_specs = self.specs_of[src_id], self.specs_of[dst_id]
@@ -342,6 +346,10 @@ class _ProblemBuilder:
                 if fused and seconds > 0:  # a collective, not a local slice
                     seconds += (local_bytes(type_, src, self.mesh)
                                 + local_bytes(type_, dst, self.mesh)) / self.comm.model.hbm_bandwidth
+                elif unmaterialized and seconds == 0:
+                    made = local_bytes(type_, src, self.mesh)
+                    if made > local_bytes(type_, dst, self.mesh):
+                        seconds = made / self.comm.model.hbm_bandwidth  # written out whole
                 cost[src, dst] = seconds * multiplier
         if not any(cost.values()):
             matrix = None
@@ -368,7 +376,8 @@ class _ProblemBuilder:
                                     lambda: (s.results[0] for s in consumer_strategies))
         else:
             dst_id = self._operand_specs_id(consumer.index, position)
-        costs = self._matrix(value.type, src_id, dst_id, multiplier, value_id in self.fused)
+        costs = self._matrix(value.type, src_id, dst_id, multiplier, value_id in self.fused,
+                             value_id in self.unmaterialized)
         if costs is None:
             return None
         return Edge(self.space.node_of[producer], self.space.node_of[consumer.index], costs,
