@@ -717,3 +717,53 @@ def gpt_search_program(layers: int, hidden: int, heads: int, batch: int = 64, se
     cfg["vocab"] = vocab
     return export_step(functools.partial(gpt_step, remat=remat), gpt_state_spec(cfg),
                        lm_batch_spec(cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+# Llama-8B-class train step for a 256-chip slice (benchmarks/tpu_memory.py): Llama 3 8B's
+# shapes, optax AdamW, each block rematerialised (jax.checkpoint, as MaxText trains it; without
+# it the saved attention probabilities alone take 0.5 GB per layer per device).
+
+
+def llama8b_config(layers: int = 32, batch: int = 256, seq: int = 2048):
+    return dict(vocab=128256, seq=seq, d=4096, heads=32, kv_heads=8, ffn=14336, layers=layers,
+                batch=batch)
+
+
+@functools.cache
+def _optax_serializable():
+    """optax's state types, registered for jax.export (an Exported's argument tree)."""
+    import optax
+    from jax import export
+
+    for cls in (optax.ScaleByAdamState, optax.EmptyState):
+        export.register_namedtuple_serialization(cls, serialized_name=f"optax.{cls.__name__}")
+    return optax
+
+
+def llama8b_state_spec(c):
+    optax = _optax_serializable()
+    params = llama_state_spec(c)["params"]
+    adam, *rest = jax.eval_shape(optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.1).init,
+                                 abstract(params))
+    moments = adamw_state_spec(params)  # the moments carry their parameters' logical axes
+    adam = adam._replace(count=Leaf((), (), jnp.int32, "zeros"), mu=moments["m"],
+                         nu=moments["v"])
+    return {"params": params, "opt": (adam, *rest)}
+
+
+def llama8b_step(state, batch, c):
+    optax = _optax_serializable()
+    block = jax.checkpoint(functools.partial(_llama_block, c=c))
+
+    def loss_fn(params):
+        x = params["embed"][batch["tokens"]]
+        for layer in params["layers"]:
+            x = block(x, layer)
+        x = rms_norm(constrain(x, "batch", "seq", "embed"), params["norm"])
+        return cross_entropy(x @ params["head"], batch["targets"])
+
+    loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+    updates, opt = optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.1).update(
+        grads, state["opt"], state["params"])
+    return loss, {"params": optax.apply_updates(state["params"], updates), "opt": opt}

@@ -38,6 +38,13 @@ Schema (all fields required unless marked optional)::
     [calibration]                # optional, free-form: what `hloplan calibrate` measured
     matmul_f32_large = 1.5e14    # (recorded for people and benchmarks; the planner ignores it)
 
+    [buffers]                    # optional: how the platform's XLA compiler keeps values in memory
+    fused_reductions = true      # reductions fuse the elementwise work they read (TPU): such
+                                 # values are never written out (default false: the CPU compiler
+                                 # writes out what a reduction reads)
+    matmul_operands = "bf16"     # f32 values read only by matmuls are written in this dtype
+                                 # (TPU: f32 dots at default precision run in bf16)
+
     [combiner]                   # optional: how XLA on this platform merges independent collectives
     all-reduce = "30MiB"         # bytes per merged collective; "unbounded": all merged into one;
     reduce-scatter = "30MiB"     # 0: never merged (each pays its full latency)
@@ -105,6 +112,7 @@ _TOP_FIELDS = {
     "program_overhead",
     "tpu_topology",
     "calibration",
+    "buffers",
 }
 _COMBINER_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 # XLA's GPU pipeline merges all-reduces and reduce-scatters up to 30 MiB
@@ -212,6 +220,10 @@ class DeviceModel:
     # [collectives]: whether the compiler sums the partial results of two all-reduces (or
     # reduce-scatters) over the same axes that only an add reads before one collective.
     reassociate: bool = False
+    # [buffers]: reductions fuse the elementwise values they read, so those are never written
+    # out; and the dtype f32 values read only by matmuls are written in (None: f32).
+    fused_reductions: bool = False
+    matmul_operands: str | None = None
 
     def flops_for(self, dtype_name: object) -> float:
         """Peak FLOP/s for arithmetic in `dtype_name`.
@@ -381,6 +393,7 @@ def _parse_model(data: dict[str, Any], source: str) -> DeviceModel:
         tpu_topology=tpu_topology,
         calibration=dict(calibration),
         **_parse_collectives(data.get("collectives", {}), source),
+        **_parse_buffers(data.get("buffers", {}), source),
     )
 
 
@@ -407,6 +420,31 @@ def _parse_collectives(table: Any, source: str) -> dict[str, Any]:
                                 f"{', '.join(map(repr, _GATHERS))}, got {value!r}")
         found[name.replace("-", "_")] = value
     return found
+
+
+_BUFFERS_FIELDS = {"fused_reductions", "matmul_operands"}
+
+
+def _parse_buffers(table: Any, source: str) -> dict[str, Any]:
+    if not isinstance(table, dict):
+        raise _fail(source, "field 'buffers' must be a table ([buffers])")
+    unknown = sorted(set(table) - _BUFFERS_FIELDS)
+    if unknown:
+        raise _fail(source, f"unknown field(s) {', '.join('buffers.' + k for k in unknown)} "
+                            f"(known: {', '.join(sorted(_BUFFERS_FIELDS))})")
+    out: dict[str, Any] = {}
+    if "fused_reductions" in table:
+        if not isinstance(table["fused_reductions"], bool):
+            raise _fail(source, "field 'buffers.fused_reductions' must be true or false")
+        out["fused_reductions"] = table["fused_reductions"]
+    if "matmul_operands" in table:
+        dtype = normalize_dtype(_string(table["matmul_operands"], source,
+                                        "buffers.matmul_operands"))
+        if dtype not in ("bf16", "f16", "f32"):
+            raise _fail(source, f"field 'buffers.matmul_operands' must be bf16, f16 or f32, "
+                                f"got {table['matmul_operands']!r}")
+        out["matmul_operands"] = None if dtype == "f32" else dtype
+    return out
 
 
 def _parse_combiner(table: Any, source: str) -> dict[str, float]:

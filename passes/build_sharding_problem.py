@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, replace
 
 from hloplan.cost_models import CommModel
-from hloplan.graph import Graph, Op, TensorType
+from hloplan.graph import Graph, Op, TensorType, dtype_bytes
 from hloplan.op_rules import (
     FREE_IF_INPUTS_FREE,
     OpRule,
@@ -148,6 +148,15 @@ class _ProblemBuilder:
         # Of those, the values XLA never writes out (it recomputes them in each consumer): no
         # memory either.
         self.unmaterialized = unmaterialized_values(graph, self.fused)
+        device = comm.model
+        if device.fused_reductions:
+            # A compiler whose reductions fuse the elementwise work they read (TPU) writes no
+            # fused value out: a softmax's exponentials, a cross entropy's one-hot products.
+            self.unmaterialized = set(self.fused)
+        # Ops whose results are written in a narrower dtype than their type (f32 values read
+        # only by matmuls, which run on the narrower type): op index -> bytes kept per byte.
+        self.narrowed = (matmul_narrowed(graph, self.folded, device.matmul_operands)
+                         if device.matmul_operands else {})
         # Collectives of ops that feed a matmul are never merged with others: each pays its
         # whole latency (XLA's combiners only merge independent collectives).
         self.chained = feeding_matmuls(graph)
@@ -332,6 +341,13 @@ class _ProblemBuilder:
             if plain is None:
                 plain = tuple(self._plain(s) for s in strategies)
                 converted[key] = plain
+            scale = self.narrowed.get(op_index)
+            if scale is not None:  # written in a narrower dtype: fewer bytes held
+                narrow = converted.get(("narrowed", key, scale))
+                if narrow is None:
+                    narrow = converted[("narrowed", key, scale)] = tuple(
+                        replace(s, memory=s.memory * scale) for s in plain)
+                plain = narrow
             nodes.append(Node(
                 name=f"%{op_index} {op.name}",
                 strategies=plain,
@@ -395,11 +411,15 @@ class _ProblemBuilder:
                               lambda: (s.operands[position] if position < len(s.operands)
                                        else None for s in strategies))
 
-    def _matrix(self, type_, src_id: int, dst_id: int, multiplier: float, fused: bool = False):
+    def _matrix(self, type_, src_id: int, dst_id: int, multiplier: float, fused: bool = False,
+                unmaterialized: bool = False):
         """Resharding costs between two lists of layouts, or None when all are zero. `fused`:
         the value would stay inside a fused kernel; a reshard makes XLA write it to HBM and
-        read it back, so that traffic is priced with it."""
-        key = (type_, src_id, dst_id, multiplier, fused)
+        read it back, so that traffic is priced with it. `unmaterialized`: the value is never
+        written out in its own layout; a local slice of it into a smaller layout is not free
+        either: XLA's partitioner makes the whole value (a broadcast of a norm's scale to a
+        replicated [batch, seq, d]: 4 GiB per device on 256 chips) and slices it."""
+        key = (type_, src_id, dst_id, multiplier, fused, unmaterialized)
         if key in self.edge_cache:
             return self.edge_cache[key]
         src_specs, dst_specs = self.specs_of[src_id], self.specs_of[dst_id]
@@ -416,6 +436,10 @@ class _ProblemBuilder:
                 if fused and seconds > 0:  # a collective, not a local slice
                     seconds += (local_bytes(type_, src, self.mesh)
                                 + local_bytes(type_, dst, self.mesh)) / self.comm.model.hbm_bandwidth
+                elif unmaterialized and seconds == 0:
+                    made = local_bytes(type_, src, self.mesh)
+                    if made > local_bytes(type_, dst, self.mesh):
+                        seconds = made / self.comm.model.hbm_bandwidth  # written out whole
                 cost[src, dst] = seconds * multiplier
         if not any(cost.values()):
             matrix = None
@@ -444,7 +468,8 @@ class _ProblemBuilder:
             dst_id = self._operand_specs_id(consumer.index, position)
         type_ = value.type if position < 0 else resharded_type(value.type, consumer,
                                                                self.comm.model, self.graph)
-        costs = self._matrix(type_, src_id, dst_id, multiplier, value_id in self.fused)
+        costs = self._matrix(type_, src_id, dst_id, multiplier, value_id in self.fused,
+                             value_id in self.unmaterialized)
         if costs is None:
             return None
         return Edge(self.space.node_of[producer], self.space.node_of[consumer.index], costs,
@@ -701,6 +726,33 @@ class _ProblemBuilder:
             ranges.append(_live_range(node, start, len(points) - 1, made.get(node)))
         ranges.sort(key=lambda r: r.node)
         return points, ranges
+
+
+def matmul_narrowed(graph: Graph, folded: set[int], dtype: str) -> dict[int, float]:
+    """Ops whose f32 results are read only by matmuls (directly or through transposes folded
+    into them), on a compiler that runs f32 matmuls on `dtype` operands: XLA's TPU compiler
+    converts such a value to bf16 inside the kernel that makes it and writes it out in bf16
+    (a cross entropy's logit gradients, an MLP's activations kept for the weight gradient).
+    Op index -> the bytes written per byte of the result type."""
+    matmuls = ("stablehlo.dot_general", "stablehlo.convolution")
+
+    def read_by_matmuls(value_id: int) -> bool:
+        users = graph.values[value_id].users
+        return bool(users) and all(
+            graph.ops[u].name in matmuls
+            or (u in folded and read_by_matmuls(graph.ops[u].results[0])) for u in users)
+
+    outputs = set(graph.outputs)
+    narrow = dtype_bytes(dtype)
+    out = {}
+    for op in graph.ops:
+        if op.name == "arg" or not op.results or op.index in folded:
+            continue
+        types = [graph.type_of(v) for v in op.results]
+        if all(t is not None and t.dtype == "f32" and v not in outputs and read_by_matmuls(v)
+               for t, v in zip(types, op.results)):
+            out[op.index] = narrow / 4
+    return out
 
 
 def _live_range(node: int, first: int, last: int, made: int | None) -> LiveRange:

@@ -200,6 +200,8 @@ def render(measured: dict, base: dict, name: str) -> str:
     if base.get("combiner"):
         lines += ["", "[combiner]"]
         lines += [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in base["combiner"].items()]
+    if base.get("buffers"):  # how the platform's compiler keeps values (memory estimate)
+        lines += ["", "[buffers]"] + [f"{k} = {_toml_value(v)}" for k, v in base["buffers"].items()]
     lines += ["", "[calibration]"]
     lines += [f"{k} = {_toml_value(v)}" for k, v in sorted(measured.items())]
     return "\n".join(lines) + "\n"

@@ -1,0 +1,278 @@
+"""Memory on TPU: hloplan's estimated peak per device against what libtpu compiles.
+
+    .venv/bin/python benchmarks/tpu_memory.py                         # every case, ~15 min
+    .venv/bin/python benchmarks/tpu_memory.py --cases gpt:v5e:2x4     # one case
+    .venv/bin/python benchmarks/tpu_memory.py --llama8b 32            # the Llama-8B-class step
+
+Needs libtpu (`pip install -e ".[tpu]"`). Each case is a train step at a size where its state
+and activations are a meaningful part of a v5e chip's 16 GiB (hundreds of MB to GB per
+device), exported for the tpu platform, planned by hloplan with `--device tpu-v5e` on the
+topology's mesh, and compiled by libtpu for the topology with the plan's own loader. Per case:
+
+- predicted: plan.json's estimated peak per device (`estimate.peak_memory_bytes`);
+- compiled: libtpu's two figures, arguments + results + temporaries - aliased (`peak_bytes`)
+  and `peak_memory_in_bytes` (`xla_peak_bytes`, which also counts the generated code);
+- the ratios predicted / compiled of both;
+- `without_buffers`: the same program planned with tpu-v5e less its `[buffers]` table (the
+  rules XLA's CPU compiler follows), and whether that picks the same plan.
+
+`--llama8b LAYERS` plans a Llama-8B-class train step (models.llama8b_config: d_model 4096, ffn
+14336, 32 / 8 heads, vocab 128256, 256 sequences of 2048 tokens, optax AdamW, each block
+rematerialised) for v5e:16x16, compiles hloplan's plan and the hand plans FSDP and FSDP + TP
+with libtpu, and scores each with benchmarks/tpu.py's `formula`.
+
+Writes benchmarks/tpu_memory_results.json (docs/tpu.md, "Memory on TPU", shows the figures).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["TPU_SKIP_MDS_QUERY"] = "1"
+os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "examples" / "third_party"))
+
+RESULTS = HERE / "tpu_memory_results.json"
+DEVICE = "tpu-v5e"
+# model:topology, or corpus program:topology (examples/third_party/corpus.py)
+DEFAULT_CASES = ["gpt:v5e:2x4", "llama:v5e:2x4", "bert:v5e:2x4", "mlp:v5e:2x4", "moe:v5e:2x4",
+                 "gpt:v5e:4x8", "llama:v5e:4x8", "gpt:v5e:16x16", "hf_gpt2:v5e:2x4",
+                 "hf_llama:v5e:2x4"]
+
+
+def config(model: str, devices: int) -> dict:
+    """Realistic widths (models.py's "realistic" sizes, 8 sequences of 1,024 tokens per device)
+    with the layer counts that keep a libtpu compile within about a minute on 2 cores."""
+    import models
+
+    cfg = models.MODELS[model].config("realistic", devices)
+    if devices > 32:  # 256 chips: 2 sequences per device keep the compile short
+        cfg["batch"] = 2 * devices
+    return cfg
+
+
+def _export_model(name: str, devices: int) -> tuple[bytes, dict]:
+    import jax
+    import models
+    from jax import export
+
+    entry = models.MODELS[name]
+    cfg = config(name, devices)
+    exported = export.export(jax.jit(entry.make_step(cfg), donate_argnums=(0,)),
+                             platforms=("tpu",))(models.abstract(entry.state_spec(cfg)),
+                                                 models.abstract(entry.batch_spec(cfg)))
+    return bytes(exported.serialize()), cfg
+
+
+def _export_corpus(name: str, devices: int) -> tuple[bytes, dict]:
+    """A corpus program at benchmarks/corpus.py's realistic size (4 layers, 8 sequences of 512
+    tokens per device), exported for the tpu platform."""
+    import corpus
+    import jax
+
+    kwargs = {"size": "real", "batch": 8 * devices, "seq": 512, "layers": 4}
+    step, args = corpus.BY_NAME[name].build(**kwargs)
+    donated = getattr(step, "donate_argnums", (0, 1) if len(args) == 4 else (0,))
+    exported = jax.export.export(jax.jit(step, donate_argnums=donated),
+                                 platforms=("tpu",))(*args)
+    return bytes(exported.serialize()), kwargs
+
+
+def _plan(data: bytes, mesh_text: str, buffers: bool = True):
+    from hloplan.compiler import compile_bytes, make_options
+
+    options = make_options(mesh_text, device=DEVICE, mesh_views="off")
+    if not buffers:  # the CPU compiler's rules: no [buffers] table
+        options = dataclasses.replace(options, device=dataclasses.replace(
+            options.device, fused_reductions=False, matmul_operands=None))
+    started = time.perf_counter()
+    result = compile_bytes(data, "step.jaxexport", options)
+    return result, time.perf_counter() - started
+
+
+def _layouts(plan: dict) -> list:
+    return [(a["name"], a["spec"]) for a in plan["arguments"]] + [
+        (op["id"], op["results"]) for op in plan["ops"]]
+
+
+def _compile_plan(result, devices):
+    from hloplan.emit.loader import load
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result.write(Path(tmp) / "plan")
+        started = time.perf_counter()
+        compiled = load(Path(tmp) / "plan", devices=devices).compile_abstract()
+        return compiled, time.perf_counter() - started
+
+
+def run_case(case: str) -> dict:
+    import corpus
+
+    from hloplan.hlo_stats import memory_stats
+    from hloplan.tpu import parse_topology, topology_devices
+
+    name, kind, shape_text = case.split(":")
+    topology = parse_topology(f"{kind}:{shape_text}")
+    devices = topology_devices(topology)
+    mesh_text = "x".join(map(str, topology.shape))
+    export = _export_corpus if name in corpus.BY_NAME else _export_model
+    data, cfg = export(name, topology.devices)
+    result, plan_s = _plan(data, mesh_text)
+    plain, _ = _plan(data, mesh_text, buffers=False)
+    compiled, compile_s = _compile_plan(result, devices)
+    memory = memory_stats(compiled)
+    predicted = result.plan["estimate"]["peak_memory_bytes"]
+    without = plain.plan["estimate"]["peak_memory_bytes"]
+    return {
+        "case": case, "config": cfg, "plan_s": plan_s, "compile_s": compile_s,
+        "predicted_bytes": predicted, "peak_bytes": memory["peak_bytes"],
+        "xla_peak_bytes": memory["xla_peak_bytes"], "memory": memory,
+        "ratio": predicted / memory["peak_bytes"],
+        "ratio_xla": predicted / memory["xla_peak_bytes"],
+        "predicted_peak_after": result.plan["estimate"]["peak"]["after"],
+        "without_buffers": {"predicted_bytes": without, "ratio": without / memory["peak_bytes"],
+                            "same_plan": _layouts(plain.plan) == _layouts(result.plan)},
+    }
+
+
+def run_llama8b(layers: int, topology_name: str = "v5e:16x16",
+                hand: tuple[str, ...] = ("fsdp", "fsdp_tp")) -> dict:
+    """The Llama-8B-class step (module docstring): hloplan's plan and the hand plans, each
+    compiled by libtpu and scored by benchmarks/tpu.py's formula."""
+    import hand_plans
+    import jax
+    import models
+    import numpy as np
+    from jax import export
+    from jax.sharding import AxisType, Mesh
+    from tpu import FORMULA_DEVICE, formula
+
+    from hloplan.cost_models import CommModel, load_device_model
+    from hloplan.mesh import parse_mesh
+    from hloplan.tpu import parse_topology, topology_devices
+
+    topology = parse_topology(topology_name)
+    shape = topology.shape
+    devices = topology_devices(topology)
+    mesh_text = "x".join(map(str, shape))
+    names = ("x", "y", "z")[: len(shape)]
+    mesh = Mesh(np.array(devices).reshape(shape), names, axis_types=(AxisType.Auto,) * len(shape))
+    mesh_axes = tuple(zip(names, shape))
+    comm = CommModel(load_device_model(FORMULA_DEVICE), parse_mesh(mesh_text))
+    cfg = models.llama8b_config(layers=layers)
+    step = functools.partial(models.llama8b_step, c=cfg)
+    state_spec, batch_spec = models.llama8b_state_spec(cfg), models.lm_batch_spec(cfg)
+    out: dict = {"case": f"llama8b:{topology_name}", "config": cfg, "hand": {}}
+    started = time.perf_counter()
+    exported = export.export(jax.jit(step, donate_argnums=(0,)), platforms=("tpu",))(
+        models.abstract(state_spec), models.abstract(batch_spec))
+    out["export_s"] = time.perf_counter() - started
+    result, out["plan_s"] = _plan(bytes(exported.serialize()), mesh_text)
+    est = result.plan["estimate"]
+    print(f"llama8b ({layers} layers): planned in {out['plan_s']:.1f} s, predicted peak "
+          f"{est['peak_memory_bytes'] / 2**30:.2f} GiB", flush=True)
+    compiled, compile_s = _compile_plan(result, devices)
+    ours = formula(compiled, mesh_axes, comm)
+    ours["compile_s"] = compile_s
+    predicted: dict[str, dict] = {}
+    for c in est["collectives"]:
+        slot = predicted.setdefault(f"{c['kind']}({c.get('axes') or '?'})",
+                                    {"count": 0, "bytes": 0.0})
+        slot["count"] += c["count"]
+        slot["bytes"] += c["bytes"]
+    ours["predicted"] = {"peak_bytes": est["peak_memory_bytes"], "step_s": est["step_time_s"],
+                         "collectives": predicted,
+                         "collective_bytes": sum(v["bytes"] for v in predicted.values())}
+    ours["peak_ratio"] = est["peak_memory_bytes"] / ours["memory"]["peak_bytes"]
+    ours["peak_ratio_xla"] = est["peak_memory_bytes"] / ours["memory"]["xla_peak_bytes"]
+    ours["peak_after"] = est["peak"]["after"]
+    out["hloplan"] = ours
+    print(f"  hloplan: compiled in {compile_s:.0f} s, libtpu peak "
+          f"{ours['peak_bytes'] / 2**30:.2f} GiB, step {ours['step_s'] * 1e3:.1f} ms", flush=True)
+    for plan in hand_plans.plans_for("llama", shape):
+        if plan.name not in hand:
+            continue
+        started = time.perf_counter()
+        try:
+            compiled = hand_plans.compile_plan(plan, mesh, step, state_spec, batch_spec)
+        except Exception as exc:  # a plan libtpu cannot compile is a result too
+            out["hand"][plan.name] = {"error": str(exc).splitlines()[0][:300]}
+            continue
+        out["hand"][plan.name] = formula(compiled, mesh_axes, comm)
+        out["hand"][plan.name]["compile_s"] = time.perf_counter() - started
+        row = out["hand"][plan.name]
+        print(f"  {plan.name}: compiled in {row['compile_s']:.0f} s, libtpu peak "
+              f"{row['peak_bytes'] / 2**30:.2f} GiB, step {row['step_s'] * 1e3:.1f} ms",
+              flush=True)
+    fitting = {k: v["step_s"] for k, v in out["hand"].items() if v.get("fits")}
+    best = min(fitting, key=fitting.get) if fitting else None
+    out["best_hand"] = best
+    out["vs_best_hand"] = ours["step_s"] / fitting[best] if best else None
+    return out
+
+
+def _load(path: Path) -> dict:
+    if path.exists():
+        return json.loads(path.read_text())
+    return {"cases": {}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES))
+    parser.add_argument("--llama8b", type=int, metavar="LAYERS",
+                        help="run the Llama-8B-class case with this many layers instead")
+    parser.add_argument("--output", default=str(RESULTS))
+    args = parser.parse_args()
+    path = Path(args.output)
+    results = _load(path)  # cases run separately add up in one file
+    if args.llama8b:
+        started = time.perf_counter()
+        try:
+            row = run_llama8b(args.llama8b)
+        except Exception:
+            row = {"error": traceback.format_exc().strip().splitlines()[-1]}
+            print(f"llama8b: ERROR {row['error']}", flush=True)
+        row["seconds"] = time.perf_counter() - started
+        row["command"] = f"JAX_PLATFORMS=cpu .venv/bin/python benchmarks/tpu_memory.py --llama8b {args.llama8b}"
+        results.setdefault("llama8b", {})[str(args.llama8b)] = row
+        path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+        return
+    for case in args.cases.split(","):
+        started = time.perf_counter()
+        try:
+            row = run_case(case)
+        except Exception:  # a case that fails is reported, the others still run
+            row = {"case": case, "error": traceback.format_exc().strip().splitlines()[-1]}
+        row["seconds"] = time.perf_counter() - started
+        row["command"] = f"JAX_PLATFORMS=cpu .venv/bin/python benchmarks/tpu_memory.py --cases {case}"
+        results["cases"][case] = row
+        if "error" in row:
+            print(f"{case}: ERROR {row['error']}", flush=True)
+        else:
+            print(f"{case}: predicted {row['predicted_bytes'] / 2**30:.2f} GiB, libtpu "
+                  f"{row['peak_bytes'] / 2**30:.2f} GiB (arg + out + temp - alias; "
+                  f"peak_memory_in_bytes {row['xla_peak_bytes'] / 2**30:.2f}): "
+                  f"{row['ratio']:.3f} / {row['ratio_xla']:.3f}; without [buffers] "
+                  f"{row['without_buffers']['ratio']:.3f}; {row['seconds']:.0f} s", flush=True)
+        path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()
