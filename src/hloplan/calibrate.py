@@ -73,7 +73,11 @@ def measure_matmul(dtype: str, n: int, repeats: int, chain: int = 4) -> float:
     b = (jax.random.normal(jax.random.fold_in(key, 1), (n, n)) / math.sqrt(n)).astype(a.dtype)
 
     def chained(k: int):
-        return jax.jit(lambda x, w: jax.lax.fori_loop(0, k, lambda _, y: y @ w, x))
+        def run(x, w):
+            for _ in range(k):  # unrolled: a loop would add a copy of its carry per step
+                x = x @ w
+            return x
+        return jax.jit(run)
 
     one = _time(chained(1), a, b, repeats=repeats)
     many = _time(chained(chain), a, b, repeats=repeats)
