@@ -197,33 +197,63 @@ def measure(out: str, programs: list[str], size: str = "realistic",
         Path(out).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
 
 
-def estimate(chip: str, device: str) -> None:
+def _compiled_hlo(hlo_dir: Path | None, name: str) -> str | None:
+    import gzip
+
+    if hlo_dir is None:
+        return None
+    path = hlo_dir / f"{name}.hlo.txt.gz"
+    return gzip.decompress(path.read_bytes()).decode() if path.exists() else None
+
+
+def estimate(chips: list[str], device: str, exports: Path, hlo_dir: Path | None) -> None:
+    """hloplan's one-device estimate of each measured program against its measured step; with
+    `hlo_dir` (the chip's compiled HLO, `measure --profile`), also the per-kernel roofline of
+    that HLO (hlo_stats.kernel_stats at the device model's f32 rate and HBM bandwidth, the
+    benchmark formula of benchmarks/tpu.py) plus the program overhead."""
     import tempfile
 
     import models
 
     from hloplan.compiler import compile_bytes, make_options
     from hloplan.cost_models import load_device_model
+    from hloplan.hlo_stats import kernel_stats
 
-    measured = json.loads(Path(chip).read_text())
     model = load_device_model(device)
     rows = {}
-    for name, entry in measured["programs"].items():
-        _, state_spec, batch_spec, step = models.MODELS[name].build(measured["size"], 1)
-        exported = models.export_step(step, state_spec, batch_spec)
-        with tempfile.TemporaryDirectory():
-            result = compile_bytes(bytes(exported.serialize()), f"{name}.jaxexport",
-                                   make_options("1", device=device, mesh_views="off"))
-        est = result.plan["estimate"]
-        estimated = est["compute_s"] + est["communication_s"] + model.program_overhead
-        rows[name] = {"measured_s": entry["step_s"], "estimated_s": estimated,
-                      "estimated_compute_s": est["compute_s"],
-                      "measured_over_estimated": entry["step_s"] / estimated}
-        print(f"{name:<8} measured {entry['step_s'] * 1e3:8.2f} ms  estimated "
-              f"{estimated * 1e3:8.2f} ms  ratio {rows[name]['measured_over_estimated']:.2f}")
+    kind = None
+    for chip in chips:
+        measured = json.loads(Path(chip).read_text())
+        kind = measured["device_kind"]
+        for name, entry in measured["programs"].items():
+            exported = exports / f"{name}.jaxexport"
+            if exported.exists():
+                data = exported.read_bytes()
+            else:
+                _, state_spec, batch_spec, step = models.MODELS[name].build(measured["size"], 1)
+                data = bytes(models.export_step(step, state_spec, batch_spec).serialize())
+            with tempfile.TemporaryDirectory():
+                result = compile_bytes(data, f"{name}.jaxexport",
+                                       make_options("1", device=device, mesh_views="off"))
+            est = result.plan["estimate"]
+            estimated = est["compute_s"] + est["communication_s"] + model.program_overhead
+            row = {"measured_s": entry["step_s"], "estimated_s": estimated,
+                   "estimated_compute_s": est["compute_s"],
+                   "measured_over_estimated": entry["step_s"] / estimated}
+            line = (f"{name:<18} measured {entry['step_s'] * 1e3:8.2f} ms  estimated "
+                    f"{estimated * 1e3:8.2f} ms  ratio {row['measured_over_estimated']:.2f}")
+            text = _compiled_hlo(hlo_dir, name)
+            if text is not None:
+                kernels = kernel_stats(text, model.flops_for("f32"), model.hbm_bandwidth)
+                row["roofline_s"] = kernels.seconds + model.program_overhead
+                row["measured_over_roofline"] = entry["step_s"] / row["roofline_s"]
+                line += (f"  roofline {row['roofline_s'] * 1e3:8.2f} ms  ratio "
+                         f"{row['measured_over_roofline']:.2f}")
+            rows[name] = row
+            print(line, flush=True)
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     results.setdefault("by_device_model", {})[model.name] = {
-        "chip": measured["device_kind"], "device_model": model.name,
+        "chip": kind, "device_model": model.name,
         "device_model_file": str(model.source), "programs": rows,
         "command": ".venv/bin/python benchmarks/tpu_chip.py " + " ".join(sys.argv[1:])}
     RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
@@ -244,8 +274,10 @@ def main() -> None:
     x.add_argument("-o", "--output", default=str(EXPORTS))
     x.add_argument("--programs", default=",".join(CORPUS + list(THIRD_PARTY)))
     e = sub.add_parser("estimate")
-    e.add_argument("--chip", required=True)
+    e.add_argument("--chip", action="append", required=True, help="measure output (repeatable)")
     e.add_argument("--device", default="tpu-v5e")
+    e.add_argument("--exports", default=str(EXPORTS), help="the exported corpus steps")
+    e.add_argument("--hlo", default=None, help="the chip's compiled HLO (measure --profile)")
     args = parser.parse_args()
     if args.mode == "export":
         export_corpus(Path(args.output), args.programs.split(","))
@@ -256,7 +288,7 @@ def main() -> None:
     elif args.mode == "measure":
         measure(args.output, args.programs.split(","), args.size, args.profile)
     else:
-        estimate(args.chip, args.device)
+        estimate(args.chip, args.device, Path(args.exports), Path(args.hlo) if args.hlo else None)
 
 
 if __name__ == "__main__":
