@@ -24,6 +24,7 @@ from hloplan.op_rules import (
     fused_values,
     fuses_matmuls,
     hbm_traffic,
+    matmul_rereads,
     rule_for,
     shared_reads,
     unmaterialized_values,
@@ -113,6 +114,8 @@ class _ProblemBuilder:
         # Kept inside a fused kernel: no HBM traffic.
         self.fused = fused_values(graph, self.folded, fuses_matmuls(comm.model.platform))
         self.shared = shared_reads(graph, self.fused)  # a fused kernel reads a value once
+        self.rereads = matmul_rereads(graph, self.fused) if fuses_matmuls(comm.model.platform) \
+            else set()  # matmuls recompute fused operands
         # Of those, the values XLA never writes out (it recomputes them in each consumer): no
         # memory either.
         self.unmaterialized = unmaterialized_values(graph, self.fused)
@@ -169,7 +172,8 @@ class _ProblemBuilder:
         operand_types = tuple(self.graph.type_of(v) for v in op.operands)
         result_types = tuple(self.graph.type_of(v) for v in op.results)
         dtype = result_types[0].dtype if result_types and result_types[0] else "f32"
-        hbm = hbm_traffic(self.graph, op, self.fused, self.streamed, self.folded, self.shared)
+        hbm = hbm_traffic(self.graph, op, self.fused, self.streamed, self.folded, self.shared,
+                          self.rereads)
         # The signature (rule, types, ...) is hashed once, here; the follower cache and the
         # list ids key on its small id (hashing an OpRule walks all its factors).
         chained = op.index in self.chained

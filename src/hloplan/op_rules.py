@@ -663,20 +663,39 @@ def shared_reads(graph: Graph, fused: set[int]) -> set[tuple[int, int]]:
     return shared
 
 
+def matmul_rereads(graph: Graph, fused: set[int]) -> set[tuple[int, int]]:
+    """(op index, operand position) of matmuls that read a fused value another matmul read
+    before: the elementwise ops making it are fused into each matmul's kernel, which reads
+    their inputs again (a layer norm's output, used by a projection's forward and weight-gradient
+    matmuls, is recomputed in both). Priced as a read of the value itself."""
+    readers: set[int] = set()
+    rereads = set()
+    for op in graph.ops:
+        if op.name not in MATMULS:
+            continue
+        for position, value_id in enumerate(op.operands):
+            if value_id in fused:
+                if value_id in readers:
+                    rereads.add((op.index, position))
+                readers.add(value_id)
+    return rereads
+
+
 def hbm_traffic(graph: Graph, op: Op, fused: set[int], streamed: frozenset[int] = frozenset(),
                 folded: set[int] = frozenset(), shared: set[tuple[int, int]] = frozenset(),
+                rereads: set[tuple[int, int]] = frozenset(),
                 ) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
     """Per operand and per result of `op`: whether it is read or written through HBM.
     `streamed`: argument values written into device memory every step (data inputs; state
     that the step updates in place stays resident). `folded`: folded_transposes(graph), ops
     that are no kernel. `shared`: shared_reads(graph, fused), reads another op of the same
-    kernel makes."""
+    kernel makes. `rereads`: matmul_rereads(graph, fused), fused operands read again."""
     if op.index in folded:
         return (False,), (False,)
     if op.name in NO_TRAFFIC_OPS:
         return (tuple(False for _ in op.operands),
                 tuple(op.name == "arg" and v in streamed for v in op.results))
-    return (tuple(v not in fused and (op.index, k) not in shared
+    return (tuple((v not in fused or (op.index, k) in rereads) and (op.index, k) not in shared
                   for k, v in enumerate(op.operands)),
             tuple(v not in fused for v in op.results))
 

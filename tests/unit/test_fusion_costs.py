@@ -210,3 +210,23 @@ def test_a_fused_kernel_reads_each_value_once():
     assert hbm_traffic(g, mul, fused, shared=shared) == ((False, False), (True,))
     assert hbm_traffic(g, mul, fused) == ((False, True), (True,))
     assert hbm_traffic(g, dot, fused, shared=shared)[0] == (True, True)
+
+
+def test_matmuls_on_tpu_read_a_fused_operand_each():
+    from hloplan.op_rules import matmul_rereads
+
+    g = Graph()
+    x = g.add_op("arg", (), [F32]).results[0]
+    w = g.add_op("arg", (), [F32]).results[0]
+    g.arguments = [x, w]
+    normed = g.add_op("stablehlo.multiply", (x, x), [F32]).results[0]
+    attrs = {"lhs_batch": [], "rhs_batch": [], "lhs_contracting": [1], "rhs_contracting": [0]}
+    forward = g.add_op("stablehlo.dot_general", (normed, w), [F32], attrs=attrs)
+    backward = g.add_op("stablehlo.dot_general", (normed, w), [F32], attrs=attrs)
+    g.outputs = [forward.results[0], backward.results[0]]
+    fused = fused_values(g, matmul_fusion=True)
+    rereads = matmul_rereads(g, fused)
+    # The multiply is fused into both matmuls' kernels: the second reads its input again.
+    assert normed in fused and rereads == {(backward.index, 0)}
+    assert hbm_traffic(g, forward, fused, rereads=rereads)[0] == (False, True)
+    assert hbm_traffic(g, backward, fused, rereads=rereads)[0] == (True, True)
