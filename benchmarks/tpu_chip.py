@@ -1,19 +1,33 @@
 """Single-chip step times on a real TPU against hloplan's estimate for one device.
 
-On the chip (needs only jax and numpy; run from the repository root):
+Here (libraries of the corpus installed):
 
-    python3 benchmarks/tpu_chip.py measure -o chip.json
+    .venv/bin/python benchmarks/tpu_chip.py export      # corpus steps -> build/tpu_chip/
+
+exports the corpus train steps (CORPUS, THIRD_PARTY) at their realistic one-device size for the
+tpu platform, so that the chip needs jax alone to run them.
+
+On the chip (needs only jax and numpy, plus flatbuffers for the exports; repository root):
+
+    python3 benchmarks/tpu_chip.py measure -o chip.json [--profile DIR]
+    python3 benchmarks/tpu_chip.py measure --exports build/tpu_chip -o corpus.json [--profile DIR]
 
 times each benchmark program's jitted train step (models.py, "realistic" size for one device,
-state donated) on the first device: median wall seconds of 10 steps after 2 warm-up steps.
+state donated), or each exported corpus step (random inputs from its abstract arguments, the
+same every step), on the first device: median wall seconds of 10 steps after 2 warm-up steps.
+--profile also traces 3 steps: device time per XLA op into the JSON, and the compiled HLO into
+DIR (NAME.hlo.txt.gz).
 
 Here (hloplan installed):
 
-    .venv/bin/python benchmarks/tpu_chip.py estimate --chip chip.json [--device FILE]
+    .venv/bin/python benchmarks/tpu_chip.py estimate --chip chip.json [--chip corpus.json]
+        [--device FILE] [--hlo DIR]
 
 plans each program for one device (`--mesh 1`, default device tpu-v5e) and writes, per program,
 hloplan's estimated step (compute + the device's program overhead) and measured / estimated,
-into benchmarks/tpu_chip_results.json (under "by_device_model", one entry per --device).
+and with --hlo the per-kernel roofline of the chip's compiled HLO, into
+benchmarks/tpu_chip_results.json (under "by_device_model", one entry per --device).
+benchmarks/tpu_chip_analysis.py splits the same figures by kernel category.
 """
 
 from __future__ import annotations
