@@ -23,8 +23,11 @@ from hloplan.op_rules import (
     feeding_matmuls,
     folded_transposes,
     fused_values,
+    fuses_matmuls,
     hbm_traffic,
+    matmul_rereads,
     rule_for,
+    shared_reads,
     unmaterialized_values,
 )
 from hloplan.passes.label_batch import state_like_args
@@ -144,7 +147,11 @@ class _ProblemBuilder:
         self.read_edges: dict[tuple[int, int], int] = {}  # (op, operand) -> its edge's index
         self.plain_of: dict[int, Strategy] = {}  # id(OpStrategy) -> Strategy (cached ones live)
         self.folded = folded_transposes(graph)  # transposes a GEMM reads through: no kernel
-        self.fused = fused_values(graph, self.folded)  # kept inside a fused kernel: no HBM traffic
+        # Kept inside a fused kernel: no HBM traffic.
+        self.fused = fused_values(graph, self.folded, fuses_matmuls(comm.model.platform))
+        self.shared = shared_reads(graph, self.fused)  # a fused kernel reads a value once
+        self.rereads = matmul_rereads(graph, self.fused) if fuses_matmuls(comm.model.platform) \
+            else set()  # matmuls recompute fused operands
         # Of those, the values XLA never writes out (it recomputes them in each consumer): no
         # memory either.
         self.unmaterialized = unmaterialized_values(graph, self.fused)
@@ -264,7 +271,8 @@ class _ProblemBuilder:
         operand_types = tuple(self.graph.type_of(v) for v in op.operands)
         result_types = tuple(self.graph.type_of(v) for v in op.results)
         dtype = result_types[0].dtype if result_types and result_types[0] else "f32"
-        hbm = hbm_traffic(self.graph, op, self.fused, self.streamed, self.folded)
+        hbm = hbm_traffic(self.graph, op, self.fused, self.streamed, self.folded, self.shared,
+                          self.rereads)
         # The signature (rule, types, ...) is hashed once, here; the follower cache and the
         # list ids key on its small id (hashing an OpRule walks all its factors).
         chained = op.index in self.chained

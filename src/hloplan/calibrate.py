@@ -7,6 +7,8 @@ Measured, on the first device (and on all of them for collectives):
   matmuls of a small, medium and large size); [flops] takes the large size's rate;
 - HBM bandwidth: an elementwise pass over a large array, bytes read + bytes written per second
   (the convention of the cost model's memory-bound terms);
+  both on the device alone: differences of two timed calls (chains of 1 and k matmuls, passes
+  over a quarter of the array and the whole), so the per-call overhead below is not in them;
 - per-program overhead: the wall time of a trivial jitted call;
 - with several devices: all-reduce over all of them (a one-axis mesh), bandwidth as the ring
   algorithm sees it (2(n-1)/n S per device per second) from a large buffer, latency per ring
@@ -53,26 +55,46 @@ def _time(fn, *args, repeats: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def measure_matmul(dtype: str, n: int, repeats: int) -> float:
-    """FLOP/s of an n x n x n matmul in `dtype` (jax's default precision)."""
+# Matmuls chained in one call per size class: enough device work that the difference of two
+# chain lengths is well above the jitter of a call.
+CHAIN = {"small": 64, "medium": 8, "large": 4}
+
+
+def measure_matmul(dtype: str, n: int, repeats: int, chain: int = 4) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype` (jax's default precision), on the device alone:
+    one call running `chain` dependent matmuls against one running a single one, so that the
+    call's own cost (dispatch, launch, sync: `program_overhead`) cancels out."""
     import jax
     import jax.numpy as jnp
 
     key = jax.random.PRNGKey(0)
     a = jax.random.normal(key, (n, n), dtype=jnp.dtype(dtype))
-    b = jax.random.normal(jax.random.fold_in(key, 1), (n, n), dtype=jnp.dtype(dtype))
-    seconds = _time(jax.jit(jnp.matmul), a, b, repeats=repeats)
-    return 2.0 * n**3 / seconds
+    # Scaled so that the chained products keep their magnitude.
+    b = (jax.random.normal(jax.random.fold_in(key, 1), (n, n)) / math.sqrt(n)).astype(a.dtype)
+
+    def chained(k: int):
+        def run(x, w):
+            for _ in range(k):  # unrolled: a loop would add a copy of its carry per step
+                x = x @ w
+            return x
+        return jax.jit(run)
+
+    one = _time(chained(1), a, b, repeats=repeats)
+    many = _time(chained(chain), a, b, repeats=repeats)
+    return 2.0 * n**3 * (chain - 1) / max(many - one, 1e-9)
 
 
 def measure_hbm(nbytes: int, repeats: int) -> float:
-    """Bytes read + written per second by an elementwise pass over an f32 array."""
+    """Bytes read + written per second by an elementwise pass over an f32 array, on the device
+    alone: the difference between passes over `nbytes` and over a quarter of it (the call's
+    own cost cancels out)."""
     import jax
     import jax.numpy as jnp
 
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    seconds = _time(jax.jit(lambda v: v * 2.0 + 1.0), x, repeats=repeats)
-    return 2.0 * nbytes / seconds
+    pass_ = jax.jit(lambda v: v * 2.0 + 1.0)
+    seconds = [_time(pass_, jnp.ones((size // 4,), jnp.float32), repeats=repeats)
+               for size in (nbytes // 4, nbytes)]
+    return 2.0 * (nbytes - nbytes // 4) / max(seconds[1] - seconds[0], 1e-12)
 
 
 def measure_overhead(repeats: int) -> float:
@@ -131,7 +153,8 @@ def measure(quick: bool = False) -> dict:
     for dtype in ("float32", "bfloat16"):
         short = {"float32": "f32", "bfloat16": "bf16"}[dtype]
         for size_class, n in sizes.items():
-            out[f"matmul_{short}_{size_class}"] = measure_matmul(dtype, n, repeats)
+            out[f"matmul_{short}_{size_class}"] = measure_matmul(dtype, n, repeats,
+                                                                 CHAIN[size_class])
             out[f"matmul_{size_class}_n"] = n
     out["hbm_bandwidth"] = measure_hbm(QUICK_HBM_BYTES if quick else HBM_BYTES, repeats)
     out["program_overhead"] = measure_overhead(20 if quick else 200)
@@ -200,6 +223,9 @@ def render(measured: dict, base: dict, name: str) -> str:
     if base.get("combiner"):
         lines += ["", "[combiner]"]
         lines += [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in base["combiner"].items()]
+    if base.get("collectives"):  # how the platform's compiler forms collectives
+        lines += ["", "[collectives]"]
+        lines += [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in base["collectives"].items()]
     if base.get("buffers"):  # how the platform's compiler keeps values (memory estimate)
         lines += ["", "[buffers]"] + [f"{k} = {_toml_value(v)}" for k, v in base["buffers"].items()]
     lines += ["", "[calibration]"]

@@ -1080,13 +1080,24 @@ def collective_stats(
 _NO_KERNEL = {
     "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "conditional",
     "call", "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain",
-    "copy-start", "copy-done", "send", "send-done", "recv", "recv-done", "async-start",
+    # Asynchronous copies and slices between memory spaces (TPU prefetches into on-chip
+    # memory): DMAs that overlap the kernels (a v5e profile shows them taking no core time).
+    "copy-start", "copy-done", "slice-start", "slice-done",
+    "send", "send-done", "recv", "recv-done", "async-start",
     "async-update", "async-done", "all-reduce", "all-gather", "reduce-scatter", "all-to-all",
     "collective-permute", "collective-broadcast", "ragged-all-to-all",
     *(f"{_op}-{_phase}" for _op in ("all-reduce", "all-gather", "collective-permute")
       for _phase in ("start", "done")),
 }
 _READS_PART = {"slice", "dynamic-slice", "gather"}
+# Custom calls of XLA's TPU compiler that are layout or bookkeeping, not kernels.
+_NO_KERNEL_TARGETS = {"ConcatBitcast", "AssumeGatherIndicesInBound", "AllocateBuffer"}
+
+
+def _bookkeeping_call(ins: _Instr) -> bool:
+    target = re.search(r'custom_call_target="([\w.\-]+)"', ins.attrs)
+    return ins.opcode == "custom-call" and target is not None \
+        and target.group(1) in _NO_KERNEL_TARGETS
 
 
 @dataclass(frozen=True)
@@ -1118,13 +1129,53 @@ def _matmul_flops(comp: _Computation, ins: _Instr) -> float:
             if m and dims else 1
         return 2.0 * out * contracted
     if ins.opcode == "convolution":
+        lhs = ins.operand_shapes[0] or comp.shapes.get(ins.operands[0], "")
         rhs = ins.operand_shapes[1] or comp.shapes.get(ins.operands[1], "")
-        m = re.search(r"\bdim_labels=[^_]*_([^-]*)->", ins.attrs)
+        m = re.search(r"\bdim_labels=([^_]*)_([^-]*)->(\w+)", ins.attrs)
         dims = _dims(rhs)
-        if not (m and dims and "o" in m.group(1)):
+        if not (m and dims and "i" in m.group(2)):
             return 0.0
-        return 2.0 * out * math.prod(dims) / max(dims[m.group(1).index("o")], 1)
+        # Per output element: input features times the window taps that land on the input
+        # rather than in padding. XLA's TPU compiler writes dots as convolutions whose batch
+        # dims are windows padded by size - 1 on both sides: most of their taps are padding.
+        taps = _valid_taps(_dims(lhs), _dims(ins.shape), m.group(1), m.group(3), ins.attrs)
+        if taps is None:
+            taps = math.prod(dims[k] for k, c in enumerate(m.group(2)) if c.isdigit())
+        return 2.0 * out * dims[m.group(2).index("i")] * taps
     return 0.0
+
+
+def _valid_taps(lhs: list[int], out: list[int], lhs_labels: str, out_labels: str,
+                attrs: str) -> float | None:
+    """Mean count, over output positions, of window taps inside the (dilated) input."""
+    window = re.search(r"\bwindow=\{([^}]*)\}", attrs)
+    fields = dict(re.findall(r"(\w+)=(\S+)", window.group(1))) if window else {}
+    if "size" not in fields or len(lhs) != len(lhs_labels) or len(out) != len(out_labels):
+        return None
+
+    def per_dim(key: str, default: int) -> list[str]:
+        return fields[key].split("x") if key in fields else [str(default)] * len(sizes)
+
+    sizes = [int(v) for v in fields["size"].split("x")]
+    pads = [tuple(int(p) for p in v.split("_")) for v in per_dim("pad", 0)] \
+        if "pad" in fields else [(0, 0)] * len(sizes)
+    strides, lhs_dilate, rhs_dilate = ([int(v) for v in per_dim(k, 1)]
+                                       for k in ("stride", "lhs_dilate", "rhs_dilate"))
+    taps = 1.0
+    for d, size in enumerate(sizes):
+        if str(d) not in lhs_labels or str(d) not in out_labels:
+            return None
+        n_in, n_out = lhs[lhs_labels.index(str(d))], out[out_labels.index(str(d))]
+        if size == 1 or n_out * size > 1 << 22:
+            continue
+        extent = (n_in - 1) * lhs_dilate[d] + 1
+        valid = 0
+        for o in range(n_out):
+            for k in range(size):
+                at = o * strides[d] + k * rhs_dilate[d] - pads[d][0]
+                valid += 0 <= at < extent and at % lhs_dilate[d] == 0
+        taps *= valid / max(n_out, 1)
+    return taps
 
 
 def _fused_flops(module: _Module, name: str, seen: set[str]) -> float:
@@ -1225,7 +1276,7 @@ def kernel_stats(hlo_text: str, flop_rate: float, hbm_bandwidth: float) -> Kerne
         mult = multipliers[name][0]
         comp = module.computations[name]
         for ins in comp.instrs:
-            if ins.opcode in _NO_KERNEL:
+            if ins.opcode in _NO_KERNEL or _bookkeeping_call(ins):
                 continue
             out_bytes = shape_bytes(ins.shape)
             if ins.opcode == "fusion":

@@ -508,10 +508,22 @@ def folded_transposes(graph: Graph) -> set[int]:
     return folded
 
 
-def fused_values(graph: Graph, folded: set[int] | None = None) -> set[int]:
+def fuses_matmuls(platform: str) -> bool:
+    """Whether the XLA backend of `platform` fuses matmuls with their elementwise neighbours.
+    XLA's TPU compiler does (its convolution fusions take the elementwise producers of their
+    operands, a layer norm's scale-and-shift say, and the elementwise consumers and reductions
+    of their result: bias, activation, an optimizer's update of the weight whose gradient the
+    matmul makes). XLA's CPU and GPU compilers call a GEMM library and fuse at most a bias
+    into it, so they do not."""
+    return platform == "tpu"
+
+
+def fused_values(graph: Graph, folded: set[int] | None = None,
+                 matmul_fusion: bool = False) -> set[int]:
     """Values that stay inside a fused kernel: made by a fusible op, not returned, and read
     only by fusible ops of the same region (a transpose folded into dots is not one: the
-    dots read its operand)."""
+    dots read its operand). With `matmul_fusion` (fuses_matmuls), also a matmul's result read
+    by one fusible op, and a fusible op's result read by matmuls and fusible ops."""
     outputs = set(graph.outputs)
     folded = folded_transposes(graph) if folded is None else folded
     fused = set()
@@ -519,9 +531,14 @@ def fused_values(graph: Graph, folded: set[int] | None = None) -> set[int]:
         if value.type is None or value.id in outputs or not value.users:
             continue
         producer = graph.ops[value.producer]
-        if not fusible_producer(producer.name):
+        # A matmul fuses its result into its one reader only (output fusion); read by several
+        # kernels, the result is written out once.
+        from_matmul = matmul_fusion and producer.name in MATMULS
+        if not (fusible_producer(producer.name) or (from_matmul and len(set(value.users)) == 1)):
             continue
-        if all(fusible_consumer(graph.ops[u].name) and u not in folded
+        if all((fusible_consumer(graph.ops[u].name)
+                or (matmul_fusion and not from_matmul and graph.ops[u].name in MATMULS))
+               and u not in folded
                and (graph.ops[u].parent, graph.ops[u].region) == (producer.parent, producer.region)
                for u in value.users):
             fused.add(value.id)
@@ -610,18 +627,76 @@ def feeding_matmuls(graph: Graph) -> set[int]:
     return found
 
 
+def shared_reads(graph: Graph, fused: set[int]) -> set[tuple[int, int]]:
+    """(op index, operand position) of reads that a fused kernel makes once for several of its
+    ops: ops joined by fused values (matmuls aside: each reads its own operands) are one
+    kernel, which reads each value from HBM once however many of its ops use it (a GELU's
+    five uses of its input; a softmax's shift, exponential and backward pass of the logits).
+    The first reader in program order pays; the others' reads are listed."""
+    parent = list(range(len(graph.ops)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for value_id in fused:
+        value = graph.values[value_id]
+        if graph.ops[value.producer].name in MATMULS:
+            continue
+        for user in value.users:
+            if graph.ops[user].name not in MATMULS:
+                parent[root(user)] = root(value.producer)
+    seen: set[tuple[int, int]] = set()
+    shared = set()
+    for op in graph.ops:
+        if op.name in MATMULS or op.name in NO_TRAFFIC_OPS:
+            continue
+        group = root(op.index)
+        for position, value_id in enumerate(op.operands):
+            if value_id in fused:
+                continue
+            if (group, value_id) in seen:
+                shared.add((op.index, position))
+            seen.add((group, value_id))
+    return shared
+
+
+def matmul_rereads(graph: Graph, fused: set[int]) -> set[tuple[int, int]]:
+    """(op index, operand position) of matmuls that read a fused value another matmul read
+    before: the elementwise ops making it are fused into each matmul's kernel, which reads
+    their inputs again (a layer norm's output, used by a projection's forward and weight-gradient
+    matmuls, is recomputed in both). Priced as a read of the value itself."""
+    readers: set[int] = set()
+    rereads = set()
+    for op in graph.ops:
+        if op.name not in MATMULS:
+            continue
+        for position, value_id in enumerate(op.operands):
+            if value_id in fused:
+                if value_id in readers:
+                    rereads.add((op.index, position))
+                readers.add(value_id)
+    return rereads
+
+
 def hbm_traffic(graph: Graph, op: Op, fused: set[int], streamed: frozenset[int] = frozenset(),
-                folded: set[int] = frozenset()) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+                folded: set[int] = frozenset(), shared: set[tuple[int, int]] = frozenset(),
+                rereads: set[tuple[int, int]] = frozenset(),
+                ) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
     """Per operand and per result of `op`: whether it is read or written through HBM.
     `streamed`: argument values written into device memory every step (data inputs; state
     that the step updates in place stays resident). `folded`: folded_transposes(graph), ops
-    that are no kernel."""
+    that are no kernel. `shared`: shared_reads(graph, fused), reads another op of the same
+    kernel makes. `rereads`: matmul_rereads(graph, fused), fused operands read again."""
     if op.index in folded:
         return (False,), (False,)
     if op.name in NO_TRAFFIC_OPS:
         return (tuple(False for _ in op.operands),
                 tuple(op.name == "arg" and v in streamed for v in op.results))
-    return (tuple(v not in fused for v in op.operands),
+    return (tuple((v not in fused or (op.index, k) in rereads) and (op.index, k) not in shared
+                  for k, v in enumerate(op.operands)),
             tuple(v not in fused for v in op.results))
 
 

@@ -168,3 +168,65 @@ def test_resharding_a_fused_value_pays_for_materialising_it():
     assert fused - plain == pytest.approx((F32.nbytes / 8 + F32.nbytes) / 3.35e12)
     # Slicing a replicated value needs no collective and stays fused.
     assert builder._matrix(F32, ids[1], ids[0], 1.0, fused=True) is None
+
+
+def test_tpu_matmuls_fuse_their_elementwise_neighbours():
+    from hloplan.op_rules import fuses_matmuls
+
+    g, v = _chain()
+    scaled = g.add_op("stablehlo.multiply", (v["x"], v["x"]), [F32]).results[0]
+    second = g.add_op("stablehlo.dot_general", (scaled, v["w"]), [F32],
+                      attrs={"lhs_batch": [], "rhs_batch": [], "lhs_contracting": [1],
+                             "rhs_contracting": [0]}).results[0]
+    relu = g.add_op("stablehlo.maximum", (second, second), [F32]).results[0]
+    other = g.add_op("stablehlo.negate", (second,), [F32]).results[0]
+    g.outputs = [*g.outputs, relu, other]
+    assert fuses_matmuls("tpu") and not fuses_matmuls("cuda") and not fuses_matmuls("cpu")
+    assert not {scaled, v["dot"]} & fused_values(g)
+    fused = fused_values(g, matmul_fusion=True)
+    # A producer read by a dot is fused into it; a dot's result read by one elementwise op is
+    # in that op's kernel (output fusion); read by two kernels, it is written out.
+    assert scaled in fused and v["dot"] in fused and second not in fused
+    assert v["tanh"] in fused and v["x"] not in fused
+
+
+def test_a_fused_kernel_reads_each_value_once():
+    from hloplan.op_rules import shared_reads
+
+    g = Graph()
+    x = g.add_op("arg", (), [F32]).results[0]
+    w = g.add_op("arg", (), [F32]).results[0]
+    g.arguments = [x, w]
+    tanh = g.add_op("stablehlo.tanh", (x,), [F32])
+    mul = g.add_op("stablehlo.multiply", (tanh.results[0], x), [F32])
+    dot = g.add_op("stablehlo.dot_general", (x, w), [F32],
+                   attrs={"lhs_batch": [], "rhs_batch": [], "lhs_contracting": [1],
+                          "rhs_contracting": [0]})
+    g.outputs = [mul.results[0], dot.results[0]]
+    fused = fused_values(g)
+    shared = shared_reads(g, fused)
+    # tanh and multiply are one kernel: it reads x once; the dot is a kernel of its own.
+    assert shared == {(mul.index, 1)}
+    assert hbm_traffic(g, mul, fused, shared=shared) == ((False, False), (True,))
+    assert hbm_traffic(g, mul, fused) == ((False, True), (True,))
+    assert hbm_traffic(g, dot, fused, shared=shared)[0] == (True, True)
+
+
+def test_matmuls_on_tpu_read_a_fused_operand_each():
+    from hloplan.op_rules import matmul_rereads
+
+    g = Graph()
+    x = g.add_op("arg", (), [F32]).results[0]
+    w = g.add_op("arg", (), [F32]).results[0]
+    g.arguments = [x, w]
+    normed = g.add_op("stablehlo.multiply", (x, x), [F32]).results[0]
+    attrs = {"lhs_batch": [], "rhs_batch": [], "lhs_contracting": [1], "rhs_contracting": [0]}
+    forward = g.add_op("stablehlo.dot_general", (normed, w), [F32], attrs=attrs)
+    backward = g.add_op("stablehlo.dot_general", (normed, w), [F32], attrs=attrs)
+    g.outputs = [forward.results[0], backward.results[0]]
+    fused = fused_values(g, matmul_fusion=True)
+    rereads = matmul_rereads(g, fused)
+    # The multiply is fused into both matmuls' kernels: the second reads its input again.
+    assert normed in fused and rereads == {(backward.index, 0)}
+    assert hbm_traffic(g, forward, fused, rereads=rereads)[0] == (False, True)
+    assert hbm_traffic(g, backward, fused, rereads=rereads)[0] == (True, True)

@@ -895,3 +895,45 @@ def test_live_range_peak_of_a_compiled_program_is_within_its_allocation(tmp_path
     peak = live_range_peak(dump.read_text())
     allocation = memory_stats(compiled)["peak_bytes"]
     assert x.nbytes + 2 * x.nbytes <= peak <= allocation
+
+
+# XLA's TPU compiler writes dots as convolutions: a weight gradient contracts its tokens as
+# a window (no padding: every tap counts), a batch dim is a window padded by size - 1 on both
+# sides (only the taps inside the input count). Asynchronous slices into on-chip memory and
+# ConcatBitcast custom calls are DMAs and layout, not kernels.
+_TPU_KERNELS = """HloModule m, num_partitions=1
+
+%fused_dw (p0: f32[8,64,16], p1: f32[8,64,32]) -> f32[16,32,1] {
+  %p0 = f32[8,64,16]{2,1,0} parameter(0)
+  %p1 = f32[8,64,32]{2,1,0} parameter(1)
+  ROOT %conv = f32[16,32,1]{1,0,2} convolution(%p0, %p1), window={size=8}, dim_labels=0fb_0io->bf0
+}
+
+%fused_padded (q0: f32[3,64,16], q1: f32[3,64,32]) -> f32[16,32,5] {
+  %q0 = f32[3,64,16]{2,1,0} parameter(0)
+  %q1 = f32[3,64,32]{2,1,0} parameter(1)
+  ROOT %conv = f32[16,32,5]{2,1,0} convolution(%q0, %q1), window={size=3 pad=2_2 rhs_reversal=1}, dim_labels=0fb_0io->bf0
+}
+
+ENTRY %main (a: f32[8,64,16], b: f32[8,64,32], c: f32[3,64,16], d: f32[3,64,32]) -> (f32[16,32,1], f32[16,32,5]) {
+  %a = f32[8,64,16]{2,1,0} parameter(0)
+  %b = f32[8,64,32]{2,1,0} parameter(1)
+  %c = f32[3,64,16]{2,1,0} parameter(2)
+  %d = f32[3,64,32]{2,1,0} parameter(3)
+  %s = ((f32[8,64,16]{2,1,0}), f32[1,64,16]{2,1,0}, s32[]) slice-start(%a), slice={[0:1], [0:64], [0:16]}
+  %sd = f32[1,64,16]{2,1,0} slice-done(%s)
+  %cb = f32[8,64,16]{2,1,0} custom-call(%a), custom_call_target="ConcatBitcast"
+  %dw = f32[16,32,1]{1,0,2} fusion(%cb, %b), kind=kOutput, calls=%fused_dw
+  %pd = f32[16,32,5]{2,1,0} fusion(%c, %d), kind=kOutput, calls=%fused_padded
+  ROOT %t = (f32[16,32,1]{1,0,2}, f32[16,32,5]{2,1,0}) tuple(%dw, %pd)
+}
+"""
+
+
+def test_kernel_roofline_of_tpu_dot_convolutions() -> None:
+    stats = kernel_stats(_TPU_KERNELS, flop_rate=1e12, hbm_bandwidth=1e11)
+    assert stats.kernels == 2
+    weight_gradient = 2 * (16 * 32) * 64 * 8
+    # Output positions 0..4 of a 3-wide window over 3 inputs padded by 2: 1, 2, 3, 2, 1 taps.
+    padded = 2 * (16 * 32) * 64 * (1 + 2 + 3 + 2 + 1)
+    assert stats.matmul_flops == weight_gradient + padded

@@ -8,7 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hloplan.cost_models import CommModel
-from hloplan.op_rules import folded_transposes, fused_values, hbm_traffic, rule_for
+from hloplan.op_rules import (
+    folded_transposes,
+    fused_values,
+    fuses_matmuls,
+    hbm_traffic,
+    rule_for,
+    shared_reads,
+)
 from hloplan.passes.cut_pipeline import CutContext, PipelineCut, cut_at, schedule
 from hloplan.passes.label_batch import UNPLANNED, BatchAnalysis, state_outputs
 from hloplan.pipeline_parallel import inter_op
@@ -92,7 +99,9 @@ class StageSearch:
         # Fusion in the whole program: a task's own module fuses no more, so this stays a
         # lower bound.
         self._folded = folded_transposes(self.graph)
-        self._fused = fused_values(self.graph, self._folded)
+        self._fused = fused_values(self.graph, self._folded,
+                                   fuses_matmuls(comm.model.platform))
+        self._shared = shared_reads(self.graph, self._fused)
         self._prefix: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
         self._crossers = self._crossing_values()
         self.cuts: dict[tuple[int, int], PipelineCut] = {}
@@ -111,7 +120,8 @@ class StageSearch:
                     types = [self.graph.type_of(v) for v in op.results]
                     dtype = types[0].dtype if types and types[0] is not None else "f32"
                     moved, dims, scaled = [], set(), False
-                    reads, writes = hbm_traffic(self.graph, op, self._fused, folded=self._folded)
+                    reads, writes = hbm_traffic(self.graph, op, self._fused, folded=self._folded,
+                                               shared=self._shared)
                     for v, traffic in zip((*op.operands, *op.results), (*reads, *writes)):
                         type_ = self.graph.type_of(v)
                         if type_ is None:
