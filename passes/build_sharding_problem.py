@@ -152,14 +152,18 @@ class _ProblemBuilder:
         self.shared = shared_reads(graph, self.fused)  # a fused kernel reads a value once
         self.rereads = matmul_rereads(graph, self.fused) if fuses_matmuls(comm.model.platform) \
             else set()  # matmuls recompute fused operands
-        # Of those, the values XLA never writes out (it recomputes them in each consumer): no
-        # memory either.
-        self.unmaterialized = unmaterialized_values(graph, self.fused)
+        # Of the values fused among elementwise ops and reductions, those XLA never writes out
+        # (it recomputes them in each consumer): no memory either. Values fused into a matmul's
+        # kernel are left out: libtpu's buffer assignment still holds them (its matmul fusions
+        # are priced as HBM traffic only).
+        kept_fused = (fused_values(graph, self.folded) if fuses_matmuls(comm.model.platform)
+                      else self.fused)
+        self.unmaterialized = unmaterialized_values(graph, kept_fused)
         device = comm.model
         if device.fused_reductions:
             # A compiler whose reductions fuse the elementwise work they read (TPU) writes no
             # fused value out: a softmax's exponentials, a cross entropy's one-hot products.
-            self.unmaterialized = set(self.fused)
+            self.unmaterialized = set(kept_fused)
         # Ops whose results are written in a narrower dtype than their type (f32 values read
         # only by matmuls, which run on the narrower type): op index -> bytes kept per byte.
         self.narrowed = (matmul_narrowed(graph, self.folded, device.matmul_operands)
