@@ -45,6 +45,9 @@ class OpRule:
     # none: they read their input once for all taps, so an explicit matmul's rate (bound by
     # reading an m x k operand when n is small) does not describe them.
     matmul: tuple[tuple[tuple[int, ...], int], ...] | None = None
+    # gather / scatter: "gather" or "scatter" (one operand). They touch operand 0 only at the
+    # indexed rows, and a scatter updates it in place (TPU pricing: strategies._price).
+    indexed: str | None = None
 
 
 ELEMENTWISE = {
@@ -417,7 +420,7 @@ def _gather(graph: Graph, op: Op) -> OpRule:
         if full:
             operand_dims[d] = f
     return b.rule([tuple(operand_dims), tuple(indices_dims)], [tuple(out_dims)],
-                  flops=float(out.elements))
+                  flops=float(out.elements), indexed="gather")
 
 
 def _scatter(graph: Graph, op: Op) -> OpRule:
@@ -452,7 +455,7 @@ def _scatter(graph: Graph, op: Op) -> OpRule:
         f = b.new(updates.shape[ud], kind)
         update_dims[ud] = indices_dims[idd] = f
     return b.rule([tuple(operand_dims), tuple(indices_dims), tuple(update_dims)],
-                  [tuple(operand_dims)], flops=float(updates.elements))
+                  [tuple(operand_dims)], flops=float(updates.elements), indexed="scatter")
 
 
 # -- HBM traffic under fusion ------------------------------------------------------------------

@@ -205,6 +205,14 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
     for t, s, read in zip(operand_types, operands, reads):
         if t is not None and s is not None and read:
             moved += local_bytes(t, s, mesh)
+    if rule.indexed and comm.model.platform == "tpu":
+        # XLA's TPU gather reads the rows it gathers; its scatter updates its operand in place
+        # (reads the updates, reads and writes the rows they hit), not the whole table.
+        indices = local_bytes(operand_types[1], operands[1], mesh)
+        if rule.indexed == "gather":
+            moved = 2 * result_bytes[0] + indices
+        else:
+            moved = 3 * local_bytes(operand_types[2], operands[2], mesh) + indices
     if rule.free:
         compute = 0.0
     elif rule.matmul is not None and comm.model.matmul:
