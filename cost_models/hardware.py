@@ -35,6 +35,10 @@ Schema (all fields required unless marked optional)::
     bandwidth = 50e9
     latency = 10e-6
 
+    [matmul]                     # optional: FLOP/s of an (m, k) x (k, n) matmul by shape
+    sizes = [128, 512, 4096]     # the grid of each dim (increasing)
+    f32 = [[[...], ...], ...]    # per dtype: [m][k][n] rates, len(sizes) each (calibrate writes it)
+
     [calibration]                # optional, free-form: what `hloplan calibrate` measured
     matmul_f32_large = 1.5e14    # (recorded for people and benchmarks; the planner ignores it)
 
@@ -113,6 +117,7 @@ _TOP_FIELDS = {
     "tpu_topology",
     "calibration",
     "buffers",
+    "matmul",
 }
 _COMBINER_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 # XLA's GPU pipeline merges all-reduces and reduce-scatters up to 30 MiB
@@ -224,6 +229,30 @@ class DeviceModel:
     # out; and the dtype f32 values read only by matmuls are written in (None: f32).
     fused_reductions: bool = False
     matmul_operands: str | None = None
+    # [matmul]: "sizes" -> grid of each dim; dtype -> [m][k][n] FLOP/s (see matmul_flops_for).
+    matmul: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    def matmul_flops_for(self, dtype_name: object, m: float, k: float, n: float) -> float:
+        """FLOP/s of an (m, k) x (k, n) matmul in `dtype_name`: the [matmul] table interpolated
+        linearly in log2 of each dim (clamped to the grid); flops_for(dtype) where the table has
+        no entry for the dtype."""
+        table = self.matmul.get(normalize_dtype(dtype_name))
+        if table is None:
+            return self.flops_for(dtype_name)
+        logs = [math.log2(s) for s in self.matmul["sizes"]]
+        corners = []
+        for size in (m, k, n):
+            x = math.log2(max(size, 1.0))
+            if x <= logs[0] or len(logs) == 1:
+                corners.append(((0, 1.0),))
+            elif x >= logs[-1]:
+                corners.append(((len(logs) - 1, 1.0),))
+            else:
+                i = next(j for j in range(1, len(logs)) if logs[j] >= x) - 1
+                w = (x - logs[i]) / (logs[i + 1] - logs[i])
+                corners.append(((i, 1.0 - w), (i + 1, w)))
+        return sum(wm * wk * wn * table[i][j][q] for i, wm in corners[0]
+                   for j, wk in corners[1] for q, wn in corners[2])
 
     def flops_for(self, dtype_name: object) -> float:
         """Peak FLOP/s for arithmetic in `dtype_name`.
@@ -337,6 +366,8 @@ def _parse_model(data: dict[str, Any], source: str) -> DeviceModel:
     if "default" not in flops:
         raise _fail(source, "missing field 'flops.default'")
 
+    matmul = _parse_matmul(data.get("matmul"), source)
+
     levels_data = _require(data, "interconnect", source)
     if not isinstance(levels_data, list) or not levels_data:
         raise _fail(
@@ -394,6 +425,7 @@ def _parse_model(data: dict[str, Any], source: str) -> DeviceModel:
         calibration=dict(calibration),
         **_parse_collectives(data.get("collectives", {}), source),
         **_parse_buffers(data.get("buffers", {}), source),
+        matmul=matmul,
     )
 
 
@@ -444,6 +476,34 @@ def _parse_buffers(table: Any, source: str) -> dict[str, Any]:
             raise _fail(source, f"field 'buffers.matmul_operands' must be bf16, f16 or f32, "
                                 f"got {table['matmul_operands']!r}")
         out["matmul_operands"] = None if dtype == "f32" else dtype
+    return out
+
+
+def _parse_matmul(table: Any, source: str) -> dict[str, Any]:
+    """[matmul]: sizes (increasing positive ints) and per dtype a [m][k][n] grid of rates."""
+    if table is None:
+        return {}
+    if not isinstance(table, dict):
+        raise _fail(source, "field 'matmul' must be a table ([matmul])")
+    sizes = table.get("sizes")
+    if (not isinstance(sizes, list) or not sizes
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes)
+            or any(b <= a for a, b in zip(sizes, sizes[1:]))):
+        raise _fail(source, "field 'matmul.sizes' must be a list of increasing positive integers")
+    out: dict[str, Any] = {"sizes": tuple(sizes)}
+    count = len(sizes)
+    for key, grid in table.items():
+        if key == "sizes":
+            continue
+        if not (isinstance(grid, list) and len(grid) == count
+                and all(isinstance(p, list) and len(p) == count
+                        and all(isinstance(r, list) and len(r) == count for r in p)
+                        for p in grid)):
+            raise _fail(source, f"field 'matmul.{key}' must be a {count} x {count} x {count} "
+                                "array ([m][k][n], one entry per size)")
+        out[normalize_dtype(key)] = tuple(
+            tuple(tuple(_number(v, source, f"matmul.{key}") for v in row) for row in plane)
+            for plane in grid)
     return out
 
 

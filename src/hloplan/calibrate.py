@@ -5,6 +5,10 @@ Measured, on the first device (and on all of them for collectives):
 
 - matmul FLOP/s per dtype (f32 at jax's default precision, bf16) and size class (square
   matmuls of a small, medium and large size); [flops] takes the large size's rate;
+- the same rates over a grid of (m, k, n) shapes, each dim from MATMUL_GRID: written as the
+  [matmul] table, which the cost model reads for the dots and convolutions of that shape
+  (a chip's matmul kernels reach a fraction of the square rate when one dim is small or the
+  contracted dim is long);
 - HBM bandwidth: an elementwise pass over a large array, bytes read + bytes written per second
   (the convention of the cost model's memory-bound terms);
   both on the device alone: differences of two timed calls (chains of 1 and k matmuls, passes
@@ -35,6 +39,10 @@ from pathlib import Path
 # Square matmul sizes per size class; quick mode (tests, CPU) uses tiny ones.
 SIZES = {"small": 1024, "medium": 4096, "large": 8192}
 QUICK_SIZES = {"small": 64, "medium": 128, "large": 256}
+# Each dim of the [matmul] grid: covers attention heads (64-128), model widths (512-1024),
+# hidden and token counts (4096) and vocabularies / long contractions (16384 and beyond).
+MATMUL_GRID = (128, 512, 1024, 4096, 16384)
+QUICK_MATMUL_GRID = (16, 64)
 HBM_BYTES = 1 << 30
 QUICK_HBM_BYTES = 1 << 22
 ALLREDUCE_BYTES = 1 << 26
@@ -82,6 +90,39 @@ def measure_matmul(dtype: str, n: int, repeats: int, chain: int = 4) -> float:
     one = _time(chained(1), a, b, repeats=repeats)
     many = _time(chained(chain), a, b, repeats=repeats)
     return 2.0 * n**3 * (chain - 1) / max(many - one, 1e-9)
+
+
+def measure_matmul_shape(dtype: str, m: int, k: int, n: int, repeats: int,
+                         target_flops: float = 1e12, max_bytes: int = 3 << 30,
+                         max_count: int = 64) -> float:
+    """FLOP/s of an (m, k) x (k, n) matmul in `dtype`, on the device alone: one call running
+    `count` independent matmuls (separate operands, so that XLA neither merges nor reuses them)
+    against one running a single one; `count` gives the difference about `target_flops` of
+    work, within `max_bytes` of operands and results."""
+    import jax
+    import jax.numpy as jnp
+
+    flops = 2.0 * m * k * n
+    per = (m * k + k * n + m * n) * jnp.dtype(dtype).itemsize
+    count = int(max(2, min(max_count, math.ceil(target_flops / flops), max_bytes // per)))
+    key = jax.random.PRNGKey(m * 7 + k * 13 + n)
+    lhs = [jax.random.normal(jax.random.fold_in(key, i), (m, k), dtype=jnp.dtype(dtype))
+           for i in range(count)]
+    rhs = [jax.random.normal(jax.random.fold_in(key, count + i), (k, n), dtype=jnp.dtype(dtype))
+           for i in range(count)]
+    run = jax.jit(lambda xs, ws: [x @ w for x, w in zip(xs, ws)])
+    one = _time(run, lhs[:1], rhs[:1], repeats=repeats)
+    many = _time(run, lhs, rhs, repeats=repeats)
+    del lhs, rhs
+    return flops * (count - 1) / max(many - one, 1e-9)
+
+
+def measure_matmul_grid(dtype: str, sizes: tuple[int, ...], repeats: int,
+                        cap: float) -> list[list[list[float]]]:
+    """FLOP/s of every (m, k, n) matmul with each dim from `sizes` ([m][k][n]); each at most
+    `cap` (a timing too short to resolve would read as an absurd rate)."""
+    return [[[min(measure_matmul_shape(dtype, m, k, n, repeats), cap) for n in sizes]
+             for k in sizes] for m in sizes]
 
 
 def measure_hbm(nbytes: int, repeats: int) -> float:
@@ -156,6 +197,11 @@ def measure(quick: bool = False) -> dict:
             out[f"matmul_{short}_{size_class}"] = measure_matmul(dtype, n, repeats,
                                                                  CHAIN[size_class])
             out[f"matmul_{size_class}_n"] = n
+    grid = QUICK_MATMUL_GRID if quick else MATMUL_GRID
+    out["matmul_grid"] = {"sizes": list(grid)}
+    for dtype, short in (("float32", "f32"), ("bfloat16", "bf16")):
+        cap = 1.25 * max(out[f"matmul_{short}_{c}"] for c in sizes)
+        out["matmul_grid"][short] = measure_matmul_grid(dtype, grid, 3 if quick else 5, cap)
     out["hbm_bandwidth"] = measure_hbm(QUICK_HBM_BYTES if quick else HBM_BYTES, repeats)
     out["program_overhead"] = measure_overhead(20 if quick else 200)
     try:
@@ -228,8 +274,21 @@ def render(measured: dict, base: dict, name: str) -> str:
         lines += [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in base["collectives"].items()]
     if base.get("buffers"):  # how the platform's compiler keeps values (memory estimate)
         lines += ["", "[buffers]"] + [f"{k} = {_toml_value(v)}" for k, v in base["buffers"].items()]
+    grid = measured.get("matmul_grid")
+    if grid:
+        lines += ["", "[matmul]  # FLOP/s of an (m, k) x (k, n) matmul: [dtype][m][k][n], each "
+                  "dim from sizes"]
+        lines.append(f"sizes = {_toml_value(grid['sizes'])}")
+        for dtype in (k for k in grid if k != "sizes"):
+            lines.append(f"{dtype} = [")
+            for m, plane in zip(grid["sizes"], grid[dtype]):
+                lines.append(f"  [  # m = {m}; rows k, columns n")
+                lines += [f"    {_toml_value([float(v) for v in row])}," for row in plane]
+                lines.append("  ],")
+            lines.append("]")
     lines += ["", "[calibration]"]
-    lines += [f"{k} = {_toml_value(v)}" for k, v in sorted(measured.items())]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in sorted(measured.items())
+              if k != "matmul_grid"]
     return "\n".join(lines) + "\n"
 
 

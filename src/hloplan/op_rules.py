@@ -39,6 +39,15 @@ class OpRule:
     fallback: str | None = None
     # Pointwise: each operand dim has the same factor as the result dim: candidates to follow.
     pointwise: bool = False
+    # Dots: the (m, k, n) of the matmul they run, each as (factors, constant): the product of
+    # those factors' local sizes times the constant (batch dims count in m). The cost model
+    # prices them at the device's rate for that shape (matmul_flops_for). Convolutions have
+    # none: they read their input once for all taps, so an explicit matmul's rate (bound by
+    # reading an m x k operand when n is small) does not describe them.
+    matmul: tuple[tuple[tuple[int, ...], int], ...] | None = None
+    # gather / scatter: "gather" or "scatter" (one operand). They touch operand 0 only at the
+    # indexed rows, and a scatter updates it in place (TPU pricing: strategies._price).
+    indexed: str | None = None
 
 
 ELEMENTWISE = {
@@ -161,26 +170,33 @@ def _dot_general(graph: Graph, op: Op) -> OpRule:
     lhs_dims: list[tuple[int, ...]] = [()] * lhs.rank
     rhs_dims: list[tuple[int, ...]] = [()] * rhs.rank
     result: list[tuple[int, ...]] = []
+    m: tuple[int, ...] = ()
+    k: tuple[int, ...] = ()
+    n: tuple[int, ...] = ()
     for ld, rd in zip(a["lhs_batch"], a["rhs_batch"]):
         f = b.new(lhs.shape[ld])
         lhs_dims[ld] = rhs_dims[rd] = f
         result.append(f)
+        m += f
     contracting = 1
     for ld, rd in zip(a["lhs_contracting"], a["rhs_contracting"]):
         f = b.new(lhs.shape[ld], "reduce")
         lhs_dims[ld] = rhs_dims[rd] = f
         contracting *= lhs.shape[ld]
+        k += f
     for d in range(lhs.rank):
         if d not in a["lhs_batch"] and d not in a["lhs_contracting"]:
             lhs_dims[d] = b.new(lhs.shape[d])
             result.append(lhs_dims[d])
+            m += lhs_dims[d]
     for d in range(rhs.rank):
         if d not in a["rhs_batch"] and d not in a["rhs_contracting"]:
             rhs_dims[d] = b.new(rhs.shape[d])
             result.append(rhs_dims[d])
+            n += rhs_dims[d]
     out = _type(graph, op.results[0])
     return b.rule([tuple(lhs_dims), tuple(rhs_dims)], [tuple(result)],
-                  flops=2.0 * out.elements * contracting)
+                  flops=2.0 * out.elements * contracting, matmul=((m, 1), (k, 1), (n, 1)))
 
 
 def _dot(graph: Graph, op: Op) -> OpRule:
@@ -192,7 +208,8 @@ def _dot(graph: Graph, op: Op) -> OpRule:
     rhs_free = tuple(b.new(n) for n in rhs.shape[1:])
     out = _type(graph, op.results[0])
     return b.rule([(*lhs_free, contracted), (contracted, *rhs_free)], [(*lhs_free, *rhs_free)],
-                  flops=2.0 * out.elements * lhs.shape[-1])
+                  flops=2.0 * out.elements * lhs.shape[-1],
+                  matmul=((sum(lhs_free, ()), 1), (contracted, 1), (sum(rhs_free, ()), 1)))
 
 
 def _convolution(graph: Graph, op: Op) -> OpRule:
@@ -403,7 +420,7 @@ def _gather(graph: Graph, op: Op) -> OpRule:
         if full:
             operand_dims[d] = f
     return b.rule([tuple(operand_dims), tuple(indices_dims)], [tuple(out_dims)],
-                  flops=float(out.elements))
+                  flops=float(out.elements), indexed="gather")
 
 
 def _scatter(graph: Graph, op: Op) -> OpRule:
@@ -438,7 +455,7 @@ def _scatter(graph: Graph, op: Op) -> OpRule:
         f = b.new(updates.shape[ud], kind)
         update_dims[ud] = indices_dims[idd] = f
     return b.rule([tuple(operand_dims), tuple(indices_dims), tuple(update_dims)],
-                  [tuple(operand_dims)], flops=float(updates.elements))
+                  [tuple(operand_dims)], flops=float(updates.elements), indexed="scatter")
 
 
 # -- HBM traffic under fusion ------------------------------------------------------------------

@@ -165,6 +165,24 @@ def _divides(rule: OpRule, factor_axes: list[list[int]], mesh: MeshSpec) -> bool
     return True
 
 
+def _matmul_time(rule: OpRule, factor_axes, mesh: MeshSpec, comm: CommModel, moved: float,
+                 flops_dtype: str, split: int) -> float:
+    """Roofline time of a dot or convolution at the device's rate for its local (m, k, n)
+    ([matmul] table): the chip's matmul kernels run far below the square-matmul rate when a dim
+    is short or the contraction long."""
+    dims = []
+    for factors, constant in rule.matmul:
+        size = float(constant)
+        for f in factors:
+            shards = 1
+            for axis in factor_axes[f]:
+                shards *= mesh.axis_sizes[axis]
+            size *= rule.factors[f].size / shards
+        dims.append(size)
+    rate = comm.model.matmul_flops_for(flops_dtype, *dims)
+    return max(rule.flops / split / rate, moved / comm.model.hbm_bandwidth)
+
+
 def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types, result_types,
            mesh: MeshSpec, comm: CommModel, multiplier: float, flops_dtype: str,
            scatter: bool = False,
@@ -187,7 +205,20 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
     for t, s, read in zip(operand_types, operands, reads):
         if t is not None and s is not None and read:
             moved += local_bytes(t, s, mesh)
-    compute = 0.0 if rule.free else comm.compute_time(rule.flops / split, moved, flops_dtype)
+    if rule.indexed and comm.model.platform == "tpu":
+        # XLA's TPU gather reads the rows it gathers; its scatter updates its operand in place
+        # (reads the updates, reads and writes the rows they hit), not the whole table.
+        indices = local_bytes(operand_types[1], operands[1], mesh)
+        if rule.indexed == "gather":
+            moved = 2 * result_bytes[0] + indices
+        else:
+            moved = 3 * local_bytes(operand_types[2], operands[2], mesh) + indices
+    if rule.free:
+        compute = 0.0
+    elif rule.matmul is not None and comm.model.matmul:
+        compute = _matmul_time(rule, factor_axes, mesh, comm, moved, flops_dtype, split)
+    else:
+        compute = comm.compute_time(rule.flops / split, moved, flops_dtype)
     communication = 0.0
     collectives = []
     kind = "reduce-scatter" if scatter else "all-reduce"

@@ -208,6 +208,9 @@ def test_calibrate_quick(tmp_path):
     assert model.flops["f32"] == pytest.approx(measured["matmul_f32_large"], rel=1e-5)
     assert 0 < model.program_overhead < 1.0
     assert model.calibration["matmul_small_n"] == 64
+    assert model.matmul["sizes"] == (16, 64)  # the quick [matmul] grid, read back
+    assert model.matmul["f32"][1][0][1] == pytest.approx(
+        measured["matmul_grid"]["f32"][1][0][1], rel=1e-5)
     if measured["devices"] > 1:  # the simulated devices of tests/conftest.py
         inner = model.interconnect[0]
         assert inner.devices == measured["devices"]
