@@ -90,3 +90,19 @@ def test_dots_are_priced_at_the_rate_of_their_shape(tmp_path):
     assert _compute_s(model.source) == pytest.approx(flops / slow, rel=0.05)
     assert _compute_s(_calibrated(tmp_path, None).source) == pytest.approx(flops / SQUARE,
                                                                            rel=0.05)
+
+
+def test_shipped_v5e_overhead_is_the_least_time_a_measured_step_spends_outside_its_kernels():
+    """tpu-v5e's program_overhead is a train step's time outside its kernels on the chip: the
+    least, over the programs measured there, of the step less its kernels' device time."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
+    gaps = []
+    for name in ("tpu_chip_measured.json", "tpu_chip_corpus_measured.json"):
+        for entry in json.loads((root / name).read_text())["programs"].values():
+            gaps.append(entry["step_s"] - sum(entry["device"]["ops"].values()))
+    assert len(gaps) == 18 and min(gaps) > 0
+    overhead = load_device_model("tpu-v5e").program_overhead
+    assert overhead == pytest.approx(min(gaps), rel=0.02)
