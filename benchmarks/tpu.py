@@ -1,6 +1,6 @@
 """TPU section of the benchmarks: plans compiled by XLA's TPU compiler (libtpu, deviceless).
 
-    .venv/bin/python benchmarks/tpu.py                      # ~15 min on 2 CPU cores
+    .venv/bin/python benchmarks/tpu.py                      # ~5 min on 2 CPU cores
     .venv/bin/python benchmarks/tpu.py --cases gpt:v5e:2x4  # one case
 
 Needs libtpu (`pip install -e ".[tpu]"`). For each case (a benchmark program of models.py at a
@@ -27,7 +27,7 @@ modest size, exported for the tpu platform, on a TPU v5e topology):
 
 Writes benchmarks/tpu_results.json (docs/tpu.md shows the figures).
 
-    .venv/bin/python benchmarks/tpu.py --corpus     # third-party programs, ~1 min each
+    .venv/bin/python benchmarks/tpu.py --corpus     # third-party programs, 30 to 120 s each
 
 plans programs of the third-party corpus (examples/third_party/corpus.py at realistic widths,
 2 layers, 2 sequences of 128 tokens per device; exported for tpu) for tpu-v5e on 2x4 and sets the plan's predicted collectives beside what
