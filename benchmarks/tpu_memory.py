@@ -1,6 +1,6 @@
 """Memory on TPU: hloplan's estimated peak per device against what libtpu compiles.
 
-    .venv/bin/python benchmarks/tpu_memory.py                         # every case, ~15 min
+    .venv/bin/python benchmarks/tpu_memory.py                         # every case, ~8 min
     .venv/bin/python benchmarks/tpu_memory.py --cases gpt:v5e:2x4     # one case
     .venv/bin/python benchmarks/tpu_memory.py --llama8b 32            # the Llama-8B-class step
 
@@ -52,8 +52,8 @@ RESULTS = HERE / "tpu_memory_results.json"
 DEVICE = "tpu-v5e"
 # model:topology, or corpus program:topology (examples/third_party/corpus.py)
 DEFAULT_CASES = ["gpt:v5e:2x4", "llama:v5e:2x4", "bert:v5e:2x4", "mlp:v5e:2x4", "moe:v5e:2x4",
-                 "gpt:v5e:4x8", "llama:v5e:4x8", "gpt:v5e:16x16", "hf_gpt2:v5e:2x4",
-                 "hf_llama:v5e:2x4"]
+                 "gpt:v5e:4x8", "llama:v5e:4x8", "gpt:v5e:16x16", "llama:v5e:16x16",
+                 "hf_gpt2:v5e:2x4", "hf_llama:v5e:2x4"]
 
 
 def config(model: str, devices: int) -> dict:

@@ -158,3 +158,34 @@ def test_estimate_against_libtpu(tmp_path: Path) -> None:
     tpu, plain = ratios.values()
     assert 0.85 < tpu < 1.15, ratios
     assert plain > 1.5, ratios
+
+
+def _scaled(scale, x):
+    return jnp.sum(jnp.tanh(x * scale) @ jnp.ones((x.shape[1], 8)))
+
+
+def test_slicing_a_value_never_written_out_prices_making_it_whole() -> None:
+    """`x * scale` reads a broadcast of `scale` that XLA never writes out; read in a smaller
+    layout than its own (replicated -> sharded), the partitioner makes the whole broadcast and
+    slices it: the edge costs writing it out, where a collective-free slice costs nothing."""
+    s = jax.ShapeDtypeStruct
+    state, _ = _plan(_scaled, (s((4096,), jnp.float32), s((8192, 4096), jnp.float32)), "h100")
+    graph, space, problem = state.graph, state.space, state.problem
+    broadcast = next(op for op in graph.ops if op.name == "stablehlo.broadcast_in_dim"
+                     and graph.type_of(op.results[0]).shape == (8192, 4096))
+    src = space.node_of[broadcast.index]
+    edges = [e for e in problem.edges if e.src == src]
+    assert edges
+    full = 8192 * 4096 * 4 / state.options.device.hbm_bandwidth
+    sliced = 0
+    for edge in edges:
+        dst_op = space.op_of[edge.dst]
+        position = graph.ops[dst_op].operands.index(broadcast.results[0])
+        for i, a in enumerate(space.strategies[broadcast.index]):
+            for j, b in enumerate(space.strategies[dst_op]):
+                if not any(a.results[0]) and any(b.operands[position]):
+                    assert edge.costs[i][j] == pytest.approx(full)  # replicated, sliced
+                    sliced += 1
+                elif a.results[0] == b.operands[position]:
+                    assert edge.costs[i][j] == 0
+    assert sliced
