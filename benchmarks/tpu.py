@@ -51,6 +51,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -123,29 +124,62 @@ def formula(compiled, mesh_axes, comm) -> dict:
             "collectives": by_axes, "memory": memory}
 
 
-def run_case(case: str) -> dict:
-    import hand_plans
-    import jax
-    import models
+class TopologyMesh(NamedTuple):
+    """A TPU topology's compile-only devices as the benchmarks use them: a jax Mesh with axes
+    x, y(, z), hloplan's mesh text, the (name, size) axes and the formula's CommModel."""
+
+    topology: object
+    devices: list
+    mesh: object
+    mesh_text: str
+    mesh_axes: tuple
+    comm: object
+
+
+def topology_mesh(topology_name: str) -> TopologyMesh:
     import numpy as np
-    from jax import export
     from jax.sharding import AxisType, Mesh
 
-    from hloplan.compiler import compile_bytes, make_options
     from hloplan.cost_models import CommModel, load_device_model
-    from hloplan.emit.loader import load
     from hloplan.mesh import parse_mesh
     from hloplan.tpu import parse_topology, topology_devices
 
-    name, kind, shape_text = case.split(":")
-    topology = parse_topology(f"{kind}:{shape_text}")
+    topology = parse_topology(topology_name)
     shape = topology.shape
     devices = topology_devices(topology)
     mesh_text = "x".join(map(str, shape))
     names = ("x", "y", "z")[: len(shape)]
     mesh = Mesh(np.array(devices).reshape(shape), names, axis_types=(AxisType.Auto,) * len(shape))
-    mesh_axes = tuple(zip(names, shape))
     comm = CommModel(load_device_model(FORMULA_DEVICE), parse_mesh(mesh_text))
+    return TopologyMesh(topology, devices, mesh, mesh_text, tuple(zip(names, shape)), comm)
+
+
+def predicted_collectives(estimate: dict) -> dict:
+    """plan.json's estimate as `formula` reports a compiled program: peak, step, and the
+    collectives summed per kind and mesh axes."""
+    predicted: dict[str, dict] = {}
+    for c in estimate["collectives"]:
+        slot = predicted.setdefault(f"{c['kind']}({c.get('axes') or '?'})",
+                                    {"count": 0, "bytes": 0.0})
+        slot["count"] += c["count"]
+        slot["bytes"] += c["bytes"]
+    return {"peak_bytes": estimate["peak_memory_bytes"], "step_s": estimate["step_time_s"],
+            "collectives": predicted,
+            "collective_bytes": sum(v["bytes"] for v in predicted.values())}
+
+
+def run_case(case: str) -> dict:
+    import hand_plans
+    import jax
+    import models
+    from jax import export
+
+    from hloplan.compiler import compile_bytes, make_options
+    from hloplan.emit.loader import load
+
+    name, kind, shape_text = case.split(":")
+    topology, devices, mesh, mesh_text, mesh_axes, comm = topology_mesh(f"{kind}:{shape_text}")
+    shape = topology.shape
     entry = models.MODELS[name]
     cfg = config(name, topology.devices)
     state_spec, batch_spec, step = entry.state_spec(cfg), entry.batch_spec(cfg), entry.make_step(cfg)
@@ -173,15 +207,8 @@ def run_case(case: str) -> dict:
     ours = formula(compiled, mesh_axes, comm)
     ours.update(plan_s=plan_s, compile_s=compile_s)
     est = plan["estimate"]
-    predicted: dict[str, dict] = {}
-    for c in est["collectives"]:
-        slot = predicted.setdefault(f"{c['kind']}({c.get('axes') or '?'})",
-                                    {"count": 0, "bytes": 0.0})
-        slot["count"] += c["count"]
-        slot["bytes"] += c["bytes"]
-    ours["predicted"] = {"peak_bytes": est["peak_memory_bytes"], "step_s": est["step_time_s"],
-                         "collectives": predicted,
-                         "collective_bytes": sum(v["bytes"] for v in predicted.values())}
+    ours["predicted"] = predicted_collectives(est)
+    predicted = ours["predicted"]["collectives"]
     ours["peak_ratio"] = est["peak_memory_bytes"] / ours["peak_bytes"]
     # predicted / compiled bytes per kind and mesh axes (None where libtpu compiled none)
     ours["collective_ratios"] = {

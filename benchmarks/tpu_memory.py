@@ -158,23 +158,11 @@ def run_llama8b(layers: int, topology_name: str = "v5e:16x16",
     import hand_plans
     import jax
     import models
-    import numpy as np
     from jax import export
-    from jax.sharding import AxisType, Mesh
-    from tpu import FORMULA_DEVICE, formula
+    from tpu import formula, predicted_collectives, topology_mesh
 
-    from hloplan.cost_models import CommModel, load_device_model
-    from hloplan.mesh import parse_mesh
-    from hloplan.tpu import parse_topology, topology_devices
-
-    topology = parse_topology(topology_name)
+    topology, devices, mesh, mesh_text, mesh_axes, comm = topology_mesh(topology_name)
     shape = topology.shape
-    devices = topology_devices(topology)
-    mesh_text = "x".join(map(str, shape))
-    names = ("x", "y", "z")[: len(shape)]
-    mesh = Mesh(np.array(devices).reshape(shape), names, axis_types=(AxisType.Auto,) * len(shape))
-    mesh_axes = tuple(zip(names, shape))
-    comm = CommModel(load_device_model(FORMULA_DEVICE), parse_mesh(mesh_text))
     cfg = models.llama8b_config(layers=layers)
     step = functools.partial(models.llama8b_step, c=cfg)
     state_spec, batch_spec = models.llama8b_state_spec(cfg), models.lm_batch_spec(cfg)
@@ -190,15 +178,7 @@ def run_llama8b(layers: int, topology_name: str = "v5e:16x16",
     compiled, compile_s = _compile_plan(result, devices)
     ours = formula(compiled, mesh_axes, comm)
     ours["compile_s"] = compile_s
-    predicted: dict[str, dict] = {}
-    for c in est["collectives"]:
-        slot = predicted.setdefault(f"{c['kind']}({c.get('axes') or '?'})",
-                                    {"count": 0, "bytes": 0.0})
-        slot["count"] += c["count"]
-        slot["bytes"] += c["bytes"]
-    ours["predicted"] = {"peak_bytes": est["peak_memory_bytes"], "step_s": est["step_time_s"],
-                         "collectives": predicted,
-                         "collective_bytes": sum(v["bytes"] for v in predicted.values())}
+    ours["predicted"] = predicted_collectives(est)
     ours["peak_ratio"] = est["peak_memory_bytes"] / ours["memory"]["peak_bytes"]
     ours["peak_ratio_xla"] = est["peak_memory_bytes"] / ours["memory"]["xla_peak_bytes"]
     ours["peak_after"] = est["peak"]["after"]
