@@ -40,63 +40,12 @@ def _category_of_ops(opcodes: set[str]) -> str:
 def compiled_kernels(hlo_text: str, flop_rate: float, hbm_bandwidth: float) -> dict[str, dict]:
     """Per kernel of the entry (and control-flow bodies) of a compiled HLO module: its
     category, FLOPs, HBM bytes and roofline seconds (hlo_stats.kernel_stats, kernel by kernel)."""
-    from hloplan import hlo_stats as hs
+    from hloplan.hlo_stats import compiled_kernels as kernels_of
 
-    module = hs._parse_module(hlo_text)
-    multipliers = hs._multipliers(module)
-    control = {module.entry} if module.entry else set()
-    for name in list(multipliers):
-        if name not in control:
-            continue
-        for ins in module.computations[name].instrs:
-            if ins.opcode == "while":
-                control.update(m.group(1) for m in re.finditer(
-                    r"\b(?:body|condition)=%?([\w.\-]+)", ins.attrs))
-            elif ins.opcode in ("conditional", "call"):
-                control.update(c for c in hs._callees(ins) if c in module.computations)
-
-    def opcodes(name: str, seen: set) -> set[str]:
-        comp = module.computations.get(name)
-        if comp is None or name in seen:
-            return set()
-        seen.add(name)
-        found = {i.opcode for i in comp.instrs}
-        for i in comp.instrs:
-            for callee in hs._callees(i):
-                found |= opcodes(callee, seen)
-        return found
-
-    out = {}
-    for name in multipliers:
-        if name not in control:
-            continue
-        mult = multipliers[name][0]
-        comp = module.computations[name]
-        for ins in comp.instrs:
-            if ins.opcode in hs._NO_KERNEL or hs._bookkeeping_call(ins):
-                continue
-            out_bytes = hs.shape_bytes(ins.shape)
-            if ins.opcode == "fusion":
-                callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
-                callee_name = callee.group(1) if callee else ""
-                read = hs._fusion_operand_bytes(comp, ins, module.computations.get(callee_name))
-                flops = hs._fused_flops(module, callee_name, set())
-                category = _category_of_ops(opcodes(callee_name, set()))
-            elif ins.opcode in hs._READS_PART:
-                read, flops, category = out_bytes, 0.0, "gather/scatter"
-            elif ins.opcode == "dynamic-update-slice":
-                update = ins.operand_shapes[1] or comp.shapes.get(ins.operands[1], "")
-                read = out_bytes = hs.shape_bytes(update) if update else out_bytes
-                flops, category = 0.0, "gather/scatter"
-            else:
-                read = hs._operand_bytes(comp, ins) or 0
-                flops = hs._matmul_flops(comp, ins)
-                category = _category_of_ops({ins.opcode})
-            moved = read + out_bytes
-            out[ins.name] = {"category": category, "flops": mult * flops,
-                             "bytes": mult * moved,
-                             "roofline_s": mult * max(flops / flop_rate, moved / hbm_bandwidth)}
-    return out
+    return {k.name: {"category": "gather/scatter" if k.indexed else _category_of_ops(k.opcodes),
+                     "flops": k.flops, "bytes": k.bytes,
+                     "roofline_s": k.seconds(flop_rate, hbm_bandwidth)}
+            for k in kernels_of(hlo_text)}
 
 
 def _profile_name(event: str) -> str:

@@ -1250,10 +1250,27 @@ def _sliced_elements(users: dict[str, list[_Instr]], name: str, root: _Instr | N
     return total
 
 
-def kernel_stats(hlo_text: str, flop_rate: float, hbm_bandwidth: float) -> KernelStats:
-    """The per-kernel roofline (see KernelStats) of a compiled per-device HLO module: a closer
-    step-time estimate for memory-bound work than total FLOPs or total bytes alone, because a
-    kernel is bound by one or the other, not both."""
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel launch site of a compiled program (kernel_stats' unit): a fusion or a lone
+    instruction of the entry, a loop body or a branch, with its per-step FLOPs and HBM bytes
+    (times `multiplier`, the executions per step)."""
+
+    name: str
+    opcode: str
+    opcodes: frozenset[str]  # the opcodes it computes (a fusion's, through nested calls)
+    indexed: bool  # reads or writes only part of an operand (gather, dynamic-(update-)slice)
+    multiplier: int
+    flops: float  # dot/convolution FLOPs per step
+    bytes: float  # bytes read and written per step
+
+    def seconds(self, flop_rate: float, hbm_bandwidth: float) -> float:
+        return max(self.flops / flop_rate, self.bytes / hbm_bandwidth)
+
+
+def compiled_kernels(hlo_text: str) -> list[Kernel]:
+    """The kernels of a compiled per-device HLO module, in program order (callers before
+    callees): the instructions of the entry and of what control flow calls, less bookkeeping."""
     module = _parse_module(hlo_text)
     multipliers = _multipliers(module)
     # Computations whose instructions are kernels: the entry and what control flow calls.
@@ -1268,8 +1285,19 @@ def kernel_stats(hlo_text: str, flop_rate: float, hbm_bandwidth: float) -> Kerne
                     r"\b(?:body|condition)=%?([\w.\-]+)", ins.attrs))
             elif ins.opcode in ("conditional", "call"):
                 control.update(c for c in _callees(ins) if c in module.computations)
-    seconds = hbm = flops_total = 0.0
-    kernels = 0
+
+    def opcodes(name: str, seen: set) -> set[str]:
+        comp = module.computations.get(name)
+        if comp is None or name in seen:
+            return set()
+        seen.add(name)
+        found = {i.opcode for i in comp.instrs}
+        for i in comp.instrs:
+            for callee in _callees(i):
+                found |= opcodes(callee, seen)
+        return found
+
+    kernels = []
     for name in order:
         if name not in control:
             continue
@@ -1279,11 +1307,13 @@ def kernel_stats(hlo_text: str, flop_rate: float, hbm_bandwidth: float) -> Kerne
             if ins.opcode in _NO_KERNEL or _bookkeeping_call(ins):
                 continue
             out_bytes = shape_bytes(ins.shape)
+            inside = {ins.opcode}
             if ins.opcode == "fusion":
                 callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
                 name_ = callee.group(1) if callee else ""
                 read = _fusion_operand_bytes(comp, ins, module.computations.get(name_))
                 flops = _fused_flops(module, name_, set())
+                inside = opcodes(name_, set())
             elif ins.opcode in _READS_PART:
                 read, flops = out_bytes, 0.0
             elif ins.opcode == "dynamic-update-slice":
@@ -1293,12 +1323,21 @@ def kernel_stats(hlo_text: str, flop_rate: float, hbm_bandwidth: float) -> Kerne
             else:
                 read = _operand_bytes(comp, ins) or 0
                 flops = _matmul_flops(comp, ins)
-            moved = read + out_bytes
-            seconds += mult * max(flops / flop_rate, moved / hbm_bandwidth)
-            hbm += mult * moved
-            flops_total += mult * flops
-            kernels += mult
-    return KernelStats(seconds, kernels, hbm, flops_total)
+            kernels.append(Kernel(
+                ins.name, ins.opcode, frozenset(inside),
+                ins.opcode in _READS_PART or ins.opcode == "dynamic-update-slice",
+                mult, mult * flops, mult * (read + out_bytes)))
+    return kernels
+
+
+def kernel_stats(hlo_text: str, flop_rate: float, hbm_bandwidth: float) -> KernelStats:
+    """The per-kernel roofline (see KernelStats) of a compiled per-device HLO module: a closer
+    step-time estimate for memory-bound work than total FLOPs or total bytes alone, because a
+    kernel is bound by one or the other, not both."""
+    kernels = compiled_kernels(hlo_text)
+    return KernelStats(sum(k.seconds(flop_rate, hbm_bandwidth) for k in kernels),
+                       sum(k.multiplier for k in kernels), sum(k.bytes for k in kernels),
+                       sum(k.flops for k in kernels))
 
 
 # ---------------------------------------------------------------------------------------------
