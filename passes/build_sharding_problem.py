@@ -147,23 +147,23 @@ class _ProblemBuilder:
         self.read_edges: dict[tuple[int, int], int] = {}  # (op, operand) -> its edge's index
         self.plain_of: dict[int, Strategy] = {}  # id(OpStrategy) -> Strategy (cached ones live)
         self.folded = folded_transposes(graph)  # transposes a GEMM reads through: no kernel
+        matmul_fusion = fuses_matmuls(comm.model.platform)
         # Kept inside a fused kernel: no HBM traffic.
-        self.fused = fused_values(graph, self.folded, fuses_matmuls(comm.model.platform))
+        self.fused = fused_values(graph, self.folded, matmul_fusion)
         self.shared = shared_reads(graph, self.fused)  # a fused kernel reads a value once
-        self.rereads = matmul_rereads(graph, self.fused) if fuses_matmuls(comm.model.platform) \
-            else set()  # matmuls recompute fused operands
-        # Of the values fused among elementwise ops and reductions, those XLA never writes out
-        # (it recomputes them in each consumer): no memory either. Values fused into a matmul's
-        # kernel are left out: libtpu's buffer assignment still holds them (its matmul fusions
-        # are priced as HBM traffic only).
-        kept_fused = (fused_values(graph, self.folded) if fuses_matmuls(comm.model.platform)
-                      else self.fused)
-        self.unmaterialized = unmaterialized_values(graph, kept_fused)
+        # Matmuls recompute the fused operands they share.
+        self.rereads = matmul_rereads(graph, self.fused) if matmul_fusion else set()
+        # Memory counts the values fused among elementwise ops and reductions only: those fused
+        # into a matmul's kernel keep their buffers in libtpu's buffer assignment (the matmul
+        # fusion is priced as HBM traffic only).
+        kept_fused = fused_values(graph, self.folded) if matmul_fusion else self.fused
         device = comm.model
-        if device.fused_reductions:
-            # A compiler whose reductions fuse the elementwise work they read (TPU) writes no
-            # fused value out: a softmax's exponentials, a cross entropy's one-hot products.
-            self.unmaterialized = set(kept_fused)
+        # Of those, the values XLA never writes out: no memory either. A compiler whose
+        # reductions fuse the elementwise work they read (TPU) writes no fused value out (a
+        # softmax's exponentials, a cross entropy's one-hot products); otherwise only those it
+        # recomputes in each consumer.
+        self.unmaterialized = (set(kept_fused) if device.fused_reductions
+                               else unmaterialized_values(graph, kept_fused))
         # Ops whose results are written in a narrower dtype than their type (f32 values read
         # only by matmuls, which run on the narrower type): op index -> bytes kept per byte.
         self.narrowed = (matmul_narrowed(graph, self.folded, device.matmul_operands)
