@@ -266,14 +266,11 @@ def render(measured: dict, base: dict, name: str) -> str:
         lines += ["", "[[interconnect]]"]
         lines += [f"{k} = {_toml_value(level[k])}" for k in ("name", "devices", "bandwidth",
                                                               "latency")]
-    if base.get("combiner"):
-        lines += ["", "[combiner]"]
-        lines += [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in base["combiner"].items()]
-    if base.get("collectives"):  # how the platform's compiler forms collectives
-        lines += ["", "[collectives]"]
-        lines += [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in base["collectives"].items()]
-    if base.get("buffers"):  # how the platform's compiler keeps values (memory estimate)
-        lines += ["", "[buffers]"] + [f"{k} = {_toml_value(v)}" for k, v in base["buffers"].items()]
+    # How the platform's compiler merges and forms collectives and keeps values: not measured.
+    for table in ("combiner", "collectives", "buffers"):
+        if base.get(table):
+            lines += ["", f"[{table}]"]
+            lines += [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in base[table].items()]
     grid = measured.get("matmul_grid")
     if grid:
         lines += ["", "[matmul]  # FLOP/s of an (m, k) x (k, n) matmul: [dtype][m][k][n], each "
