@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hloplan.canonical import allowed_strategies, restrict, widen
 from hloplan.diagnostics import Diagnostic, HloplanError, NoPlanFits
 from hloplan.solver import axes
 from hloplan.solver.evaluate import copy_bytes, evaluate
@@ -34,11 +35,19 @@ class SolveSharding:
     # strategies in the plans so far (exact while the sources keep them), from the third solve
     # on also under a budget lowered by the excess; at most this many times.
     max_tightening: int = 3
+    # "" (the planner's own plan), or a canonical plan solved as a restriction of the same ILP:
+    # "dp" or "fsdp" (hloplan/canonical.py; `--select compiled` plans both).
+    canonical: str = ""
 
     def apply(self, state: CompileState) -> None:
         options = state.options
         links = tuple(link.name for link in state.comm.links) if state.comm is not None else None
         original = state.problem
+        allowed = None
+        if self.canonical:
+            allowed, unrestricted = allowed_strategies(state, self.canonical)
+            original = restrict(original, allowed)
+            state.facts["canonical"] = {"plan": self.canonical, "unrestricted_nodes": unrestricted}
         budget = original.memory_budget
         problem = original
         seen: dict[int, np.ndarray] = {}  # edge -> largest copy bytes per reader strategy yet
@@ -76,6 +85,8 @@ class SolveSharding:
                  f"read; last peak {format_bytes(peak)})",
                  "raise --memory-budget, use a larger mesh, or shrink the program")), peak)
         state.facts["memory_tightened"] = attempt
+        if allowed is not None:
+            state.solution = widen(state.solution, allowed)
         if state.stats.status == "decomposed":
             steps = state.stats.extra.get("steps", [])
             state.log.remark(

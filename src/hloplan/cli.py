@@ -129,6 +129,11 @@ main.add_command(explain_command)
 @click.option("--verify-memory", is_flag=True,
               help="compile the plan with XLA (simulated CPU devices) and plan again while its "
                    "allocation per device is over the budget")
+@click.option("--select", "select", type=click.Choice(["estimate", "compiled"]),
+              default="estimate", show_default=True,
+              help="how the plan is kept: the cost model's fastest, or 'compiled': the model's "
+                   "plan, data parallel and FSDP compiled by the target compiler (libtpu for a "
+                   "TPU device model) and the lowest compiled score kept")
 @click.option("--donate", type=click.Choice(DONATE_CHOICES), default="export",
               show_default=True,
               help="arguments whose buffers the results reuse: those the export donates, also "
@@ -136,8 +141,8 @@ main.add_command(explain_command)
 @click.option("-q", "--quiet", is_flag=True, help="print errors only")
 def compile_command(input_path, mesh, output, device, memory_budget, time_limit, solver, hosts,
                     decompose, gap, mesh_views, fmt, print_after, time_passes, reproducer, stages,
-                    microbatches, schedule, batch_args, pass_options, verify_memory, donate,
-                    quiet):
+                    microbatches, schedule, batch_args, pass_options, verify_memory, select,
+                    donate, quiet):
     """Plan INPUT (a serialized jax.export.Exported, StableHLO text, MLIR bytecode or a portable
     artifact; '-' for stdin) for a device mesh and write the plan directory (-o DIR).
 
@@ -163,7 +168,7 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
         options = make_options(mesh, device=device, memory_budget=memory_budget,
                                time_limit=time_limit, solver=solver, hosts=hosts,
                                decompose=decompose, gap=gap, verify_memory=verify_memory,
-                               mesh_views=mesh_views)
+                               mesh_views=mesh_views, select=select)
 
         progress = _Progress(enabled=fmt == "text" and not quiet and sys.stderr.isatty())
 
@@ -216,7 +221,8 @@ def compile_command(input_path, mesh, output, device, memory_budget, time_limit,
                                "mesh_views": plan.get("mesh_views"), "estimate": plan["estimate"],
                                "solver": plan["solver"], "arguments": plan["arguments"],
                                "results": plan["results"], "diagnostics": plan["diagnostics"],
-                               "memory_check": plan.get("memory_check")},
+                               "memory_check": plan.get("memory_check"),
+                               "selection": plan.get("selection")},
                               indent=1, sort_keys=True))
     else:
         if not quiet:

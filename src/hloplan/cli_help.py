@@ -8,7 +8,7 @@ import click
 COMPILE_GROUPS = {
     "Input and target": ["mesh", "device", "hosts", "memory_budget"],
     "Planning": ["time_limit", "solver", "gap", "decompose", "mesh_views", "donate",
-                 "verify_memory", "pass_options"],
+                 "verify_memory", "select", "pass_options"],
     "Pipelines and microbatches": ["stages", "microbatches", "schedule", "batch_args"],
     "Output": ["output", "fmt", "quiet"],
     "Debugging": ["print_after", "time_passes", "reproducer"],

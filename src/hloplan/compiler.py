@@ -11,6 +11,9 @@ The compile path, top to bottom in this file:
                                or gradient accumulation against a recomputing plan
             plan_accumulated   gradient accumulation (or the user's pipeline) where no
                                single-program plan fits
+        select_compiled        (--select compiled) the model's plan and the canonical plans
+                               (data parallel, FSDP) compiled by the target compiler; the
+                               lowest compiled score kept
         verify                 (--verify-memory) XLA compiles the plan; plan again with a reserve
         emit                   the files of the plan kept, rendered once
 
@@ -60,6 +63,9 @@ VERIFY_PLANS = 4
 # tight-budget benchmark's plans (median 1.05), which the estimate does not model.
 NEAR_BUDGET = 0.9
 
+# How a plan is kept among candidates (CompileOptions.select).
+SELECT_CHOICES = ("estimate", "compiled")
+
 # Gradient accumulation as a way to fit the budget: one stage, any number of microbatches.
 ACCUMULATE = PipelineOptions(stages=1, accumulate=True)
 
@@ -86,7 +92,7 @@ class CompileResult:
 def make_options(mesh: str | MeshSpec, device: str = "h100", memory_budget: str | int | None = None,
                  time_limit: float = 60.0, solver: str = "auto", hosts: int | None = None,
                  decompose: str = "auto", gap: float = 0.01, verify_memory: bool = False,
-                 mesh_views: str = "auto") -> CompileOptions:
+                 mesh_views: str = "auto", select: str = "estimate") -> CompileOptions:
     try:
         mesh_spec = parse_mesh(mesh) if isinstance(mesh, str) else mesh
     except MeshError as exc:
@@ -114,11 +120,14 @@ def make_options(mesh: str | MeshSpec, device: str = "h100", memory_budget: str 
         raise UsageError(f"unknown decompose {decompose!r} (auto, always, never)")
     if mesh_views not in MESH_VIEW_CHOICES:
         raise UsageError(f"unknown mesh views {mesh_views!r} ({', '.join(MESH_VIEW_CHOICES)})")
+    if select not in SELECT_CHOICES:
+        raise UsageError(f"unknown --select {select!r} ({', '.join(SELECT_CHOICES)})")
     if hosts is not None and (hosts < 1 or mesh_spec.size % hosts):
         raise UsageError(f"--hosts {hosts} does not divide the {mesh_spec.size} devices of the mesh")
     return CompileOptions(mesh=mesh_spec, device=model, memory_budget=budget,
                           time_limit=time_limit, solver=solver, hosts=hosts, decompose=decompose,
-                          gap=gap, verify_memory=verify_memory, mesh_views=mesh_views)
+                          gap=gap, verify_memory=verify_memory, mesh_views=mesh_views,
+                          select=select)
 
 
 def compile(path_or_bytes, mesh: str | MeshSpec, output: str | None = None, **kwargs) -> CompileResult:
@@ -154,10 +163,14 @@ def compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pas
     job = Job(Source(data, filename), pipeline, passes, after_pass)
     with _cyclic_gc_paused():
         chosen, views = plan_on_views(job, options)
+        selected = None
+        if options.select == "compiled":
+            selected = select_compiled(job, dataclasses.replace(options, mesh=chosen.mesh), chosen)
+            chosen = selected.rendered.candidate
         checked = None
         if options.verify_memory:
             checked = verify(job, chosen, dataclasses.replace(options, mesh=chosen.mesh))
-        return emit(job, chosen, views, checked)
+        return emit(job, chosen, views, checked, selected)
 
 
 # ------------------------------------------------------------------------------ what is planned
@@ -613,6 +626,130 @@ def _unverified(tries: list[dict], budget: float) -> NoPlanFits:
         min(t["peak_bytes"] for t in tries if "peak_bytes" in t))
 
 
+# ------------------------------------------------------------------------------ --select compiled
+
+
+@dataclass(frozen=True)
+class Selected:
+    rendered: Rendered  # the candidate kept, rendered
+    record: dict  # plan.json "selection"
+    seconds: float  # planning the canonical plans and compiling every candidate
+
+
+def plan_canonical(job: Job, options: CompileOptions, kind: str) -> Candidate | NotApplicable:
+    """A canonical plan (canonical.py: "dp" or "fsdp"), solved as a restriction of the same ILP
+    under the budget. The data-parallel plan leaves its replicated values unconstrained
+    (PropagateSharding.constrain_replicated)."""
+    from hloplan.passes.propagate_sharding import PropagateSharding
+    from hloplan.passes.solve_sharding import SolveSharding
+
+    steps = []
+    for step in (job.passes if job.passes is not None else pass_pipeline()):
+        if isinstance(step, SolveSharding):
+            step = dataclasses.replace(step, canonical=kind)
+        elif isinstance(step, PropagateSharding) and kind == "dp":
+            step = dataclasses.replace(step, constrain_replicated=False)
+        steps.append(step)
+    program, parse_seconds = job.source.load()
+    try:
+        state = run_passes(program, options, steps)
+    except NoPlanFits as error:
+        return NotApplicable(kind, error=error)
+    why = {"dp": "data parallel: the batch over every mesh axis, the rest replicated",
+           "fsdp": "FSDP: the batch over every mesh axis, parameters, gradients and optimizer "
+                   "state split over every mesh axis"}[kind]
+    return _single_candidate(kind, state, parse_seconds, why)
+
+
+def select_compiled(job: Job, options: CompileOptions, chosen: Candidate) -> Selected:
+    """--select compiled: the model's plan and the canonical plans (a single program each)
+    compiled by the target compiler (verify.resolve_target: libtpu for a TPU device model when
+    installed, else XLA's CPU compiler on simulated devices), each scored on its compiled HLO
+    (score.compiled_score, with the device model's figures); the lowest score among those
+    whose compiled peak is within the budget is kept (the model's plan when none is)."""
+    from hloplan.canonical import CANONICAL
+    from hloplan.verify import TIMEOUT_S, VerifyError, _run_child, resolve_target
+
+    started = time.perf_counter()
+    target = resolve_target(options.device, options.mesh.size)
+    device = options.device.source
+    if not device or device.startswith(("package:", "<")):
+        device = options.device.name
+    candidates: list[Candidate] = [chosen]
+    entries: list[dict] = [{"name": "model", "way": chosen.way}]
+    if chosen.pipeline is None and chosen.way == "single":
+        for kind in CANONICAL:
+            way = plan_canonical(job, options, kind)
+            if isinstance(way, Candidate):
+                candidates.append(way)
+                entries.append({"name": kind, "way": kind,
+                                **way.state.facts.get("canonical", {})})
+            else:
+                message = way.error.diagnostics[0].message if way.error else "not planned"
+                entries.append({"name": kind, "no_plan": message})
+    notes = [target.note] if target.note else []
+    scored: list[tuple[float, Candidate, Rendered, dict]] = []
+    budget = options.budget
+    plans = iter(candidates)
+    for entry in entries:
+        if "no_plan" in entry:
+            continue
+        candidate = next(plans)
+        entry["estimated_step_s"] = _round(candidate.estimate.step_seconds)
+        entry["estimated_peak_bytes"] = int(candidate.estimate.peak_bytes)
+        rendered = render_candidate(job, candidate)
+        files = {**rendered.files, PLAN_FILE: dumps(rendered.plan).encode()}
+        try:
+            result = _compile_files(files, target, device, TIMEOUT_S, _run_child)
+        except VerifyError as exc:
+            entry["compile_error"] = exc.diagnostics[0].message
+            continue
+        notes.extend(n for n in result["notes"] if n not in notes)
+        score = result["details"]["program"]["score"]
+        peak = int(result["programs"]["program"])
+        entry.update(compiled_step_s=_round(score["step_s"]),
+                     compiled_kernels_s=_round(score["kernels_s"]),
+                     compiled_communication_s=_round(score["communication_s"]),
+                     compiled_peak_bytes=peak, fits=peak <= budget)
+        if peak <= budget:
+            scored.append((score["step_s"], candidate, rendered, entry))
+    if scored:
+        best = min(scored, key=lambda s: s[0])
+        kept, rendered, entry = best[1], best[2], best[3]
+        others = [s for s in scored if s[1] is not kept]
+        why = (f"lowest compiled score ({format_seconds(best[0])})" + (
+            "; " + ", ".join(f"{s[3]['name']} {format_seconds(s[0])}" for s in others)
+            if others else ""))
+    else:  # nothing compiled within the budget: the model's choice stands
+        kept, entry = chosen, entries[0]
+        rendered = render_candidate(job, chosen)
+        why = "no candidate compiled within the budget: the cost model's plan"
+    record = {**target.describe(), "score_device": options.device.name, "notes": notes,
+              "candidates": entries, "chosen": entry["name"], "why": why}
+    return Selected(rendered, record, time.perf_counter() - started)
+
+
+def _compile_files(files: dict[str, bytes], target, device: str, timeout: float, run) -> dict:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="hloplan-select-") as tmp:
+        for name, data in files.items():
+            path = Path(tmp) / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        return run(tmp, target, timeout, details=True, score_device=device)
+
+
+def _selection_remark(state: CompileState, record: dict) -> Diagnostic:
+    """Logged: which candidate --select compiled kept, and why."""
+    compiled = [c for c in record["candidates"] if "compiled_step_s" in c]
+    state.log.remark(
+        f"--select compiled: kept the {record['chosen']} plan of {len(compiled)} compiled by "
+        f"XLA's {record['platform'].upper()} compiler"
+        + (f" ({record['topology']})" if record.get("topology") else "") + f": {record['why']}")
+    return state.log.entries[-1]
+
+
 # ------------------------------------------------------------------------------ emission
 
 
@@ -656,11 +793,17 @@ def _remark_near_budget(state: CompileState, peak: float) -> None:
             "and checks it")
 
 
-def emit(job: Job, chosen: Candidate, views: dict | None, checked: Verified | None
-         ) -> CompileResult:
-    """The plan kept, rendered once (--verify-memory rendered it to compile it), with the
-    views tried and the memory check in plan.json; plan.json dumped last."""
-    rendered = checked.rendered if checked is not None else render_candidate(job, chosen)
+def emit(job: Job, chosen: Candidate, views: dict | None, checked: Verified | None,
+         selected: Selected | None = None) -> CompileResult:
+    """The plan kept, rendered once (--verify-memory or --select compiled rendered it to
+    compile it), with the views tried, the candidates compiled and the memory check in
+    plan.json; plan.json dumped last."""
+    if checked is not None:
+        rendered = checked.rendered
+    elif selected is not None:
+        rendered = selected.rendered
+    else:
+        rendered = render_candidate(job, chosen)
     candidate, plan, files = rendered.candidate, rendered.plan, dict(rendered.files)
     state = candidate.state
     timings = {**candidate.timings, "emit": rendered.seconds}
@@ -673,6 +816,11 @@ def emit(job: Job, chosen: Candidate, views: dict | None, checked: Verified | No
             plan["mesh"]["view_of"] = {"axis_names": views["given"]["axis_names"],
                                        "axis_sizes": views["given"]["axis_sizes"]}
             plan["diagnostics"].append(_view_remark(state, views).to_json())
+    if selected is not None:
+        timings["select"] = selected.seconds
+        plan["selection"] = selected.record
+        if checked is None:
+            plan["diagnostics"].append(_selection_remark(state, selected.record).to_json())
     if checked is not None:
         timings["verify"] = checked.seconds
         plan["memory_check"] = checked.memory_check

@@ -408,6 +408,33 @@ def memory_check_lines(plan: dict) -> list[str]:
     return lines
 
 
+def selection_lines(plan: dict) -> list[str]:
+    """What `compile --select compiled` compiled: each candidate's estimated and compiled
+    step, the one kept marked, and why it won."""
+    sel = plan.get("selection")
+    if not sel:
+        return []
+    where = sel["platform"] + (f", {sel['topology']}" if sel.get("topology") else "")
+    lines = [f"candidates compiled by XLA ({where}), scored on the compiled HLO "
+             f"(hloplan.score, {sel['score_device']}):"]
+    for c in sel["candidates"]:
+        lead = "  * " if c["name"] == sel["chosen"] else "    "
+        if "no_plan" in c:
+            lines.append(f"{lead}{c['name']}: no plan ({c['no_plan']})")
+        elif "compile_error" in c:
+            lines.append(f"{lead}{c['name']}: estimated {format_seconds(c['estimated_step_s'])}, "
+                         f"not compiled ({c['compile_error']})")
+        else:
+            lines.append(f"{lead}{c['name']}: estimated {format_seconds(c['estimated_step_s'])}, "
+                         f"compiled {format_seconds(c['compiled_step_s'])} (kernels "
+                         f"{format_seconds(c['compiled_kernels_s'])}, collectives "
+                         f"{format_seconds(c['compiled_communication_s'])}), peak "
+                         f"{format_bytes(c['compiled_peak_bytes'])}"
+                         + ("" if c["fits"] else " OVER the budget"))
+    lines.append(f"kept {sel['chosen']}: {sel['why']}")
+    return lines
+
+
 def text_bar(fraction: float, width: int = 30) -> str:
     """A unicode bar `width` cells wide at most, in eighths of a cell; a sliver for tiny values."""
     eighths = round(min(max(fraction, 0.0), 1.0) * width * 8)
@@ -773,6 +800,7 @@ def summary(plan: dict, top: int = 10) -> dict:
         "pipeline": plan.get("pipeline"),
         "solver": plan.get("solver"),
         "memory_check": plan.get("memory_check"),
+        "selection": plan.get("selection"),
         "diagnostics": plan.get("diagnostics", []),
     }
 
@@ -882,7 +910,7 @@ def render_text(plan: dict, console, top: int | None = None, verbose: bool = Fal
         advice = donation_line(plan)
         if advice:
             console.print(Text(advice))
-        for line in memory_check_lines(plan):
+        for line in memory_check_lines(plan) + selection_lines(plan):
             console.print(Text(line))
         console.print()
 

@@ -36,6 +36,11 @@ class CompileOptions:
     # Also plan these views of the mesh (the same devices, an axis split in two; mesh.py's
     # mesh_views) and keep the fastest: "auto" (a one-axis mesh), "all", "off".
     mesh_views: str = "auto"
+    # How the plan is kept among candidates: "estimate" (the cost model's fastest), or
+    # "compiled": the model's plan and the canonical plans (canonical.py) are compiled by the
+    # target compiler (libtpu for a TPU device model) and the lowest compiled score kept
+    # (compiler.select_compiled).
+    select: str = "estimate"
 
     @property
     def budget(self) -> float:

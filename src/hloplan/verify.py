@@ -140,11 +140,12 @@ def _collectives_by_axes(hlo_text: str, mesh) -> list[dict]:
 
 
 def measure_plan_dir(plan_dir: str | os.PathLike, devices=None, compiler: str = "cpu",
-                     details: bool = False) -> dict:
+                     details: bool = False, score_device: str | None = None) -> dict:
     """In this process: the compiled allocation per device of the plan's programs, by name
     ("program", or each task's name). jax must see the plan's devices, or `devices` are given
     (a TPU topology's). With `details`: {"programs": that, "details": {name: {"memory",
-    "collectives", "flops"}}}."""
+    "collectives", "flops"}}}; with `score_device` (a device model's name or file) as well,
+    each program's "score" (hloplan.score.compiled_score with that model's figures)."""
 
     from hloplan.emit.loader import Runner, load, read_plan
     from hloplan.hlo_stats import memory_stats
@@ -163,6 +164,16 @@ def measure_plan_dir(plan_dir: str | os.PathLike, devices=None, compiler: str = 
             info[name] = {"memory": memory,
                           "collectives": _collectives_by_axes(compiled.as_text(), mesh),
                           "flops": float((cost or {}).get("flops", 0.0))}
+            if score_device is not None:
+                from hloplan.cost_models import CommModel, load_device_model
+                from hloplan.mesh import MeshSpec
+                from hloplan.score import compiled_score
+
+                axes = tuple(zip(mesh.axis_names, mesh.devices.shape))
+                comm = CommModel(load_device_model(score_device),
+                                 MeshSpec(tuple(mesh.axis_names), tuple(mesh.devices.shape)))
+                score = compiled_score(compiled, axes, comm)
+                info[name]["score"] = {k: v for k, v in score.items() if k != "memory"}
 
     if plan.get("pipeline", {}).get("tasks"):
         runner = load(plan_dir, devices=devices)
@@ -177,7 +188,8 @@ def measure_plan_dir(plan_dir: str | os.PathLike, devices=None, compiler: str = 
     return {"programs": measured, "details": info} if details else measured
 
 
-def _run_child(plan_dir: str, target: Target, timeout: float, details: bool) -> dict:
+def _run_child(plan_dir: str, target: Target, timeout: float, details: bool,
+               score_device: str | None = None) -> dict:
     """measure_plan_dir in a child process for `target`; the plan directory is the child's to
     change (a TPU check relabels a program exported for another platform)."""
     if target.compiler == "tpu":
@@ -190,6 +202,8 @@ def _run_child(plan_dir: str, target: Target, timeout: float, details: bool) -> 
         argv = []
     if details:
         argv.append("--details")
+    if score_device is not None:
+        argv += ["--score", score_device]
     what = f"XLA's {target.compiler.upper()} compiler" + (
         f" ({target.topology})" if target.topology else "")
     try:
@@ -341,6 +355,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--compiler", choices=("cpu", "tpu"), default="cpu")
     parser.add_argument("--topology", default=None)
     parser.add_argument("--details", action="store_true")
+    parser.add_argument("--score", default=None, metavar="DEVICE")
     args = parser.parse_args(argv)
     devices = None
     notes = []
@@ -357,8 +372,9 @@ def main(argv: list[str]) -> int:
                 if note not in notes:
                     notes.append(note)
     result = measure_plan_dir(args.plan_dir, devices=devices, compiler=args.compiler,
-                              details=args.details)
-    if not args.details:
+                              details=args.details or args.score is not None,
+                              score_device=args.score)
+    if not (args.details or args.score is not None):
         result = {"programs": result}
     result["notes"] = notes
     print(json.dumps(result, sort_keys=True))
