@@ -682,8 +682,8 @@ def select_compiled(job: Job, options: CompileOptions, chosen: Candidate) -> Sel
             way = plan_canonical(job, options, kind)
             if isinstance(way, Candidate):
                 candidates.append(way)
-                entries.append({"name": kind, "way": kind,
-                                **way.state.facts.get("canonical", {})})
+                unrestricted = way.state.facts.get("canonical", {}).get("unrestricted_nodes", 0)
+                entries.append({"name": kind, "way": kind, "unrestricted_nodes": unrestricted})
             else:
                 message = way.error.diagnostics[0].message if way.error else "not planned"
                 entries.append({"name": kind, "no_plan": message})
