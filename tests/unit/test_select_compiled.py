@@ -87,3 +87,26 @@ def test_select_compiled_libtpu(tmp_path):
     plan = _select(tmp_path, "tpu-v5e", ("tpu",))
     _check_selection(plan, "tpu")
     assert plan["selection"]["topology"] == "v5e:2x2"
+
+
+@pytest.mark.parametrize("kind", ["dp", "fsdp"])
+def test_canonical_plans(kind):
+    """solve-sharding.canonical: the same ILP restricted to data parallel or FSDP layouts; the
+    batch is split over both axes, the weights replicated (dp) or split over both (fsdp)."""
+    from hloplan.compiler import compile_bytes, make_options
+    from hloplan.passmanager import pass_pipeline
+
+    data = bytes(_step_export(("cpu",)).serialize())
+    result = compile_bytes(data, "step.jaxexport",
+                           make_options("2x2", device="h100", mesh_views="off"),
+                           passes=pass_pipeline((f"solve-sharding.canonical={kind}",)))
+    assert result.state.facts["canonical"] == {"plan": kind, "unrestricted_nodes": 0}
+    specs = {a["name"]: a["spec"] for a in result.plan["arguments"]}
+    weights = [s for n, s in specs.items() if "w1" in n or "w2" in n]
+    batch = [s for n, s in specs.items() if not ("w1" in n or "w2" in n)]
+    assert len(weights) == 2 and len(batch) == 2
+    assert all(s[0] in (["x", "y"], ["y", "x"]) and not s[1] for s in batch)
+    if kind == "dp":
+        assert all(not any(s) for s in weights)
+    else:
+        assert all(sorted(a for d in s for a in d) == ["x", "y"] for s in weights)
