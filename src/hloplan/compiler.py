@@ -672,12 +672,18 @@ def select_compiled(job: Job, options: CompileOptions, chosen: Candidate) -> Sel
 
     started = time.perf_counter()
     target = resolve_target(options.device, options.mesh.size)
+    if isinstance(chosen.pipeline, PipelinePlan):  # stages or microbatches: not one program
+        return Selected(render_candidate(job, chosen), {
+            **target.describe(), "score_device": options.device.name, "notes": [],
+            "candidates": [{"name": "model", "way": chosen.way}], "chosen": "model",
+            "why": "a pipelined or accumulating plan: kept without comparing compiled plans"},
+            time.perf_counter() - started)
     device = options.device.source
     if not device or device.startswith(("package:", "<")):
         device = options.device.name
     candidates: list[Candidate] = [chosen]
     entries: list[dict] = [{"name": "model", "way": chosen.way}]
-    if chosen.pipeline is None and chosen.way == "single":
+    if chosen.way == "single":  # the canonical plans do not recompute
         for kind in CANONICAL:
             way = plan_canonical(job, options, kind)
             if isinstance(way, Candidate):
@@ -743,6 +749,9 @@ def _compile_files(files: dict[str, bytes], target, device: str, timeout: float,
 def _selection_remark(state: CompileState, record: dict) -> Diagnostic:
     """Logged: which candidate --select compiled kept, and why."""
     compiled = [c for c in record["candidates"] if "compiled_step_s" in c]
+    if not compiled:
+        state.log.remark(f"--select compiled: {record['why']}")
+        return state.log.entries[-1]
     state.log.remark(
         f"--select compiled: kept the {record['chosen']} plan of {len(compiled)} compiled by "
         f"XLA's {record['platform'].upper()} compiler"
