@@ -1,6 +1,6 @@
 """TPU section of the benchmarks: plans compiled by XLA's TPU compiler (libtpu, deviceless).
 
-    .venv/bin/python benchmarks/tpu.py                      # ~5 min on 2 CPU cores
+    .venv/bin/python benchmarks/tpu.py                      # ~11 min on 2 CPU cores
     .venv/bin/python benchmarks/tpu.py --cases gpt:v5e:2x4  # one case
 
 Needs libtpu (`pip install -e ".[tpu]"`). For each case (a benchmark program of models.py at a

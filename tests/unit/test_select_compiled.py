@@ -90,16 +90,25 @@ def test_select_compiled_libtpu(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["dp", "fsdp"])
-def test_canonical_plans(kind):
+def test_canonical_plans(kind, tmp_path):
     """solve-sharding.canonical: the same ILP restricted to data parallel or FSDP layouts; the
-    batch is split over both axes, the weights replicated (dp) or split over both (fsdp)."""
+    batch is split over both axes, the weights replicated (dp) or split over both (fsdp). As
+    `--select compiled` emits them (dp: replicated values unconstrained), the sharded program
+    gives the single-device answer."""
+    from hloplan.check import check_plan
     from hloplan.compiler import compile_bytes, make_options
     from hloplan.passmanager import pass_pipeline
 
     data = bytes(_step_export(("cpu",)).serialize())
+    settings = [f"solve-sharding.canonical={kind}"]
+    if kind == "dp":
+        settings.append("propagate-sharding.constrain_replicated=false")
     result = compile_bytes(data, "step.jaxexport",
                            make_options("2x2", device="h100", mesh_views="off"),
-                           passes=pass_pipeline((f"solve-sharding.canonical={kind}",)))
+                           passes=pass_pipeline(tuple(settings)))
+    result.write(tmp_path / "plan")
+    report = check_plan(str(tmp_path / "plan"))
+    assert report["match"], report
     assert result.state.facts["canonical"] == {"plan": kind, "unrestricted_nodes": 0}
     specs = {a["name"]: a["spec"] for a in result.plan["arguments"]}
     weights = [s for n, s in specs.items() if "w1" in n or "w2" in n]
