@@ -827,7 +827,10 @@ def emit(job: Job, chosen: Candidate, views: dict | None, checked: Verified | No
             plan["diagnostics"].append(_view_remark(state, views).to_json())
     if selected is not None:
         timings["select"] = selected.seconds
-        plan["selection"] = selected.record
+        plan["selection"] = dict(selected.record)
+        if checked is not None and checked.rendered.candidate is not selected.rendered.candidate:
+            plan["selection"]["superseded"] = ("the plan kept compiled over the memory budget: "
+                                               "--verify-memory planned again (memory_check)")
         if checked is None:
             plan["diagnostics"].append(_selection_remark(state, selected.record).to_json())
     if checked is not None:
