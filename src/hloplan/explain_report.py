@@ -432,6 +432,8 @@ def selection_lines(plan: dict) -> list[str]:
                          f"{format_bytes(c['compiled_peak_bytes'])}"
                          + ("" if c["fits"] else " OVER the budget"))
     lines.append(f"kept {sel['chosen']}: {sel['why']}")
+    if sel.get("superseded"):
+        lines.append(f"then {sel['superseded']}")
     return lines
 
 
