@@ -1037,6 +1037,12 @@ def _is_async_collective_done(comp: _Computation) -> bool:
             and 'custom_call_target="AsyncCollectiveDone"' in root.attrs)
 
 
+def _is_async_collective_start(comp: _Computation) -> bool:
+    root = comp.root
+    return (root is not None and root.opcode == "custom-call"
+            and 'custom_call_target="AsyncCollectiveStart"' in root.attrs)
+
+
 def collective_stats(
     hlo_text: str,
     *,
@@ -1064,6 +1070,16 @@ def collective_stats(
     multipliers = _multipliers(module)
     ops: list[CollectiveOp] = []
     channels: set[tuple[str, str]] = set()
+    # Channels of collectives whose async start is found: counted there, with the start's
+    # executions per step (a continuation may sit in a loop body the collective spans).
+    started: set[tuple[str, str]] = set()
+    for comp_name in multipliers:
+        comp = module.computations[comp_name]
+        if _is_async_collective_start(comp):
+            for ins in comp.instrs:
+                channel = _CHANNEL.search(ins.attrs)
+                if ins.opcode in _OPCODES and channel is not None:
+                    started.add((_OPCODES[ins.opcode][0], channel.group(1)))
     for comp_name, (mult, known) in multipliers.items():
         comp = module.computations[comp_name]
         if _is_async_collective_done(comp):
@@ -1079,9 +1095,13 @@ def collective_stats(
             # each hold a copy of it with the same channel): one collective.
             channel = _CHANNEL.search(ins.attrs)
             if channel is not None and "async_collective_fusion_config" in ins.attrs:
-                if (kind, channel.group(1)) in channels:
+                key = (kind, channel.group(1))
+                if key in started:
+                    if not _is_async_collective_start(comp):
+                        continue
+                elif key in channels:
                     continue
-                channels.add((kind, channel.group(1)))
+                channels.add(key)
             op = _collective(comp, ins, kind, is_async, num_devices, mesh, mult, known)
             if fold_reduce_scatter and kind == "all-reduce" and not is_async and op.group_size > 1:
                 scattered = _scattered_elements(module, comp, users, ins, op.group_size)
