@@ -252,6 +252,19 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     return max(plain, kernels * per_kernel + 3 * partial_bytes / comm.model.hbm_bandwidth)
 
 
+def collective_matmul_copy_bytes(operands, operand_types, mesh: MeshSpec,
+                                 comm: CommModel) -> float:
+    """Bytes of the larger of a collective matmul's operands as its loop carries them: local,
+    in the MXU's input dtype."""
+    narrow = comm.model.matmul_input_dtype
+    largest = 0.0
+    for t, spec in zip(operand_types, operands):
+        if t is not None and spec is not None:
+            scale = dtype_bytes(narrow) / t.itemsize if narrow and t.dtype == "f32" else 1.0
+            largest = max(largest, scale * local_bytes(t, spec, mesh))
+    return largest
+
+
 def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types, result_types,
            mesh: MeshSpec, comm: CommModel, multiplier: float, flops_dtype: str,
            scatter: bool = False,
@@ -305,10 +318,15 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
             sent = comm.bytes_sent(kind, nbytes, reduced)
             if sent:
                 collectives.append((kind, comm.axes_label(reduced), sent * multiplier))
+    transient = sum(computed_bytes) - sum(result_bytes)
     if chunked is not None:
         # The loop sends each chunk's partial sums while the next chunk computes: only what
         # outlasts the compute, and the last two chunks' sends, are not hidden.
         communication = max(0.0, communication - compute) + 2 * communication / reduce_split
+        # It never holds the whole partial sums, but carries its operands in its own layouts:
+        # libtpu copies one of them (in the MXU's input dtype) before the loop, which one
+        # depending on layouts; the larger is counted.
+        transient = collective_matmul_copy_bytes(operands, operand_types, mesh, comm)
     name = ", ".join(spec_text(s, mesh) for s in results) or "()"
     if reduced:
         name += f" + {kind}(" + comm.axes_label(reduced) + ")"
@@ -316,4 +334,4 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
         name += " <- " + " ".join(spec_text(s, mesh) for s in operands if s is not None)
     return OpStrategy(results, operands, reduced, compute * multiplier,
                       communication * multiplier, sum(result_bytes), tuple(collectives), name,
-                      transient=sum(computed_bytes) - sum(result_bytes))
+                      transient=transient)

@@ -1,7 +1,8 @@
 """libtpu's collective matmul (windowed einsum) in the compute pricing: a matmul whose result is
 reduce-scattered over the axes its contraction is sharded on runs as n/2 chunk kernels, each
 reading the stationary operand whole, with the partial sums' collective-permutes hidden behind
-the chunks (strategies.collective_matmul_time; `collective-matmul = true` in [collectives])."""
+the chunks, and holds a copy of an operand instead of the whole partial sums
+(strategies.collective_matmul_time; `collective-matmul = true` in [collectives])."""
 
 from __future__ import annotations
 
@@ -75,6 +76,10 @@ def test_chunks_reread_the_stationary_operand():
     assert plain.communication == pytest.approx(sent)
     assert looped.communication == pytest.approx(max(0.0, sent - looped.compute) + 2 * sent / n)
     assert looped.collectives == plain.collectives  # the same bytes, reported as before
+    # Memory: the plain form holds the unscattered partial sums while it makes them; the loop
+    # holds only chunks of them, but a copy of an operand in its own layout (the larger, bf16).
+    assert plain.transient == d * f * f32 * (n - 1) / n
+    assert looped.transient == local_t * f * bf16
 
 
 def test_no_loop_where_communication_dwarfs_compute_or_beyond_32_devices():
