@@ -62,6 +62,8 @@ Schema (all fields required unless marked optional)::
                                  # converted to this dtype before they are resharded
     reassociate = false          # true: add(all-reduce(a), all-reduce(b)) compiles as
                                  # all-reduce(a + b) (so do reduce-scatters): one collective
+    collective-matmul = false    # true: a reduce-scattered matmul runs as a loop of chunk
+                                 # matmuls and collective-permutes (libtpu's windowed einsum)
 
 Without a [combiner] table: all-reduces and reduce-scatters merge into 30 MiB buffers (XLA's
 default GPU threshold) and all-gathers are not merged (`DEFAULT_COMBINER`). The planner amortises
@@ -126,7 +128,7 @@ DEFAULT_COMBINER: dict[str, float] = {
     "all-reduce": 30.0 * 1024 * 1024, "reduce-scatter": 30.0 * 1024 * 1024, "all-gather": 0.0,
 }
 _LEVEL_FIELDS = {"name", "devices", "bandwidth", "latency"}
-_COLLECTIVES_FIELDS = ("gathers", "matmul-input-dtype", "reassociate")
+_COLLECTIVES_FIELDS = ("gathers", "matmul-input-dtype", "reassociate", "collective-matmul")
 _GATHERS = ("per-dim", "one")
 
 
@@ -225,6 +227,9 @@ class DeviceModel:
     # [collectives]: whether the compiler sums the partial results of two all-reduces (or
     # reduce-scatters) over the same axes that only an add reads before one collective.
     reassociate: bool = False
+    # [collectives]: whether the compiler runs a reduce-scattered matmul as a loop of chunk
+    # matmuls and collective-permutes (libtpu's windowed einsum; strategies.collective_matmul_time).
+    collective_matmul: bool = False
     # [buffers]: reductions fuse the elementwise values they read, so those are never written
     # out; and the dtype f32 values read only by matmuls are written in (None: f32).
     fused_reductions: bool = False
@@ -438,11 +443,11 @@ def _parse_collectives(table: Any, source: str) -> dict[str, Any]:
         if name not in _COLLECTIVES_FIELDS:
             raise _fail(source, f"unknown field 'collectives.{key}' (known: "
                                 f"{', '.join(_COLLECTIVES_FIELDS)})")
-        if name == "reassociate":
+        if name in ("reassociate", "collective-matmul"):
             if not isinstance(value, bool):
                 raise _fail(source, f"field 'collectives.{key}' must be true or false, "
                                     f"got {value!r}")
-            found[name] = value
+            found[name.replace("-", "_")] = value
             continue
         value = _string(value, source, f"collectives.{key}")
         if name == "matmul-input-dtype":

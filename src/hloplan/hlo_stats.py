@@ -687,7 +687,8 @@ def _trip_count_from_condition(
 ) -> int | None:
     """Trip count of `i < c`-style loops: the condition compares the induction variable (a
     tuple element of the loop state) with a constant; init comes from the while's operand tuple
-    (0 if it cannot be found); step is assumed to be 1."""
+    (0 if it cannot be found); the step from the body's update of that element (1 if it is not
+    `i + constant`: XLA's TPU compiler unrolls its collective-matmul loops by two, i += 2)."""
     cond = module.computations.get(cond_name)
     if cond is None or cond.root is None:
         return None
@@ -734,14 +735,33 @@ def _trip_count_from_condition(
         state = caller.get(while_ins.operands[0])
         if state is not None and state.opcode == "tuple" and index < len(state.operands):
             init = _constant_value(caller, state.operands[index])
+    step = _loop_step(module, while_ins, index) if index is not None else None
+    step = step if step and step > 0 else 1
     if direction in ("LT", "NE"):
-        return max(0, limit - (init or 0))
+        return -(-max(0, limit - (init or 0)) // step)
     if direction == "LE":
-        return max(0, limit - (init or 0) + 1)
+        return -(-max(0, limit - (init or 0) + 1) // step)
     if init is not None and direction == "GT":
         return max(0, init - limit)
     if init is not None and direction == "GE":
         return max(0, init - limit + 1)
+    return None
+
+
+def _loop_step(module: _Module, while_ins: _Instr, index: int) -> int | None:
+    """The constant a while body adds to loop-state element `index` (None if it does not)."""
+    body_name = re.search(r"\bbody=%?([\w.\-]+)", while_ins.attrs)
+    body = module.computations.get(body_name.group(1)) if body_name else None
+    root = body.root if body is not None else None
+    if root is None or root.opcode != "tuple" or index >= len(root.operands):
+        return None
+    update = _through_copies(body, root.operands[index])
+    if update is None or update.opcode != "add" or len(update.operands) != 2:
+        return None
+    a, b = update.operands
+    for var, const in ((a, b), (b, a)):
+        if _gte_index(body, var) == index:
+            return _constant_value(body, const)
     return None
 
 
@@ -1017,6 +1037,12 @@ def _is_async_collective_done(comp: _Computation) -> bool:
             and 'custom_call_target="AsyncCollectiveDone"' in root.attrs)
 
 
+def _is_async_collective_start(comp: _Computation) -> bool:
+    root = comp.root
+    return (root is not None and root.opcode == "custom-call"
+            and 'custom_call_target="AsyncCollectiveStart"' in root.attrs)
+
+
 def collective_stats(
     hlo_text: str,
     *,
@@ -1044,6 +1070,16 @@ def collective_stats(
     multipliers = _multipliers(module)
     ops: list[CollectiveOp] = []
     channels: set[tuple[str, str]] = set()
+    # Channels of collectives whose async start is found: counted there, with the start's
+    # executions per step (a continuation may sit in a loop body the collective spans).
+    started: set[tuple[str, str]] = set()
+    for comp_name in multipliers:
+        comp = module.computations[comp_name]
+        if _is_async_collective_start(comp):
+            for ins in comp.instrs:
+                channel = _CHANNEL.search(ins.attrs)
+                if ins.opcode in _OPCODES and channel is not None:
+                    started.add((_OPCODES[ins.opcode][0], channel.group(1)))
     for comp_name, (mult, known) in multipliers.items():
         comp = module.computations[comp_name]
         if _is_async_collective_done(comp):
@@ -1059,9 +1095,13 @@ def collective_stats(
             # each hold a copy of it with the same channel): one collective.
             channel = _CHANNEL.search(ins.attrs)
             if channel is not None and "async_collective_fusion_config" in ins.attrs:
-                if (kind, channel.group(1)) in channels:
+                key = (kind, channel.group(1))
+                if key in started:
+                    if not _is_async_collective_start(comp):
+                        continue
+                elif key in channels:
                     continue
-                channels.add((kind, channel.group(1)))
+                channels.add(key)
             op = _collective(comp, ins, kind, is_async, num_devices, mesh, mult, known)
             if fold_reduce_scatter and kind == "all-reduce" and not is_async and op.group_size > 1:
                 scattered = _scattered_elements(module, comp, users, ins, op.group_size)
@@ -1191,10 +1231,40 @@ def _fused_flops(module: _Module, name: str, seen: set[str]) -> float:
     return total
 
 
-def _fusion_operand_bytes(comp: _Computation, ins: _Instr, fused: _Computation | None) -> float:
+def _moves_collective_data(ins: _Instr) -> bool:
+    """A collective inside a fusion (libtpu's asynchronous collectives: start, done and the
+    continuation fusions that overlap one with compute): its buffers move by DMA, priced by
+    collective_stats, not by the kernel that hosts it."""
+    if ins.opcode == "custom-call":
+        return re.search(r'custom_call_target="AsyncCollective', ins.attrs) is not None
+    return ins.opcode in _OPCODES or ins.opcode.endswith("-done") and ins.opcode[:-5] in _OPCODES
+
+
+def _fusion_written_bytes(fused: _Computation | None, shape: str) -> float:
+    """Bytes a fusion writes: its result, less the elements of a tuple result that are a
+    collective's buffers or a parameter passed through unchanged (continuation fusions)."""
+    root = fused.root if fused is not None else None
+    if root is None:
+        return shape_bytes(shape)
+    if _moves_collective_data(root):
+        return 0.0
+    if root.opcode != "tuple":
+        return shape_bytes(shape)
+    total = 0.0
+    for name in root.operands:
+        source = fused.get(name)
+        if source is not None and (source.opcode == "parameter" or _moves_collective_data(source)):
+            continue
+        total += shape_bytes(fused.shapes.get(name, source.shape if source else ""))
+    return total
+
+
+def _fusion_operand_bytes(comp: _Computation, ins: _Instr, fused: _Computation | None,
+                          module: _Module | None = None) -> float:
     """Bytes a fusion reads: each operand whole, unless its fused computation `fused` reads it
-    only through slices (then the slices), or it is the buffer a dynamic-update-slice root
-    updates in place (then nothing)."""
+    only through slices (then the slices; followed into nested fusions given `module`), only
+    into a collective's buffers or passes it through to its result (then nothing), or it is the
+    buffer a dynamic-update-slice root updates in place (then nothing)."""
     params: dict[int, str] = {}
     if fused is not None:
         for f in fused.instrs:
@@ -1215,7 +1285,8 @@ def _fusion_operand_bytes(comp: _Computation, ins: _Instr, fused: _Computation |
             continue
         whole = shape_bytes(shape)
         elements = _elements(shape)
-        sliced = _sliced_elements(users, param, root) if param and elements else None
+        sliced = _sliced_elements(users, param, root, module=module) if param and elements \
+            else None
         if sliced is None:
             total += whole
         else:
@@ -1229,10 +1300,11 @@ _PASS_THROUGH = {"bitcast", "copy", "transpose", "reshape", "convert"}
 
 
 def _sliced_elements(users: dict[str, list[_Instr]], name: str, root: _Instr | None,
-                     depth: int = 0) -> int | None:
+                     depth: int = 0, module: _Module | None = None) -> int | None:
     """How many elements of fused value `name` its readers touch, when each reads it through
-    a slice (directly or after layout changes and converts); None if some reader reads it whole
-    (or it is the fusion's result)."""
+    a slice (directly, after layout changes, converts or a pad, or inside a nested fusion given
+    `module`), or not at all (a collective's buffer, or passed through to a tuple result); None
+    if some reader reads it whole (or it is the fusion's result)."""
     readers = users.get(name, [])
     if not readers or depth > 8 or (root is not None and root.name == name):
         return None
@@ -1240,10 +1312,60 @@ def _sliced_elements(users: dict[str, list[_Instr]], name: str, root: _Instr | N
     for reader in readers:
         if reader.opcode in _READS_PART and reader.operands[0] == name:
             size = _elements(reader.shape)
+        elif _moves_collective_data(reader) or (reader is root and reader.opcode == "tuple"):
+            size = 0
         elif reader.opcode in _PASS_THROUGH:
-            size = _sliced_elements(users, reader.name, root, depth + 1)
+            size = _sliced_elements(users, reader.name, root, depth + 1, module)
+        elif reader.opcode == "pad" and reader.operands[0] == name:
+            # Slices of a padded value read its operand in proportion (libtpu's bidirectional
+            # collective matmul pads a chunk dim by one and slices either half).
+            size = _sliced_elements(users, reader.name, root, depth + 1, module)
+            padded, unpadded = _elements(reader.shape), _unpadded_elements(reader)
+            if size is not None and padded and unpadded:
+                size = size * unpadded // padded
+        elif reader.opcode == "fusion" and module is not None:
+            size = _nested_sliced_elements(module, reader, name, depth)
         else:
             size = None
+        if size is None:
+            return None
+        total += size
+    return total
+
+
+def _unpadded_elements(pad: _Instr) -> int | None:
+    """Elements of a pad's operand: its result's dims less the edge padding."""
+    m = re.search(r"\bpadding=([\d_x-]+)", pad.attrs)
+    dims = _dims(pad.shape)
+    edges = m.group(1).split("x") if m else []
+    if not dims or len(edges) != len(dims):
+        return None
+    total = 1
+    for size, edge in zip(dims, edges, strict=True):
+        lo, hi, *interior = (int(v) for v in edge.split("_"))
+        gap = interior[0] if interior else 0
+        total *= max(0, (size - lo - hi + gap) // (gap + 1))
+    return total
+
+
+def _nested_sliced_elements(module: _Module, fusion: _Instr, name: str, depth: int) -> int | None:
+    """_sliced_elements of `name` inside the nested fusion `fusion` that reads it."""
+    callee = re.search(r"\bcalls=%?([\w.\-]+)", fusion.attrs)
+    inner = module.computations.get(callee.group(1)) if callee else None
+    if inner is None:
+        return None
+    params = {}
+    for f in inner.instrs:
+        m = re.match(r"\s*(\d+)", f.operands[0] if f.opcode == "parameter" and f.operands else "")
+        if m:
+            params[int(m.group(1))] = f.name
+    users = _users(inner)
+    total = 0
+    for k, operand in enumerate(fusion.operands):
+        if operand != name:
+            continue
+        size = _sliced_elements(users, params[k], inner.root, depth + 1, module) \
+            if k in params else None
         if size is None:
             return None
         total += size
@@ -1311,7 +1433,9 @@ def compiled_kernels(hlo_text: str) -> list[Kernel]:
             if ins.opcode == "fusion":
                 callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
                 name_ = callee.group(1) if callee else ""
-                read = _fusion_operand_bytes(comp, ins, module.computations.get(name_))
+                fused = module.computations.get(name_)
+                read = _fusion_operand_bytes(comp, ins, fused, module)
+                out_bytes = _fusion_written_bytes(fused, ins.shape)
                 flops = _fused_flops(module, name_, set())
                 inside = opcodes(name_, set())
             elif ins.opcode in _READS_PART:

@@ -11,7 +11,7 @@ import itertools
 from dataclasses import dataclass
 
 from hloplan.cost_models import CommModel
-from hloplan.graph import TensorType
+from hloplan.graph import TensorType, dtype_bytes
 from hloplan.mesh import MeshSpec
 from hloplan.op_rules import Dims, OpRule
 
@@ -183,6 +183,88 @@ def _matmul_time(rule: OpRule, factor_axes, mesh: MeshSpec, comm: CommModel, mov
     return max(rule.flops / split / rate, moved / comm.model.hbm_bandwidth)
 
 
+# XLA's SPMD partitioner windows an einsum over at most this many devices
+# (SpmdPartitionerOptions.max_windowed_einsum_iteration).
+MAX_COLLECTIVE_MATMUL_DEVICES = 32
+
+
+def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...], factor_axes,
+                           operands, operand_types, reads, partial_bytes: float, mesh: MeshSpec,
+                           comm: CommModel, flops_dtype: str, split: int,
+                           plain: float) -> float | None:
+    """Compute time of a reduce-scattered matmul as XLA's TPU compiler runs it, or None where it
+    keeps one matmul and one reduce-scatter.
+
+    libtpu's SPMD partitioner turns a matmul whose operands share the sharded contraction and
+    whose result is reduce-scattered over those axes into a loop ("windowed einsum", collective
+    matmul): over n devices, n/2 chunk kernels (bidirectional: two 1/n chunks of the scattered
+    result dim each) whose partial sums travel the ring as collective-permutes while the next
+    chunk computes. Each chunk kernel reads the stationary operand (the one without the
+    scattered dim) whole, 1/(n/2) of the other, and writes its partial sums, which a second
+    kernel adds to the received accumulators. It does so where it expects the loop to pay:
+    max(compute, communication) + two chunks' communication under compute + communication
+    (dot_handler.cc's cost check), i.e. min(compute, communication) > 2 communication / n,
+    over at most MAX_COLLECTIVE_MATMUL_DEVICES devices.
+    """
+    n = 1
+    for axis in reduced:
+        n *= mesh.axis_sizes[axis]
+    scattered = [d for d, axes in enumerate(result) if axes == tuple(reduced)]
+    if n < 4 or n > MAX_COLLECTIVE_MATMUL_DEVICES or n % 2 or len(scattered) != 1 \
+            or len(rule.operands) != 2:
+        return None
+    sent = comm.bytes_sent("reduce-scatter", partial_bytes, reduced)
+    communication = sent / comm.group(reduced).bandwidth
+    if min(plain, communication) <= 2 * communication / n:
+        return None
+    chunk_factors = set(rule.results[0][scattered[0]])
+    kernels = n // 2
+    moving = [i for i, dims in enumerate(rule.operands)
+              if dims is not None and chunk_factors & {f for d in dims for f in d}]
+    if len(moving) != 1:
+        return None
+    dims = []
+    for factors, constant in rule.matmul:
+        size = float(constant)
+        for f in factors:
+            shards = 1
+            for axis in factor_axes[f]:
+                shards *= mesh.axis_sizes[axis]
+            size *= rule.factors[f].size / shards
+        dims.append(size / kernels if chunk_factors & set(factors) else size)
+    # The loop reads its operands in the MXU's input dtype (libtpu rounds f32 operands at
+    # default precision to bf16 once, before the loop).
+    narrow = comm.model.matmul_input_dtype
+    read = 0.0
+    for i, (t, spec, reads_it) in enumerate(zip(operand_types, operands, reads)):
+        if t is not None and spec is not None and reads_it:
+            scale = dtype_bytes(narrow) / t.itemsize if narrow and t.dtype == "f32" else 1.0
+            read += scale * local_bytes(t, spec, mesh) / (kernels if i == moving[0] else 1)
+    chunk_bytes = read + partial_bytes / kernels
+    dtype = narrow if narrow and flops_dtype == "f32" else flops_dtype
+    rate = comm.model.matmul_flops_for(dtype, *dims) if comm.model.matmul \
+        else comm.model.flops_for(dtype)
+    per_kernel = max(rule.flops / split / kernels / rate,
+                     chunk_bytes / comm.model.hbm_bandwidth)
+    # The accumulator kernels read the partial sums and the received accumulators and write
+    # the sums: three passes over the partial sums in all. The loop is never faster than the
+    # one matmul it replaces.
+    return max(plain, kernels * per_kernel + 3 * partial_bytes / comm.model.hbm_bandwidth)
+
+
+def collective_matmul_copy_bytes(operands, operand_types, mesh: MeshSpec,
+                                 comm: CommModel) -> float:
+    """Bytes of the larger of a collective matmul's operands as its loop carries them: local,
+    in the MXU's input dtype."""
+    narrow = comm.model.matmul_input_dtype
+    largest = 0.0
+    for t, spec in zip(operand_types, operands):
+        if t is not None and spec is not None:
+            scale = dtype_bytes(narrow) / t.itemsize if narrow and t.dtype == "f32" else 1.0
+            largest = max(largest, scale * local_bytes(t, spec, mesh))
+    return largest
+
+
 def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types, result_types,
            mesh: MeshSpec, comm: CommModel, multiplier: float, flops_dtype: str,
            scatter: bool = False,
@@ -219,6 +301,14 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
         compute = _matmul_time(rule, factor_axes, mesh, comm, moved, flops_dtype, split)
     else:
         compute = comm.compute_time(rule.flops / split, moved, flops_dtype)
+    if scatter and rule.matmul is not None and comm.model.collective_matmul and not rule.free:
+        chunked = collective_matmul_time(rule, results[0], reduced, factor_axes, operands,
+                                         operand_types, reads, computed_bytes[0], mesh, comm,
+                                         flops_dtype, split, compute)
+    else:
+        chunked = None
+    if chunked is not None:
+        compute = chunked
     communication = 0.0
     collectives = []
     kind = "reduce-scatter" if scatter else "all-reduce"
@@ -228,6 +318,15 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
             sent = comm.bytes_sent(kind, nbytes, reduced)
             if sent:
                 collectives.append((kind, comm.axes_label(reduced), sent * multiplier))
+    transient = sum(computed_bytes) - sum(result_bytes)
+    if chunked is not None:
+        # The loop sends each chunk's partial sums while the next chunk computes: only what
+        # outlasts the compute, and the last two chunks' sends, are not hidden.
+        communication = max(0.0, communication - compute) + 2 * communication / reduce_split
+        # It never holds the whole partial sums, but carries its operands in its own layouts:
+        # libtpu copies one of them (in the MXU's input dtype) before the loop, which one
+        # depending on layouts; the larger is counted.
+        transient = collective_matmul_copy_bytes(operands, operand_types, mesh, comm)
     name = ", ".join(spec_text(s, mesh) for s in results) or "()"
     if reduced:
         name += f" + {kind}(" + comm.axes_label(reduced) + ")"
@@ -235,4 +334,4 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
         name += " <- " + " ".join(spec_text(s, mesh) for s in operands if s is not None)
     return OpStrategy(results, operands, reduced, compute * multiplier,
                       communication * multiplier, sum(result_bytes), tuple(collectives), name,
-                      transient=sum(computed_bytes) - sum(result_bytes))
+                      transient=transient)

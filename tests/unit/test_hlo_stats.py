@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from hloplan.hlo_stats import (  # noqa: E402
     CollectiveStats,
     collective_stats,
+    compiled_kernels,
     kernel_stats,
     live_range_peak,
     memory_stats,
@@ -937,3 +938,67 @@ def test_kernel_roofline_of_tpu_dot_convolutions() -> None:
     # Output positions 0..4 of a 3-wide window over 3 inputs padded by 2: 1, 2, 3, 2, 1 taps.
     padded = 2 * (16 * 32) * 64 * (1 + 2 + 3 + 2 + 1)
     assert stats.matmul_flops == weight_gradient + padded
+
+
+def test_loop_trip_count_follows_the_step_of_an_unrolled_loop() -> None:
+    # XLA's TPU compiler unrolls its collective-matmul loops by two: `i += 2` while `i < 8`
+    # runs 4 times, not 8.
+    text = _loop_module(_COND_LT.replace("constant(7)", "constant(8)")).replace(
+        "%one = s32[] constant(1)", "%one = s32[] constant(2)")
+    (op,) = collective_stats(text).ops
+    assert op.trip_count == 4 and op.trip_count_known
+    odd = _loop_module(_COND_LT).replace("%one = s32[] constant(1)", "%one = s32[] constant(2)")
+    assert collective_stats(odd).ops[0].trip_count == 4  # i = 0, 2, 4, 6
+
+
+# A chunk of libtpu's reduce-scatter collective matmul: the matmul fusion reads two 256-column
+# chunks of the activation (pad + dynamic-slice in a nested fusion) and hosts the continuation
+# of an unrelated all-gather (its operand passed through, its result an output of the fusion).
+_CONTINUATION = """
+HloModule cm, num_partitions=16
+
+%chunk (c0: s32[], act: bf16[2048,1,4096], c1: s32[]) -> bf16[2048,2,256] {
+  %act = bf16[2048,1,4096]{2,1,0} parameter(1)
+  %ninf = bf16[] constant(-inf)
+  %lo = bf16[2048,2,4096]{2,1,0} pad(%act, %ninf), padding=0_0x0_1x0_0
+  %c0 = s32[] parameter(0)
+  %z = s32[] constant(0)
+  %s0 = bf16[2048,2,256]{2,1,0} dynamic-slice(%lo, %z, %z, %c0), dynamic_slice_sizes={2048,2,256}
+  %hi = bf16[2048,2,4096]{2,1,0} pad(%act, %ninf), padding=0_0x1_0x0_0
+  %c1 = s32[] parameter(2)
+  %s1 = bf16[2048,2,256]{2,1,0} dynamic-slice(%hi, %z, %z, %c1), dynamic_slice_sizes={2048,2,256}
+  ROOT %m = bf16[2048,2,256]{2,1,0} maximum(%s0, %s1)
+}
+
+%fused_cm (w: bf16[4096,896], g: bf16[2048,896], act: bf16[2048,1,4096], i0: s32[], i1: s32[]) -> (f32[2,256,896], bf16[4096,896], bf16[65536,896]) {
+  %act = bf16[2048,1,4096]{2,1,0} parameter(2)
+  %i0 = s32[] parameter(3)
+  %i1 = s32[] parameter(4)
+  %lhs = bf16[2048,2,256]{2,1,0} fusion(%i0, %act, %i1), kind=kLoop, calls=%chunk
+  %g = bf16[2048,896]{1,0} parameter(1)
+  %dot = f32[2,256,896]{2,1,0} dot(%lhs, %g), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  %w = bf16[4096,896]{1,0} parameter(0)
+  %ag = bf16[65536,896]{1,0} all-gather(%w), channel_id=7, replica_groups=[1,16]<=[16], dimensions={0}
+  ROOT %t = (f32[2,256,896]{2,1,0}, bf16[4096,896]{1,0}, bf16[65536,896]{1,0}) tuple(%dot, %w, %ag)
+}
+
+ENTRY %main (w: bf16[4096,896], g: bf16[2048,896], act: bf16[2048,1,4096], i0: s32[], i1: s32[]) -> (f32[2,256,896], bf16[4096,896], bf16[65536,896]) {
+  %w = bf16[4096,896]{1,0} parameter(0)
+  %g = bf16[2048,896]{1,0} parameter(1)
+  %act = bf16[2048,1,4096]{2,1,0} parameter(2)
+  %i0 = s32[] parameter(3)
+  %i1 = s32[] parameter(4)
+  ROOT %f = (f32[2,256,896]{2,1,0}, bf16[4096,896]{1,0}, bf16[65536,896]{1,0}) fusion(%w, %g, %act, %i0, %i1), kind=kOutput, calls=%fused_cm
+}
+"""
+
+
+def test_kernel_roofline_of_a_collective_matmul_chunk() -> None:
+    # The chunk reads two 256-column slices of the activation through the nested fusion's pads
+    # (1/8 of it), the stationary operand whole, and writes its f32 partial sums; the
+    # all-gather's buffers move by DMA (collective_stats prices them), not by this kernel.
+    (kernel,) = compiled_kernels(_CONTINUATION)
+    bf16, f32 = 2, 4
+    read = 2048 * 4096 * bf16 // 8 + 2048 * 896 * bf16 + 2 * 4
+    assert kernel.bytes == read + 2 * 256 * 896 * f32
+    assert kernel.flops == 2 * (2 * 256 * 896) * 2048

@@ -206,6 +206,43 @@ def test_async_collective_in_continuation_fusions_counts_once():
     assert stats.total_bytes == pytest.approx(2 * 0.5 * 64 * 64 * 2)
 
 
+def test_async_collective_continued_in_a_loop_counts_at_its_start():
+    # The continuation sits in a 4-trip loop body (a collective matmul's) that the all-gather,
+    # started before the loop, spans: one all-gather per step, not four.
+    looped = CONTINUED.replace("ENTRY %main", """%body (b: (s32[], bf16[32,64], f32[16])) -> (s32[], bf16[32,64], f32[16]) {
+  %b = (s32[], bf16[32,64]{1,0}, f32[16]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %q = bf16[32,64]{1,0} get-tuple-element(%b), index=1
+  %v = f32[16]{0} get-tuple-element(%b), index=2
+  %step = (bf16[64,64]{1,0}, f32[16]{0}) fusion(%q, %v), kind=kCustom, calls=%step_comp
+  %n = f32[16]{0} get-tuple-element(%step), index=1
+  ROOT %r = (s32[], bf16[32,64]{1,0}, f32[16]{0}) tuple(%next, %q, %n)
+}
+
+%cond (c: (s32[], bf16[32,64], f32[16])) -> pred[] {
+  %c = (s32[], bf16[32,64]{1,0}, f32[16]{0}) parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  %lim = s32[] constant(4)
+  ROOT %lt = pred[] compare(%ci, %lim), direction=LT
+}
+
+ENTRY %main""").replace(
+        "  %step = (bf16[64,64]{1,0}, f32[16]{0}) fusion(%gte0, %z), kind=kCustom, calls=%step_comp\n"
+        "  %g = bf16[64,64]{1,0} get-tuple-element(%step), index=0\n"
+        "  %n = f32[16]{0} get-tuple-element(%step), index=1\n",
+        "  %c0 = s32[] constant(0)\n"
+        "  %init = (s32[], bf16[32,64]{1,0}, f32[16]{0}) tuple(%c0, %gte0, %z)\n"
+        "  %w = (s32[], bf16[32,64]{1,0}, f32[16]{0}) while(%init), condition=%cond, body=%body\n"
+        "  %g = bf16[64,64]{1,0} get-tuple-element(%start), index=1\n"
+        "  %n = f32[16]{0} get-tuple-element(%w), index=2\n")
+    assert "while(" in looped
+    stats = collective_stats(looped, mesh_axes=[("x", 2), ("y", 4)])
+    assert [(op.kind, op.axes, op.trip_count) for op in stats.ops] == [
+        ("all-gather", ("x",), 1)] * 2
+
+
 def _sum_of_two_matmuls(second_layout, second_reader=None):
     """%2 = dot(...) and %3 = dot(...), each ending in a reduce-scatter over x, read by
     %4 = add(%2, %3) (and `second_reader` too, if given)."""

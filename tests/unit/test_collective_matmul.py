@@ -1,0 +1,100 @@
+"""libtpu's collective matmul (windowed einsum) in the compute pricing: a matmul whose result is
+reduce-scattered over the axes its contraction is sharded on runs as n/2 chunk kernels, each
+reading the stationary operand whole, with the partial sums' collective-permutes hidden behind
+the chunks, and holds a copy of an operand instead of the whole partial sums
+(strategies.collective_matmul_time; `collective-matmul = true` in [collectives])."""
+
+from __future__ import annotations
+
+import pytest
+
+from hloplan.cost_models import CommModel, DeviceModelError
+from hloplan.cost_models.hardware import _load_text
+from hloplan.graph import TensorType
+from hloplan.mesh import parse_mesh
+from hloplan.op_rules import Factor, OpRule
+from hloplan.strategies import enumerate_strategies
+
+RATE, BANDWIDTH, LINK = 1e14, 2e11, 1e10
+
+MODEL = f"""\
+name = "toy-tpu"
+platform = "tpu"
+memory = "16GiB"
+hbm_bandwidth = {BANDWIDTH}
+
+[flops]
+default = {RATE}
+
+[[interconnect]]
+name = "ici"
+devices = 0
+bandwidth = {LINK}
+latency = 0.0
+
+[collectives]
+matmul-input-dtype = "bf16"
+"""
+
+
+def _weight_gradient(tokens: int, d: int, f: int) -> tuple[OpRule, list, list]:
+    """dW[d, f] = X[t, d]^T G[t, f]: the contraction t, then d (lhs) and f (rhs)."""
+    rule = OpRule(factors=(Factor(tokens, "reduce"), Factor(d), Factor(f)),
+                  operands=(((0,), (1,)), ((0,), (2,))), results=(((1,), (2,)),),
+                  flops=2.0 * tokens * d * f, matmul=(((1,), 1), ((0,), 1), ((2,), 1)))
+    return (rule, [TensorType((tokens, d), "f32"), TensorType((tokens, f), "f32")],
+            [TensorType((d, f), "f32")])
+
+
+def _scattered(devices: int, tokens: int, d: int, f: int, collective_matmul: bool):
+    """The strategy that shards t over all devices and reduce-scatters dW over them on d."""
+    table = "collective-matmul = true\n" if collective_matmul else ""
+    comm = CommModel(_load_text(MODEL + table, "toy.toml"), parse_mesh(str(devices)))
+    rule, operands, results = _weight_gradient(tokens, d, f)
+    (strategy,) = [s for s in enumerate_strategies(rule, operands, results, comm.mesh, comm)
+                   if s.reduced_axes == (0,) and s.results == (((0,), ()),)]
+    return strategy
+
+
+def test_chunks_reread_the_stationary_operand():
+    # 16 devices: 8 chunk kernels, each two 1/16 chunks of d; G (t/16 x 8192) is read by each.
+    n, tokens, d, f = 16, 16 * 16384, 1024, 8192
+    plain = _scattered(n, tokens, d, f, collective_matmul=False)
+    looped = _scattered(n, tokens, d, f, collective_matmul=True)
+    bf16, f32, kernels = 2, 4, n // 2
+    local_t = tokens // n
+    chunk_bytes = (local_t * f * bf16 + local_t * d * bf16 / kernels + d * f * f32 / kernels)
+    chunk_flops = 2.0 * local_t * d * f / kernels
+    expected = (kernels * max(chunk_flops / RATE, chunk_bytes / BANDWIDTH)
+                + 3 * d * f * f32 / BANDWIDTH)
+    assert chunk_bytes / BANDWIDTH > chunk_flops / RATE  # HBM-bound chunks
+    assert looped.compute == pytest.approx(expected)
+    assert looped.compute > plain.compute
+    # The partial sums travel while the chunks compute: only the last two chunks' sends and
+    # what outlasts the compute are not hidden.
+    sent = (n - 1) / n * d * f * f32 / LINK
+    assert plain.communication == pytest.approx(sent)
+    assert looped.communication == pytest.approx(max(0.0, sent - looped.compute) + 2 * sent / n)
+    assert looped.collectives == plain.collectives  # the same bytes, reported as before
+    # Memory: the plain form holds the unscattered partial sums while it makes them; the loop
+    # holds only chunks of them, but a copy of an operand in its own layout (the larger, bf16).
+    assert plain.transient == d * f * f32 * (n - 1) / n
+    assert looped.transient == local_t * f * bf16
+
+
+def test_no_loop_where_communication_dwarfs_compute_or_beyond_32_devices():
+    # A short contraction: the reduce-scatter takes far longer than the matmul, so libtpu's
+    # cost check keeps one matmul and one reduce-scatter.
+    short = (16, 16 * 8, 1024, 8192)
+    assert (_scattered(*short, collective_matmul=True).compute
+            == _scattered(*short, collective_matmul=False).compute)
+    wide = (64, 64 * 16384, 1024, 8192)  # XLA windows an einsum over at most 32 devices
+    assert (_scattered(*wide, collective_matmul=True).compute
+            == _scattered(*wide, collective_matmul=False).compute)
+
+
+def test_collective_matmul_field():
+    assert _load_text(MODEL, "toy.toml").collective_matmul is False
+    assert _load_text(MODEL + "collective_matmul = true\n", "toy.toml").collective_matmul
+    with pytest.raises(DeviceModelError, match="must be true or false"):
+        _load_text(MODEL + 'collective-matmul = "yes"\n', "bad.toml")
