@@ -24,7 +24,8 @@ Here (hloplan installed):
         [--device FILE] [--hlo DIR]
 
 plans each program for one device (`--mesh 1`, default device tpu-v5e) and writes, per program,
-hloplan's estimated step (compute + the device's program overhead) and measured / estimated,
+hloplan's estimated step (compute + the device's call overhead: DeviceModel.call_overhead of
+the step's argument and result buffers) and measured / estimated,
 and with --hlo the per-kernel roofline of the chip's compiled HLO, into
 benchmarks/tpu_chip_results.json (under "by_device_model", one entry per --device).
 benchmarks/tpu_chip_analysis.py splits the same figures by kernel category.
@@ -224,9 +225,10 @@ def estimate(chips: list[str], device: str, exports: Path, hlo_dir: Path | None)
     """hloplan's one-device estimate of each measured program against its measured step; with
     `hlo_dir` (the chip's compiled HLO, `measure --profile`), also the per-kernel roofline of
     that HLO (hlo_stats.kernel_stats at the device model's f32 rate and HBM bandwidth, the
-    benchmark formula of benchmarks/tpu.py) plus the program overhead."""
+    benchmark formula of benchmarks/tpu.py) plus the call overhead."""
     import tempfile
 
+    import jax
     import models
 
     from hloplan.compiler import compile_bytes, make_options
@@ -250,16 +252,19 @@ def estimate(chips: list[str], device: str, exports: Path, hlo_dir: Path | None)
                 result = compile_bytes(data, f"{name}.jaxexport",
                                        make_options("1", device=device, mesh_views="off"))
             est = result.plan["estimate"]
-            estimated = est["compute_s"] + est["communication_s"] + model.program_overhead
+            # The call's own cost: per program, and per argument and result buffer.
+            program = jax.export.deserialize(bytearray(data))
+            overhead = model.call_overhead(len(program.in_avals) + len(program.out_avals))
+            estimated = est["compute_s"] + est["communication_s"] + overhead
             row = {"measured_s": entry["step_s"], "estimated_s": estimated,
-                   "estimated_compute_s": est["compute_s"],
+                   "estimated_compute_s": est["compute_s"], "estimated_overhead_s": overhead,
                    "measured_over_estimated": entry["step_s"] / estimated}
             line = (f"{name:<18} measured {entry['step_s'] * 1e3:8.2f} ms  estimated "
                     f"{estimated * 1e3:8.2f} ms  ratio {row['measured_over_estimated']:.2f}")
             text = _compiled_hlo(hlo_dir, name)
             if text is not None:
                 kernels = kernel_stats(text, model.flops_for("f32"), model.hbm_bandwidth)
-                row["roofline_s"] = kernels.seconds + model.program_overhead
+                row["roofline_s"] = kernels.seconds + overhead
                 row["measured_over_roofline"] = entry["step_s"] / row["roofline_s"]
                 line += (f"  roofline {row['roofline_s'] * 1e3:8.2f} ms  ratio "
                          f"{row['measured_over_roofline']:.2f}")

@@ -168,10 +168,10 @@ def _divides(rule: OpRule, factor_axes: list[list[int]], mesh: MeshSpec) -> bool
 def _matmul_time(rule: OpRule, factor_axes, mesh: MeshSpec, comm: CommModel, moved: float,
                  flops_dtype: str, split: int) -> float:
     """Roofline time of a dot or convolution at the device's rate for its local (m, k, n)
-    ([matmul] table): the chip's matmul kernels run far below the square-matmul rate when a dim
-    is short or the contraction long."""
+    ([matmul] table; [conv] for convolutions wider than one tap): the chip's matmul kernels
+    run far below the square-matmul rate when a dim is short or the contraction long."""
     dims = []
-    for factors, constant in rule.matmul:
+    for factors, constant in rule.matmul or rule.conv:
         size = float(constant)
         for f in factors:
             shards = 1
@@ -179,7 +179,8 @@ def _matmul_time(rule: OpRule, factor_axes, mesh: MeshSpec, comm: CommModel, mov
                 shards *= mesh.axis_sizes[axis]
             size *= rule.factors[f].size / shards
         dims.append(size)
-    rate = comm.model.matmul_flops_for(flops_dtype, *dims)
+    rate = (comm.model.matmul_flops_for(flops_dtype, *dims) if rule.matmul is not None
+            else comm.model.conv_flops_for(flops_dtype, *dims))
     return max(rule.flops / split / rate, moved / comm.model.hbm_bandwidth)
 
 
@@ -215,7 +216,8 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
             moved = 3 * local_bytes(operand_types[2], operands[2], mesh) + indices
     if rule.free:
         compute = 0.0
-    elif rule.matmul is not None and comm.model.matmul:
+    elif ((rule.matmul is not None and comm.model.matmul)
+          or (rule.conv is not None and comm.model.conv)):
         compute = _matmul_time(rule, factor_axes, mesh, comm, moved, flops_dtype, split)
     else:
         compute = comm.compute_time(rule.flops / split, moved, flops_dtype)
