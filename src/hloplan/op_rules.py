@@ -712,6 +712,17 @@ def matmul_rereads(graph: Graph, fused: set[int]) -> set[tuple[int, int]]:
     return rereads
 
 
+def serial_reads(op: Op, rereads: set[tuple[int, int]]) -> tuple[bool, ...] | None:
+    """Per operand of `op`: whether its kernel reads it apart from its compute: a fused operand
+    a matmul recomputes (matmul_rereads) is made by the kernel's prologue, which reads the
+    producers' inputs before the MXU can use them, so that read and the matmul's FLOPs do not
+    overlap (on a v5e chip, the vocabulary matmuls of a language model's backward pass that
+    recompute the softmax gradient take their FLOPs' time plus the logits' read time). None
+    where no operand is such."""
+    serial = tuple((op.index, k) in rereads for k in range(len(op.operands)))
+    return serial if any(serial) else None
+
+
 def hbm_traffic(graph: Graph, op: Op, fused: set[int], streamed: frozenset[int] = frozenset(),
                 folded: set[int] = frozenset(), shared: set[tuple[int, int]] = frozenset(),
                 rereads: set[tuple[int, int]] = frozenset(),
