@@ -134,7 +134,7 @@ def measure_matmul_grid(dtype: str, sizes: tuple[int, ...], repeats: int,
 # convolution is a matmul of its (batch x pixels, in, out) shape (the [matmul] grid prices it).
 CONV_CHANNELS = ((64, 64), (128, 128), (256, 256), (512, 512), (128, 256), (256, 512))
 CONV_IMAGES = ((32, 16), (32, 64), (32, 128))  # (batch, height = width)
-QUICK_CONV_CHANNELS = ((8, 8), (8, 16))
+QUICK_CONV_CHANNELS = ((8, 16),)
 QUICK_CONV_IMAGES = ((2, 8),)
 CONV_KINDS = ("forward", "input_grad", "kernel_grad")
 
