@@ -18,13 +18,21 @@ same every step), on the first device: median wall seconds of 10 steps after 2 w
 --profile also traces 3 steps: device time per XLA op into the JSON, and the compiled HLO into
 DIR (NAME.hlo.txt.gz).
 
+Here, with libtpu (no chip needed):
+
+    .venv/bin/python benchmarks/tpu_chip.py hlo         # -> build/tpu_chip/hlo/
+
+compiles each program for the compile-only v5e:1x1 topology: the HLO the chip runs, kernel
+names and all (what `measure --profile` writes there), for --hlo below.
+
 Here (hloplan installed):
 
     .venv/bin/python benchmarks/tpu_chip.py estimate --chip chip.json [--chip corpus.json]
         [--device FILE] [--hlo DIR]
 
 plans each program for one device (`--mesh 1`, default device tpu-v5e) and writes, per program,
-hloplan's estimated step (compute + the device's program overhead) and measured / estimated,
+hloplan's estimated step (compute + the device's call overhead: DeviceModel.call_overhead of
+the step's argument and result buffers) and measured / estimated,
 and with --hlo the per-kernel roofline of the chip's compiled HLO, into
 benchmarks/tpu_chip_results.json (under "by_device_model", one entry per --device).
 benchmarks/tpu_chip_analysis.py splits the same figures by kernel category.
@@ -85,6 +93,43 @@ def export_corpus(out: Path, names: list[str]) -> None:
                                      platforms=("tpu",))(*args)
         (out / f"{name}.jaxexport").write_bytes(bytes(exported.serialize()))
         print(name, len(exported.mlir_module_serialized), flush=True)
+
+
+def compile_hlo(out: Path, exports: Path, names: list[str]) -> None:
+    """Each program's compiled HLO as the chip runs it, compiled here by libtpu for the
+    compile-only v5e:1x1 topology (the same kernels and kernel names as `measure --profile`
+    writes on the chip): NAME.hlo.txt.gz into `out`, for `estimate --hlo` and
+    tpu_chip_analysis.py."""
+    import gzip
+    import os
+
+    os.environ.update(JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
+                      ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    import jax
+    import models
+    from jax.sharding import SingleDeviceSharding
+
+    from hloplan.tpu import parse_topology, topology_devices
+
+    sharding = SingleDeviceSharding(topology_devices(parse_topology("v5e:1x1"))[0])
+
+    def placed(tree):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                            tree)
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        path = exports / f"{name}.jaxexport"
+        if path.exists():
+            exported = jax.export.deserialize(bytearray(path.read_bytes()))
+            args, kwargs = jax.tree.unflatten(exported.in_tree, placed(list(exported.in_avals)))
+            compiled = jax.jit(exported.call).lower(*args, **kwargs).compile()
+        else:
+            _, state_spec, batch_spec, step = models.MODELS[name].build("realistic", 1)
+            compiled = jax.jit(step, donate_argnums=(0,)).lower(
+                placed(models.abstract(state_spec)), placed(models.abstract(batch_spec))).compile()
+        (out / f"{name}.hlo.txt.gz").write_bytes(gzip.compress(compiled.as_text().encode()))
+        print(name, flush=True)
 
 
 def _device_kernels(trace_dir: str, steps: int) -> dict:
@@ -224,9 +269,10 @@ def estimate(chips: list[str], device: str, exports: Path, hlo_dir: Path | None)
     """hloplan's one-device estimate of each measured program against its measured step; with
     `hlo_dir` (the chip's compiled HLO, `measure --profile`), also the per-kernel roofline of
     that HLO (hlo_stats.kernel_stats at the device model's f32 rate and HBM bandwidth, the
-    benchmark formula of benchmarks/tpu.py) plus the program overhead."""
+    benchmark formula of benchmarks/tpu.py) plus the call overhead."""
     import tempfile
 
+    import jax
     import models
 
     from hloplan.compiler import compile_bytes, make_options
@@ -250,16 +296,19 @@ def estimate(chips: list[str], device: str, exports: Path, hlo_dir: Path | None)
                 result = compile_bytes(data, f"{name}.jaxexport",
                                        make_options("1", device=device, mesh_views="off"))
             est = result.plan["estimate"]
-            estimated = est["compute_s"] + est["communication_s"] + model.program_overhead
+            # The call's own cost: per program, and per argument and result buffer.
+            program = jax.export.deserialize(bytearray(data))
+            overhead = model.call_overhead(len(program.in_avals) + len(program.out_avals))
+            estimated = est["compute_s"] + est["communication_s"] + overhead
             row = {"measured_s": entry["step_s"], "estimated_s": estimated,
-                   "estimated_compute_s": est["compute_s"],
+                   "estimated_compute_s": est["compute_s"], "estimated_overhead_s": overhead,
                    "measured_over_estimated": entry["step_s"] / estimated}
             line = (f"{name:<18} measured {entry['step_s'] * 1e3:8.2f} ms  estimated "
                     f"{estimated * 1e3:8.2f} ms  ratio {row['measured_over_estimated']:.2f}")
             text = _compiled_hlo(hlo_dir, name)
             if text is not None:
                 kernels = kernel_stats(text, model.flops_for("f32"), model.hbm_bandwidth)
-                row["roofline_s"] = kernels.seconds + model.program_overhead
+                row["roofline_s"] = kernels.seconds + overhead
                 row["measured_over_roofline"] = entry["step_s"] / row["roofline_s"]
                 line += (f"  roofline {row['roofline_s'] * 1e3:8.2f} ms  ratio "
                          f"{row['measured_over_roofline']:.2f}")
@@ -287,6 +336,10 @@ def main() -> None:
     x = sub.add_parser("export")
     x.add_argument("-o", "--output", default=str(EXPORTS))
     x.add_argument("--programs", default=",".join(CORPUS + list(THIRD_PARTY)))
+    h = sub.add_parser("hlo", help="compile each program for v5e:1x1 here (libtpu, no chip)")
+    h.add_argument("-o", "--output", default=str(EXPORTS / "hlo"))
+    h.add_argument("--exports", default=str(EXPORTS))
+    h.add_argument("--programs", default=",".join(PROGRAMS + CORPUS + list(THIRD_PARTY)))
     e = sub.add_parser("estimate")
     e.add_argument("--chip", action="append", required=True, help="measure output (repeatable)")
     e.add_argument("--device", default="tpu-v5e")
@@ -295,6 +348,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.mode == "export":
         export_corpus(Path(args.output), args.programs.split(","))
+    elif args.mode == "hlo":
+        compile_hlo(Path(args.output), Path(args.exports), args.programs.split(","))
     elif args.mode == "measure" and args.exports:
         names = ([p.stem for p in sorted(Path(args.exports).glob("*.jaxexport"))]
                  if args.programs == ",".join(PROGRAMS) else args.programs.split(","))

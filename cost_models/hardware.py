@@ -39,6 +39,11 @@ Schema (all fields required unless marked optional)::
     sizes = [128, 512, 4096]     # the grid of each dim (increasing)
     f32 = [[[...], ...], ...]    # per dtype: [m][k][n] rates, len(sizes) each (calibrate writes it)
 
+    [conv]                       # optional: FLOP/s of convolutions wider than one tap, as
+    f32 = [[m, k, n, rate], ...] # measured points of their implicit matmul (batch x output
+                                 # pixels, in features x taps, out features; calibrate writes it)
+    buffer_overhead = 3.7e-6     # optional: seconds each argument or result buffer adds to a
+                                 # program call (host-side handling at dispatch)
     [calibration]                # optional, free-form: what `hloplan calibrate` measured
     matmul_f32_large = 1.5e14    # (recorded for people and benchmarks; the planner ignores it)
 
@@ -120,6 +125,8 @@ _TOP_FIELDS = {
     "calibration",
     "buffers",
     "matmul",
+    "conv",
+    "buffer_overhead",
 }
 _COMBINER_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 # XLA's GPU pipeline merges all-reduces and reduce-scatters up to 30 MiB
@@ -236,6 +243,31 @@ class DeviceModel:
     matmul_operands: str | None = None
     # [matmul]: "sizes" -> grid of each dim; dtype -> [m][k][n] FLOP/s (see matmul_flops_for).
     matmul: dict[str, Any] = field(default_factory=dict, hash=False)
+    # [conv]: dtype -> ((m, k, n, FLOP/s), ...) measured convolutions (see conv_flops_for).
+    conv: dict[str, Any] = field(default_factory=dict, hash=False)
+    # Seconds each argument or result buffer of a program call adds to it (dispatch).
+    buffer_overhead: float = 0.0
+
+    def call_overhead(self, buffers: int) -> float:
+        """Seconds a program call with `buffers` argument and result buffers spends outside
+        its kernels: program_overhead plus buffer_overhead per buffer."""
+        return self.program_overhead + self.buffer_overhead * buffers
+
+    def conv_flops_for(self, dtype_name: object, m: float, k: float, n: float) -> float:
+        """FLOP/s of a convolution whose implicit matmul is (m, k) x (k, n): the [conv] points
+        of the dtype (f32's where the dtype has none: the MXU runs f32 convolutions at default
+        precision in bf16) weighted by inverse squared distance in log2 of each dim, the
+        nearest four; flops_for(dtype) without a [conv] table."""
+        points = self.conv.get(normalize_dtype(dtype_name)) or self.conv.get("f32")
+        if not points:
+            return self.flops_for(dtype_name)
+        at = [math.log2(max(v, 1.0)) for v in (m, k, n)]
+        near = sorted((sum((math.log2(p[i]) - at[i]) ** 2 for i in range(3)), p[3])
+                      for p in points)[:4]
+        if near[0][0] < 1e-12:
+            return near[0][1]
+        weights = [1.0 / d for d, _ in near]
+        return sum(w * rate for w, (_, rate) in zip(weights, near)) / sum(weights)
 
     def matmul_flops_for(self, dtype_name: object, m: float, k: float, n: float) -> float:
         """FLOP/s of an (m, k) x (k, n) matmul in `dtype_name`: the [matmul] table interpolated
@@ -372,6 +404,9 @@ def _parse_model(data: dict[str, Any], source: str) -> DeviceModel:
         raise _fail(source, "missing field 'flops.default'")
 
     matmul = _parse_matmul(data.get("matmul"), source)
+    conv = _parse_conv(data.get("conv"), source)
+    buffer_overhead = _number(data.get("buffer_overhead", 0.0), source, "buffer_overhead",
+                              positive=False)
 
     levels_data = _require(data, "interconnect", source)
     if not isinstance(levels_data, list) or not levels_data:
@@ -431,6 +466,8 @@ def _parse_model(data: dict[str, Any], source: str) -> DeviceModel:
         **_parse_collectives(data.get("collectives", {}), source),
         **_parse_buffers(data.get("buffers", {}), source),
         matmul=matmul,
+        conv=conv,
+        buffer_overhead=buffer_overhead,
     )
 
 
@@ -509,6 +546,23 @@ def _parse_matmul(table: Any, source: str) -> dict[str, Any]:
         out[normalize_dtype(key)] = tuple(
             tuple(tuple(_number(v, source, f"matmul.{key}") for v in row) for row in plane)
             for plane in grid)
+    return out
+
+
+def _parse_conv(table: Any, source: str) -> dict[str, Any]:
+    """[conv]: per dtype a list of [m, k, n, FLOP/s] points (positive numbers)."""
+    if table is None:
+        return {}
+    if not isinstance(table, dict):
+        raise _fail(source, "field 'conv' must be a table ([conv])")
+    out: dict[str, Any] = {}
+    for key, points in table.items():
+        if not (isinstance(points, list) and points
+                and all(isinstance(p, list) and len(p) == 4 for p in points)):
+            raise _fail(source, f"field 'conv.{key}' must be a non-empty list of "
+                                "[m, k, n, FLOP/s] points")
+        out[normalize_dtype(key)] = tuple(
+            tuple(_number(v, source, f"conv.{key}") for v in p) for p in points)
     return out
 
 

@@ -27,6 +27,7 @@ from hloplan.op_rules import (
     hbm_traffic,
     matmul_rereads,
     rule_for,
+    serial_reads,
     shared_reads,
     unmaterialized_values,
 )
@@ -277,16 +278,18 @@ class _ProblemBuilder:
         dtype = result_types[0].dtype if result_types and result_types[0] else "f32"
         hbm = hbm_traffic(self.graph, op, self.fused, self.streamed, self.folded, self.shared,
                           self.rereads)
+        serial = serial_reads(op, self.rereads)  # recomputed operands: read apart from FLOPs
         # The signature (rule, types, ...) is hashed once, here; the follower cache and the
         # list ids key on its small id (hashing an OpRule walks all its factors).
         chained = op.index in self.chained
-        own_key = (rule, operand_types, result_types, op.multiplier, dtype, hbm, chained)
+        own_key = (rule, operand_types, result_types, op.multiplier, dtype, hbm, serial, chained)
         own_id = self.own_ids.get(own_key)
         if own_id is None:
             own_id = self.own_ids[own_key] = len(self.own_ids)
             self.own_lists.append(enumerate_strategies(
                 rule, list(operand_types), list(result_types), self.mesh,
-                self.unmerged if chained else self.comm, op.multiplier, dtype, hbm=hbm))
+                self.unmerged if chained else self.comm, op.multiplier, dtype, hbm=hbm,
+                serial=serial))
         own = self.own_lists[own_id]
         leader = self._leader_operand(op, rule) if self.follow else None
         if leader is None:

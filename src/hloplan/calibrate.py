@@ -13,7 +13,11 @@ Measured, on the first device (and on all of them for collectives):
   (the convention of the cost model's memory-bound terms);
   both on the device alone: differences of two timed calls (chains of 1 and k matmuls, passes
   over a quarter of the array and the whole), so the per-call overhead below is not in them;
-- per-program overhead: the wall time of a trivial jitted call;
+- convolution FLOP/s per dtype over a grid of 3x3 convolutions (forward and both gradients,
+  CONV_CHANNELS x CONV_IMAGES): written as the [conv] table, each point the pass's compute
+  rate (its time less its own HBM traffic; conv_compute_rate);
+- per-program overhead: the wall time of a trivial jitted call, and the time each argument or
+  result buffer adds to a call (`buffer_overhead`);
 - with several devices: all-reduce over all of them (a one-axis mesh), bandwidth as the ring
   algorithm sees it (2(n-1)/n S per device per second) from a large buffer, latency per ring
   step from a small one; written as the innermost [[interconnect]] level.
@@ -125,6 +129,114 @@ def measure_matmul_grid(dtype: str, sizes: tuple[int, ...], repeats: int,
              for k in sizes] for m in sizes]
 
 
+# The [conv] table: 3x3 convolutions (NHWC, stride 1, SAME) of these channel pairs and batch x
+# image sizes, each as the forward pass and its two gradients (input, kernel); a 1x1
+# convolution is a matmul of its (batch x pixels, in, out) shape (the [matmul] grid prices it).
+CONV_CHANNELS = ((64, 64), (128, 128), (256, 256), (512, 512), (128, 256), (256, 512))
+CONV_IMAGES = ((32, 16), (32, 64), (32, 128))  # (batch, height = width)
+QUICK_CONV_CHANNELS = ((8, 16),)
+QUICK_CONV_IMAGES = ((2, 8),)
+CONV_KINDS = ("forward", "input_grad", "kernel_grad")
+
+
+def conv_gemm_shape(kind: str, batch: int, image: int, cin: int, cout: int,
+                    taps: int = 9) -> tuple[int, int, int]:
+    """The (m, k, n) a convolution op of this pass runs as an implicit matmul, as the cost model
+    reads it off the op (op_rules: batch x output pixels, input features x kernel taps, output
+    features): the input gradient convolves the output gradient with the flipped kernel, the
+    kernel gradient convolves the input (features as batch) with the output gradient."""
+    pixels = batch * image * image
+    if kind == "forward":
+        return pixels, cin * taps, cout
+    if kind == "input_grad":
+        return pixels, cout * taps, cin
+    return cin * taps, pixels, cout
+
+
+def measure_conv_shape(dtype: str, kind: str, batch: int, image: int, cin: int, cout: int,
+                       repeats: int, target_flops: float = 2e11, max_count: int = 16) -> float:
+    """FLOP/s of one pass of a 3x3 convolution (module docstring), on the device alone: `count`
+    independent ones in one call against one."""
+    import jax
+    import jax.numpy as jnp
+
+    m, k, n = conv_gemm_shape(kind, batch, image, cin, cout)
+    flops = 2.0 * m * k * n
+    count = int(max(2, min(max_count, math.ceil(target_flops / flops))))
+    key = jax.random.PRNGKey(batch + image * 3 + cin * 5 + cout * 7)
+    dt = jnp.dtype(dtype)
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    xs = [jax.random.normal(jax.random.fold_in(key, i), (batch, image, image, cin), dt)
+          for i in range(count)]
+    ws = [jax.random.normal(jax.random.fold_in(key, 100 + i), (3, 3, cin, cout), dt)
+          for i in range(count)]
+    if kind == "forward":
+        run = jax.jit(lambda xs, ws, gs: [conv(x, w) for x, w in zip(xs, ws)])
+        gs = [None] * count
+    else:
+        gs = [jax.random.normal(jax.random.fold_in(key, 200 + i), (batch, image, image, cout), dt)
+              for i in range(count)]
+        position = 0 if kind == "input_grad" else 1
+
+        def grad(x, w, g):
+            return jax.vjp(conv, x, w)[1](g)[position]
+        run = jax.jit(lambda xs, ws, gs: [grad(x, w, g) for x, w, g in zip(xs, ws, gs)])
+    one = _time(run, xs[:1], ws[:1], gs[:1], repeats=repeats)
+    many = _time(run, xs, ws, gs, repeats=repeats)
+    del xs, ws, gs
+    return flops * (count - 1) / max(many - one, 1e-9)
+
+
+def conv_compute_rate(kind: str, batch: int, image: int, cin: int, cout: int, rate: float,
+                      itemsize: int, hbm_bandwidth: float, peak: float) -> float:
+    """The compute rate of a measured convolution pass: its time less the HBM time of what it
+    reads and writes (image-sized operands and result, the kernel), at most `peak`. The cost
+    model adds a kernel's traffic on its own (the larger of the two), and inside a program a
+    convolution's operands are made by other kernels in the layout it wants, so the standalone
+    pass's traffic (and relayout of its arguments) is not part of its compute."""
+    pixels = batch * image * image
+    moved = (pixels * (cin + cout) + 9 * cin * cout) * itemsize
+    m, k, n = conv_gemm_shape(kind, batch, image, cin, cout)
+    flops = 2.0 * m * k * n
+    seconds = flops / rate - moved / hbm_bandwidth
+    return peak if seconds <= flops / peak else flops / seconds
+
+
+def measure_conv_table(dtype: str, quick: bool, repeats: int, hbm_bandwidth: float,
+                       peak: float) -> list[list[float]]:
+    """[m, k, n, FLOP/s] of every convolution pass of the grid (CONV_CHANNELS x CONV_IMAGES x
+    CONV_KINDS): the compute rate (conv_compute_rate) of each measured pass."""
+    import jax.numpy as jnp
+
+    rows = []
+    for batch, image in QUICK_CONV_IMAGES if quick else CONV_IMAGES:
+        for cin, cout in QUICK_CONV_CHANNELS if quick else CONV_CHANNELS:
+            for kind in CONV_KINDS:
+                rate = measure_conv_shape(dtype, kind, batch, image, cin, cout, repeats)
+                rows.append([*conv_gemm_shape(kind, batch, image, cin, cout), conv_compute_rate(
+                    kind, batch, image, cin, cout, rate, jnp.dtype(dtype).itemsize,
+                    hbm_bandwidth, peak)])
+    return rows
+
+
+def measure_buffer_overhead(repeats: int, buffers: int = 256) -> float:
+    """Wall seconds each argument or result buffer adds to a jitted call (the host handles every
+    buffer at dispatch): a call taking and returning `buffers` small arrays against one taking
+    and returning one, per buffer."""
+    import jax
+    import jax.numpy as jnp
+
+    run = jax.jit(lambda *xs: [x + 1 for x in xs])
+    xs = [jnp.full((128,), float(i), jnp.float32) for i in range(buffers)]
+    one = _time(run, *xs[:1], repeats=repeats, warmup=5)
+    many = _time(run, *xs, repeats=repeats, warmup=5)
+    return max(many - one, 0.0) / (2 * (buffers - 1))
+
+
 def measure_hbm(nbytes: int, repeats: int) -> float:
     """Bytes read + written per second by an elementwise pass over an f32 array, on the device
     alone: the difference between passes over `nbytes` and over a quarter of it (the call's
@@ -203,7 +315,13 @@ def measure(quick: bool = False) -> dict:
         cap = 1.25 * max(out[f"matmul_{short}_{c}"] for c in sizes)
         out["matmul_grid"][short] = measure_matmul_grid(dtype, grid, 3 if quick else 5, cap)
     out["hbm_bandwidth"] = measure_hbm(QUICK_HBM_BYTES if quick else HBM_BYTES, repeats)
+    out["conv"] = {}
+    for dtype, short in (("float32", "f32"), ("bfloat16", "bf16")):
+        peak = max(out[f"matmul_{short}_{c}"] for c in sizes)
+        out["conv"][short] = measure_conv_table(dtype, quick, 3 if quick else 5,
+                                                out["hbm_bandwidth"], peak)
     out["program_overhead"] = measure_overhead(20 if quick else 200)
+    out["buffer_overhead"] = measure_buffer_overhead(20 if quick else 50, 16 if quick else 256)
     try:
         stats = device.memory_stats() or {}
     except Exception:  # some backends do not report memory
@@ -244,7 +362,8 @@ def render(measured: dict, base: dict, name: str) -> str:
     memory = measured.get("memory_bytes", base["memory"])
     lines += [f"memory = {_toml_value(memory)}",
               f"hbm_bandwidth = {_toml_value(measured['hbm_bandwidth'])}",
-              f"program_overhead = {_toml_value(measured['program_overhead'])}"]
+              f"program_overhead = {_toml_value(measured['program_overhead'])}",
+              f"buffer_overhead = {_toml_value(measured.get('buffer_overhead', 0.0))}"]
     if "collective_overhead" in base:
         lines.append(f"collective_overhead = {_toml_value(base['collective_overhead'])}")
     flops = dict(base["flops"])
@@ -283,9 +402,16 @@ def render(measured: dict, base: dict, name: str) -> str:
                 lines += [f"    {_toml_value([float(v) for v in row])}," for row in plane]
                 lines.append("  ],")
             lines.append("]")
+    if measured.get("conv"):
+        lines += ["", "[conv]  # compute FLOP/s of 3x3 convolutions: [m, k, n, FLOP/s] of each "
+                  "one's implicit matmul"]
+        for dtype, points in measured["conv"].items():
+            lines.append(f"{dtype} = [")
+            lines += [f"  {_toml_value([float(v) for v in p])}," for p in points]
+            lines.append("]")
     lines += ["", "[calibration]"]
     lines += [f"{k} = {_toml_value(v)}" for k, v in sorted(measured.items())
-              if k != "matmul_grid"]
+              if k not in ("matmul_grid", "conv")]
     return "\n".join(lines) + "\n"
 
 

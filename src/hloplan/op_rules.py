@@ -41,10 +41,15 @@ class OpRule:
     pointwise: bool = False
     # Dots: the (m, k, n) of the matmul they run, each as (factors, constant): the product of
     # those factors' local sizes times the constant (batch dims count in m). The cost model
-    # prices them at the device's rate for that shape (matmul_flops_for). Convolutions have
-    # none: they read their input once for all taps, so an explicit matmul's rate (bound by
-    # reading an m x k operand when n is small) does not describe them.
+    # prices them at the device's rate for that shape (matmul_flops_for). A 1x1 convolution is
+    # such a matmul (batch x pixels, in features, out features).
     matmul: tuple[tuple[tuple[int, ...], int], ...] | None = None
+    # Convolutions with a kernel wider than one tap: the (m, k, n) of their implicit matmul
+    # (batch x output pixels, in features x taps, out features), in the same form. They read
+    # their input once for all taps, so an explicit matmul's rate (bound by reading an m x k
+    # operand when n is small) does not describe them: priced at the device's measured
+    # convolution rates (conv_flops_for) where it has them.
+    conv: tuple[tuple[tuple[int, ...], int], ...] | None = None
     # gather / scatter: "gather" or "scatter" (one operand). They touch operand 0 only at the
     # indexed rows, and a scatter updates it in place (TPU pricing: strategies._price).
     indexed: str | None = None
@@ -234,8 +239,17 @@ def _convolution(graph: Graph, op: Op) -> OpRule:
     for d in a["kernel_spatial"]:
         kernel_volume *= rhs.shape[d]
     in_features = rhs.shape[a["kernel_input_feature"]]
+    shape = {}
+    if not grouped:
+        pixels = math.prod(out.shape[d] for d in a["output_spatial"])
+        if out_dims[a["output_batch"]]:
+            m = (out_dims[a["output_batch"]], pixels)
+        else:  # batch not a factor of the result: a constant
+            m = ((), pixels * out.shape[a["output_batch"]])
+        gemm = (m, (feature, kernel_volume), (out_feature, 1))
+        shape = {"matmul": gemm} if kernel_volume == 1 else {"conv": gemm}
     return b.rule([tuple(lhs_dims), tuple(rhs_dims)], [tuple(out_dims)],
-                  flops=2.0 * out.elements * kernel_volume * in_features)
+                  flops=2.0 * out.elements * kernel_volume * in_features, **shape)
 
 
 def _reduce(graph: Graph, op: Op) -> OpRule:
@@ -696,6 +710,17 @@ def matmul_rereads(graph: Graph, fused: set[int]) -> set[tuple[int, int]]:
                     rereads.add((op.index, position))
                 readers.add(value_id)
     return rereads
+
+
+def serial_reads(op: Op, rereads: set[tuple[int, int]]) -> tuple[bool, ...] | None:
+    """Per operand of `op`: whether its kernel reads it apart from its compute: a fused operand
+    a matmul recomputes (matmul_rereads) is made by the kernel's prologue, which reads the
+    producers' inputs before the MXU can use them, so that read and the matmul's FLOPs do not
+    overlap (on a v5e chip, the vocabulary matmuls of a language model's backward pass that
+    recompute the softmax gradient take their FLOPs' time plus the logits' read time). None
+    where no operand is such."""
+    serial = tuple((op.index, k) in rereads for k in range(len(op.operands)))
+    return serial if any(serial) else None
 
 
 def hbm_traffic(graph: Graph, op: Op, fused: set[int], streamed: frozenset[int] = frozenset(),

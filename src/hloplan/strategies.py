@@ -96,10 +96,12 @@ def enumerate_strategies(rule: OpRule, operand_types: list[TensorType | None],
                          result_types: list[TensorType], mesh: MeshSpec, comm: CommModel,
                          multiplier: float = 1.0, flops_dtype: str = "f32",
                          hbm: tuple[tuple[bool, ...], tuple[bool, ...]] | None = None,
+                         serial: tuple[bool, ...] | None = None,
                          ) -> list[OpStrategy]:
     """All legal strategies of an op, in a deterministic order (replicated first). `hbm`: per
     operand and per result, whether it goes through HBM (False: fused into a neighbour's
-    kernel, op_rules.hbm_traffic); default: all do."""
+    kernel, op_rules.hbm_traffic); default: all do. `serial`: per operand, whether its read
+    adds to the op's time rather than overlapping its FLOPs (op_rules.serial_reads)."""
     shardable = [f for f, factor in enumerate(rule.factors) if factor.kind != "replicate"]
     choices = [None, *shardable]
     seen: set = set()
@@ -127,14 +129,15 @@ def enumerate_strategies(rule: OpRule, operand_types: list[TensorType | None],
                 continue
             seen.add(key)
             out.append(_price(rule, tuple(results), operands, reduced, factor_axes, operand_types,
-                              result_types, mesh, comm, multiplier, flops_dtype, hbm=hbm))
+                              result_types, mesh, comm, multiplier, flops_dtype, hbm=hbm,
+                              serial=serial))
             for scattered in _scatter_variants(results, reduced, result_types, mesh):
                 key = (scattered, operands, reduced)
                 if key not in seen:
                     seen.add(key)
                     out.append(_price(rule, scattered, operands, reduced, factor_axes,
                                       operand_types, result_types, mesh, comm, multiplier,
-                                      flops_dtype, scatter=True, hbm=hbm))
+                                      flops_dtype, scatter=True, hbm=hbm, serial=serial))
     return out
 
 
@@ -168,10 +171,10 @@ def _divides(rule: OpRule, factor_axes: list[list[int]], mesh: MeshSpec) -> bool
 def _matmul_time(rule: OpRule, factor_axes, mesh: MeshSpec, comm: CommModel, moved: float,
                  flops_dtype: str, split: int) -> float:
     """Roofline time of a dot or convolution at the device's rate for its local (m, k, n)
-    ([matmul] table): the chip's matmul kernels run far below the square-matmul rate when a dim
-    is short or the contraction long."""
+    ([matmul] table; [conv] for convolutions wider than one tap): the chip's matmul kernels
+    run far below the square-matmul rate when a dim is short or the contraction long."""
     dims = []
-    for factors, constant in rule.matmul:
+    for factors, constant in rule.matmul or rule.conv:
         size = float(constant)
         for f in factors:
             shards = 1
@@ -179,7 +182,8 @@ def _matmul_time(rule: OpRule, factor_axes, mesh: MeshSpec, comm: CommModel, mov
                 shards *= mesh.axis_sizes[axis]
             size *= rule.factors[f].size / shards
         dims.append(size)
-    rate = comm.model.matmul_flops_for(flops_dtype, *dims)
+    rate = (comm.model.matmul_flops_for(flops_dtype, *dims) if rule.matmul is not None
+            else comm.model.conv_flops_for(flops_dtype, *dims))
     return max(rule.flops / split / rate, moved / comm.model.hbm_bandwidth)
 
 
@@ -268,7 +272,8 @@ def collective_matmul_copy_bytes(operands, operand_types, mesh: MeshSpec,
 def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types, result_types,
            mesh: MeshSpec, comm: CommModel, multiplier: float, flops_dtype: str,
            scatter: bool = False,
-           hbm: tuple[tuple[bool, ...], tuple[bool, ...]] | None = None) -> OpStrategy:
+           hbm: tuple[tuple[bool, ...], tuple[bool, ...]] | None = None,
+           serial: tuple[bool, ...] | None = None) -> OpStrategy:
     """Costs of one strategy; `scatter`: the partial sums are reduce-scattered into `results`
     (whose dims carry the reduced axes) instead of all-reduced."""
     split = 1
@@ -284,9 +289,13 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
     reads, writes = hbm if hbm is not None else ((True,) * len(operands),
                                                 (True,) * len(results))
     moved = sum(b for b, written in zip(computed_bytes, writes) if written)
-    for t, s, read in zip(operand_types, operands, reads):
+    serial_bytes = 0.0  # read apart from the FLOPs: added to the roofline, not under its max
+    for k, (t, s, read) in enumerate(zip(operand_types, operands, reads)):
         if t is not None and s is not None and read:
-            moved += local_bytes(t, s, mesh)
+            if serial is not None and serial[k]:
+                serial_bytes += local_bytes(t, s, mesh)
+            else:
+                moved += local_bytes(t, s, mesh)
     if rule.indexed and comm.model.platform == "tpu":
         # XLA's TPU gather reads the rows it gathers; its scatter updates its operand in place
         # (reads the updates, reads and writes the rows they hit), not the whole table.
@@ -297,10 +306,13 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
             moved = 3 * local_bytes(operand_types[2], operands[2], mesh) + indices
     if rule.free:
         compute = 0.0
-    elif rule.matmul is not None and comm.model.matmul:
-        compute = _matmul_time(rule, factor_axes, mesh, comm, moved, flops_dtype, split)
+    elif ((rule.matmul is not None and comm.model.matmul)
+          or (rule.conv is not None and comm.model.conv)):
+        compute = (_matmul_time(rule, factor_axes, mesh, comm, moved, flops_dtype, split)
+                   + serial_bytes / comm.model.hbm_bandwidth)
     else:
-        compute = comm.compute_time(rule.flops / split, moved, flops_dtype)
+        compute = (comm.compute_time(rule.flops / split, moved, flops_dtype)
+                   + serial_bytes / comm.model.hbm_bandwidth)
     if scatter and rule.matmul is not None and comm.model.collective_matmul and not rule.free:
         chunked = collective_matmul_time(rule, results[0], reduced, factor_axes, operands,
                                          operand_types, reads, computed_bytes[0], mesh, comm,

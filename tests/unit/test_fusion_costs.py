@@ -262,3 +262,37 @@ def test_tpu_gather_and_scatter_touch_only_the_indexed_rows():
             assert all(t < bound / 100 for t in per_op[device].values()), per_op
         else:
             assert per_op[device]["stablehlo.scatter"] >= bound, per_op
+
+
+def test_a_recomputed_matmul_operand_is_read_apart_from_the_flops():
+    """The second matmul reading a fused operand recomputes it in its prologue: on TPU that
+    read adds to the matmul's FLOP time (op_rules.serial_reads) instead of hiding under it."""
+    from hloplan.op_rules import matmul_rereads, serial_reads
+
+    g = Graph()
+    x = g.add_op("arg", (), [F32]).results[0]
+    w = g.add_op("arg", (), [F32]).results[0]
+    g.arguments = [x, w]
+    normed = g.add_op("stablehlo.multiply", (x, x), [F32]).results[0]
+    attrs = {"lhs_batch": [], "rhs_batch": [], "lhs_contracting": [1], "rhs_contracting": [0]}
+    forward = g.add_op("stablehlo.dot_general", (normed, w), [F32], attrs=attrs)
+    backward = g.add_op("stablehlo.dot_general", (normed, w), [F32], attrs=attrs)
+    g.outputs = [forward.results[0], backward.results[0]]
+    fused = fused_values(g, matmul_fusion=True)
+    rereads = matmul_rereads(g, fused)
+    assert serial_reads(forward, rereads) is None
+    assert serial_reads(backward, rereads) == (True, False)
+    mesh = parse_mesh("1")
+    model = load_device_model("tpu-v5e")
+    comm = CommModel(model, mesh)
+    rule = rule_for(g, backward)
+    hbm = hbm_traffic(g, backward, fused, rereads=rereads)
+    overlapped = enumerate_strategies(rule, [F32, F32], [F32], mesh, comm, hbm=hbm)[0]
+    serial = enumerate_strategies(rule, [F32, F32], [F32], mesh, comm, hbm=hbm,
+                                  serial=serial_reads(backward, rereads))[0]
+    flops = model.matmul_flops_for("f32", 1024, 1024, 1024)
+    assert overlapped.compute == pytest.approx(max(2 * 1024**3 / flops,
+                                                   3 * F32.nbytes / model.hbm_bandwidth))
+    assert serial.compute == pytest.approx(max(2 * 1024**3 / flops,
+                                               2 * F32.nbytes / model.hbm_bandwidth)
+                                           + F32.nbytes / model.hbm_bandwidth)

@@ -94,7 +94,8 @@ def test_dots_are_priced_at_the_rate_of_their_shape(tmp_path):
 
 def test_shipped_v5e_overhead_is_the_least_time_a_measured_step_spends_outside_its_kernels():
     """tpu-v5e's program_overhead is a train step's time outside its kernels on the chip: the
-    least, over the programs measured there, of the step less its kernels' device time."""
+    least, over the programs measured there, of the step less its kernels' device time (and
+    no per-buffer term on top)."""
     import json
     from pathlib import Path
 
@@ -104,5 +105,23 @@ def test_shipped_v5e_overhead_is_the_least_time_a_measured_step_spends_outside_i
         for entry in json.loads((root / name).read_text())["programs"].values():
             gaps.append(entry["step_s"] - sum(entry["device"]["ops"].values()))
     assert len(gaps) == 18 and min(gaps) > 0
-    overhead = load_device_model("tpu-v5e").program_overhead
-    assert overhead == pytest.approx(min(gaps), rel=0.02)
+    model = load_device_model("tpu-v5e")
+    assert model.program_overhead == pytest.approx(min(gaps), rel=0.02)
+    assert model.call_overhead(100) == model.program_overhead
+
+
+def test_calibrated_v5e_call_overhead_is_the_chip_measurement():
+    """benchmarks/tpu-v5e-calibrated.toml's buffer_overhead is calibrate's measurement on the
+    chip (benchmarks/tpu_chip_kernels_measured.json: a call taking and returning 256 buffers
+    against one)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
+    import json
+
+    measured = json.loads((root / "tpu_chip_kernels_measured.json").read_text())
+    model = load_device_model(root / "tpu-v5e-calibrated.toml")
+    assert model.buffer_overhead == pytest.approx(
+        sorted(measured["buffer_overhead"])[1], rel=0.02)
+    assert model.call_overhead(100) == pytest.approx(
+        model.program_overhead + 100 * model.buffer_overhead)

@@ -211,6 +211,9 @@ def test_calibrate_quick(tmp_path):
     assert model.matmul["sizes"] == (16, 64)  # the quick [matmul] grid, read back
     assert model.matmul["f32"][1][0][1] == pytest.approx(
         measured["matmul_grid"]["f32"][1][0][1], rel=1e-5)
+    assert model.buffer_overhead == pytest.approx(measured["buffer_overhead"], rel=1e-5)
+    assert len(model.conv["f32"]) == len(measured["conv"]["f32"]) == 3  # quick [conv] points
+    assert model.conv["bf16"][0][:3] == (128, 72, 16)  # 2 images of 8 x 8, 8 -> 16 channels
     if measured["devices"] > 1:  # the simulated devices of tests/conftest.py
         inner = model.interconnect[0]
         assert inner.devices == measured["devices"]
