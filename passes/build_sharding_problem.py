@@ -22,6 +22,7 @@ from hloplan.op_rules import (
     OpRule,
     feeding_matmuls,
     folded_transposes,
+    free_values,
     fused_values,
     fuses_matmuls,
     hbm_traffic,
@@ -49,6 +50,7 @@ from hloplan.strategies import (
     local_bytes,
     replicated,
 )
+from hloplan.tpu_buffers import fused_selects, pad_operands, sliced_matmuls
 
 UNPLANNED = {"stablehlo.while", "stablehlo.case", "stablehlo.if"}
 MATMULS = ("stablehlo.dot_general", "stablehlo.convolution")
@@ -162,7 +164,7 @@ class _ProblemBuilder:
         # reductions fuse the elementwise work they read (TPU) writes no fused value out (a
         # softmax's exponentials, a cross entropy's one-hot products); otherwise only those it
         # recomputes in each consumer.
-        self.unmaterialized = (set(kept_fused) if device.fused_reductions
+        self.unmaterialized = (tpu_unmaterialized(graph, kept_fused) if device.fused_reductions
                                else unmaterialized_values(graph, kept_fused))
         # Ops whose results are written in a narrower dtype than their type (f32 values read
         # only by matmuls, which run on the narrower type): op index -> bytes kept per byte.
@@ -740,6 +742,20 @@ class _ProblemBuilder:
         return points, ranges
 
 
+# Layout ops XLA moves a narrowing convert through (to their operand): a pad read only by
+# matmuls pads the bf16 value (libtpu: `bf16[8,512,50257] pad(bf16[8,511,50257])`).
+_CONVERT_MOVERS = ("stablehlo.pad", "stablehlo.reshape", "stablehlo.transpose")
+
+
+def tpu_unmaterialized(graph: Graph, kept_fused: set[int]) -> set[int]:
+    """The values XLA's TPU compiler writes no buffer for: every fused value (reductions
+    fuse the elementwise work they read), the one-element scatters into splats it rewrites as
+    fused selects (tpu_buffers.fused_selects), matmul results it slices through
+    (tpu_buffers.sliced_matmuls), less the operands of written-out pads."""
+    out = set(kept_fused) | fused_selects(graph, free_values(graph)) | sliced_matmuls(graph)
+    return out - pad_operands(graph, out)
+
+
 def matmul_narrowed(graph: Graph, folded: set[int], dtype: str) -> dict[int, float]:
     """Ops whose f32 results are read only by matmuls (directly or through transposes folded
     into them), on a compiler that runs f32 matmuls on `dtype` operands: XLA's TPU compiler
@@ -752,7 +768,8 @@ def matmul_narrowed(graph: Graph, folded: set[int], dtype: str) -> dict[int, flo
         users = graph.values[value_id].users
         return bool(users) and all(
             graph.ops[u].name in matmuls
-            or (u in folded and read_by_matmuls(graph.ops[u].results[0])) for u in users)
+            or ((u in folded or graph.ops[u].name in _CONVERT_MOVERS)
+                and read_by_matmuls(graph.ops[u].results[0])) for u in users)
 
     outputs = set(graph.outputs)
     narrow = dtype_bytes(dtype)
