@@ -50,7 +50,12 @@ from hloplan.strategies import (
     local_bytes,
     replicated,
 )
-from hloplan.tpu_buffers import fused_selects, pad_operands, sliced_matmuls
+from hloplan.tpu_buffers import (
+    fused_selects,
+    output_fused_matmuls,
+    pad_operands,
+    sliced_matmuls,
+)
 
 UNPLANNED = {"stablehlo.while", "stablehlo.case", "stablehlo.if"}
 MATMULS = ("stablehlo.dot_general", "stablehlo.convolution")
@@ -753,6 +758,7 @@ def tpu_unmaterialized(graph: Graph, kept_fused: set[int]) -> set[int]:
     fused selects (tpu_buffers.fused_selects), matmul results it slices through
     (tpu_buffers.sliced_matmuls), less the operands of written-out pads."""
     out = set(kept_fused) | fused_selects(graph, free_values(graph)) | sliced_matmuls(graph)
+    out |= output_fused_matmuls(graph, out)
     return out - pad_operands(graph, out)
 
 

@@ -9,7 +9,7 @@ holds no buffer for (build-sharding-problem's `unmaterialized`).
 from __future__ import annotations
 
 from hloplan.graph import Graph
-from hloplan.op_rules import fusible_consumer
+from hloplan.op_rules import fusible_consumer, fusible_producer
 
 
 def select_scatters(graph: Graph, free: set[int]) -> set[int]:
@@ -62,6 +62,45 @@ def sliced_matmuls(graph: Graph) -> set[int]:
         value = graph.values[op.results[0]]
         if (value.id not in graph.outputs and len(value.users) == 1
                 and graph.ops[value.users[0]].name == "stablehlo.slice"):
+            out.add(value.id)
+    return out
+
+
+def output_fused_matmuls(graph: Graph, fused: set[int], limit: int = 64) -> set[int]:
+    """Matmul results read only by elementwise and layout ops that make one written-out
+    value between them (following the fused values they make, none read elsewhere): XLA's
+    TPU compiler computes the matmul inside that kernel (an output fusion) and writes only
+    its result. A GELU MLP's backward pass: the hidden gradient `g @ w2^T`, multiplied by
+    the activation's derivative in a dozen ops, is one kernel writing the bf16 product; the
+    f32 matmul result never exists. Value ids."""
+    out = set()
+    for op in graph.ops:
+        if op.name != "stablehlo.dot_general" or len(op.results) != 1:
+            continue
+        value = graph.values[op.results[0]]
+        if value.id in graph.outputs or not value.users:
+            continue
+        seen: set[int] = set()
+        sinks: set[int] = set()
+        stack = list(value.users)
+        ok = True
+        while stack and ok:
+            index = stack.pop()
+            if index in seen:
+                continue
+            seen.add(index)
+            user = graph.ops[index]
+            if (len(seen) > limit or not fusible_producer(user.name)
+                    or (user.parent, user.region) != (op.parent, op.region)):
+                ok = False
+                break
+            for result in user.results:
+                if result in fused:
+                    stack.extend(graph.values[result].users)
+                else:
+                    sinks.add(result)
+            ok = len(sinks) <= 1
+        if ok and len(sinks) == 1:
             out.add(value.id)
     return out
 
