@@ -747,9 +747,9 @@ class _ProblemBuilder:
         return points, ranges
 
 
-# Layout ops XLA moves a narrowing convert through (to their operand): a pad read only by
-# matmuls pads the bf16 value (libtpu: `bf16[8,512,50257] pad(bf16[8,511,50257])`).
-_CONVERT_MOVERS = ("stablehlo.pad", "stablehlo.reshape", "stablehlo.transpose")
+# Ops XLA moves a narrowing convert through (to their operand): a pad read only by matmuls
+# pads the bf16 value (libtpu: `bf16[8,512,50257] pad(bf16[8,511,50257])`).
+_CONVERT_MOVERS = ("stablehlo.pad",)
 
 
 def tpu_unmaterialized(graph: Graph, kept_fused: set[int]) -> set[int]:
