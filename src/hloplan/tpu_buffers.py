@@ -109,9 +109,12 @@ def pad_operands(graph: Graph, unmaterialized: set[int]) -> set[int]:
     """Values a written-out pad reads: XLA's TPU compiler gives such a pad a kernel of its
     own, which reads its operand from a buffer (the elementwise chain making the operand is
     not fused into it). A shifted cross entropy's logit gradient, padded back to the
-    sequence length for the matmuls, is written out once unpadded and once padded."""
+    sequence length for the matmuls, is written out once unpadded and once padded. (A pad a
+    convolution reads is left to the generic rules: XLA can fold it into the window.)"""
     out = set()
     for op in graph.ops:
-        if op.name == "stablehlo.pad" and op.results[0] not in unmaterialized:
+        if (op.name == "stablehlo.pad" and op.results[0] not in unmaterialized
+                and not any(graph.ops[u].name == "stablehlo.convolution"
+                            for u in graph.values[op.results[0]].users)):
             out.add(op.operands[0])
     return out

@@ -131,3 +131,15 @@ def test_cpu_and_gpu_models_keep_the_generic_rules() -> None:
     tpu = _state(_label_grad, S((64,), F32), S((64,), jnp.int32))
     scatter, = _ops(tpu.graph, "stablehlo.scatter")
     assert tpu.space.node_of[scatter.index] not in {r.node for r in tpu.problem.live_ranges}
+
+
+def _padded_conv(x, w):
+    y = jnp.pad(jnp.tanh(x) * 2.0, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    return jax.lax.conv(y, w, (1, 1), "VALID")
+
+
+def test_pads_convolutions_read_keep_the_generic_rules() -> None:
+    graph = _state(_padded_conv, S((8, 4, 16, 16), F32), S((8, 4, 3, 3), F32)).graph
+    pad, = _ops(graph, "stablehlo.pad")
+    fused = fused_values(graph, folded_transposes(graph))
+    assert not pad_operands(graph, fused)
