@@ -44,8 +44,9 @@ Schema (all fields required unless marked optional)::
 
     [buffers]                    # optional: how the platform's XLA compiler keeps values in memory
     fused_reductions = true      # reductions fuse the elementwise work they read (TPU): such
-                                 # values are never written out (default false: the CPU compiler
-                                 # writes out what a reduction reads)
+                                 # values are never written out, nor those of hloplan.tpu_buffers
+                                 # (default false: the CPU compiler writes out what a reduction
+                                 # reads)
     matmul_operands = "bf16"     # f32 values read only by matmuls are written in this dtype
                                  # (TPU: f32 dots at default precision run in bf16)
 
