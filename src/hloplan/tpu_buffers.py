@@ -118,3 +118,70 @@ def pad_operands(graph: Graph, unmaterialized: set[int]) -> set[int]:
                             for u in graph.values[op.results[0]].users)):
             out.add(op.operands[0])
     return out
+
+
+def _round_up(size: int, tile: int) -> int:
+    return -(-size // tile) * tile
+
+
+def _second_minor_tile(size: int) -> int:
+    """libtpu tiles the second-minor dim by 8 rows (every dtype: `T(8,128)`, bf16 `T(8,128)(2,1)`,
+    s8 and pred `T(8,128)(4,1)`), by the power of two that holds it when shorter (`T(4,128)` for
+    3 rows, `T(1,128)` for one)."""
+    tile = 1
+    while tile < min(size, 8):
+        tile *= 2
+    return tile
+
+
+def tiled_elements(shape: tuple[int, ...], itemsize: int, row_major: bool = False) -> int:
+    """Elements of a `shape` buffer in libtpu's tiled layout (libtpu 0.0.42 on v5e): the minor
+    dim padded to 128 and the second-minor to 8 (_second_minor_tile); a rank-1 array padded to
+    1,024 elements (`T(1024)`, fewer when shorter: `f32[5]{0:T(128)}`, `bf16[5]{0:T(256)}`); a
+    scalar takes one 512-byte tile. libtpu picks the layout: its default layout of an array
+    (arguments, results, values no op constrains) is the order of dims that pads least
+    (`f32[1000,8]{0,1:T(8,128)}`: the 1,000-long dim minor, no padding); `row_major` keeps the
+    program's order (a scatter's operand and result keep their window dims minor:
+    `f32[524288,8]{1,0:T(8,128)}`, the 8 columns padded to 128, 16 times the bytes)."""
+    if not shape:
+        return max(1, 512 // itemsize)
+    if len(shape) == 1:
+        smallest = max(1, 512 // itemsize)
+        tile = smallest
+        while tile < min(shape[0], 1024):
+            tile *= 2
+        return _round_up(shape[0], tile)
+    if row_major:
+        pairs = [(len(shape) - 1, len(shape) - 2)]
+    else:
+        pairs = [(m, s) for m in range(len(shape)) for s in range(len(shape)) if m != s]
+    best = None
+    for minor, second in pairs:
+        count = _round_up(shape[minor], 128) * _round_up(shape[second],
+                                                          _second_minor_tile(shape[second]))
+        for dim, size in enumerate(shape):
+            if dim not in (minor, second):
+                count *= size
+        best = count if best is None else min(best, count)
+    return best
+
+
+def row_major_results(op_name: str) -> bool:
+    """Ops libtpu computes in the program's order of dims: scatters. libtpu's scatter kernel
+    writes its result with the updated rows' dims minor and reads its updates as
+    `[updates, window]` in that order too: it copies the updates into that layout, scatters,
+    and copies the result into the default layout (`f32[32000,8]` embedding gradient of
+    `f32[64,1024,8]` updates: a 32 MiB copy of the 2 MiB updates and a 16 MiB result for a
+    1 MiB array). See scatter_updates_shape."""
+    return op_name == "stablehlo.scatter"
+
+
+def scatter_updates_shape(shape: tuple[int, ...], window_dims: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape libtpu's scatter reads its updates in: the scatter dims (those not in the
+    update window) collapsed into one leading dim, the window dims after it in order
+    (`[64,1024,8]` with window (2,): `[65536,8]`)."""
+    rows = 1
+    for dim, size in enumerate(shape):
+        if dim not in window_dims:
+            rows *= size
+    return (rows, *(shape[d] for d in sorted(window_dims)))
