@@ -100,7 +100,8 @@ def _plan(data: bytes, mesh_text: str, buffers: bool = True):
     options = make_options(mesh_text, device=DEVICE, mesh_views="off")
     if not buffers:  # the CPU compiler's rules: no [buffers] table
         options = dataclasses.replace(options, device=dataclasses.replace(
-            options.device, fused_reductions=False, matmul_operands=None))
+            options.device, fused_reductions=False, matmul_operands=None,
+            tiled_layouts=False))
     started = time.perf_counter()
     result = compile_bytes(data, "step.jaxexport", options)
     return result, time.perf_counter() - started

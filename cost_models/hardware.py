@@ -49,10 +49,13 @@ Schema (all fields required unless marked optional)::
 
     [buffers]                    # optional: how the platform's XLA compiler keeps values in memory
     fused_reductions = true      # reductions fuse the elementwise work they read (TPU): such
-                                 # values are never written out (default false: the CPU compiler
-                                 # writes out what a reduction reads)
+                                 # values are never written out, nor those of hloplan.tpu_buffers
+                                 # (default false: the CPU compiler writes out what a reduction
+                                 # reads)
     matmul_operands = "bf16"     # f32 values read only by matmuls are written in this dtype
                                  # (TPU: f32 dots at default precision run in bf16)
+    tiled_layouts = true         # buffers take their bytes in TPU tiles (hloplan.tpu_buffers
+                                 # .tiled_elements: minor dim to 128, second-minor to 8)
 
     [combiner]                   # optional: how XLA on this platform merges independent collectives
     all-reduce = "30MiB"         # bytes per merged collective; "unbounded": all merged into one;
@@ -241,6 +244,8 @@ class DeviceModel:
     # out; and the dtype f32 values read only by matmuls are written in (None: f32).
     fused_reductions: bool = False
     matmul_operands: str | None = None
+    # [buffers]: buffers are sized in XLA's TPU tiled layouts (hloplan.tpu_buffers).
+    tiled_layouts: bool = False
     # [matmul]: "sizes" -> grid of each dim; dtype -> [m][k][n] FLOP/s (see matmul_flops_for).
     matmul: dict[str, Any] = field(default_factory=dict, hash=False)
     # [conv]: dtype -> ((m, k, n, FLOP/s), ...) measured convolutions (see conv_flops_for).
@@ -496,7 +501,7 @@ def _parse_collectives(table: Any, source: str) -> dict[str, Any]:
     return found
 
 
-_BUFFERS_FIELDS = {"fused_reductions", "matmul_operands"}
+_BUFFERS_FIELDS = {"fused_reductions", "matmul_operands", "tiled_layouts"}
 
 
 def _parse_buffers(table: Any, source: str) -> dict[str, Any]:
@@ -511,6 +516,10 @@ def _parse_buffers(table: Any, source: str) -> dict[str, Any]:
         if not isinstance(table["fused_reductions"], bool):
             raise _fail(source, "field 'buffers.fused_reductions' must be true or false")
         out["fused_reductions"] = table["fused_reductions"]
+    if "tiled_layouts" in table:
+        if not isinstance(table["tiled_layouts"], bool):
+            raise _fail(source, "field 'buffers.tiled_layouts' must be true or false")
+        out["tiled_layouts"] = table["tiled_layouts"]
     if "matmul_operands" in table:
         dtype = normalize_dtype(_string(table["matmul_operands"], source,
                                         "buffers.matmul_operands"))

@@ -22,6 +22,7 @@ from hloplan.op_rules import (
     OpRule,
     feeding_matmuls,
     folded_transposes,
+    free_values,
     fused_values,
     fuses_matmuls,
     hbm_traffic,
@@ -49,6 +50,15 @@ from hloplan.strategies import (
     enumerate_strategies,
     local_bytes,
     replicated,
+)
+from hloplan.tpu_buffers import (
+    fused_selects,
+    output_fused_matmuls,
+    pad_operands,
+    row_major_results,
+    scatter_updates_shape,
+    sliced_matmuls,
+    tiled_elements,
 )
 
 UNPLANNED = {"stablehlo.while", "stablehlo.case", "stablehlo.if"}
@@ -163,7 +173,7 @@ class _ProblemBuilder:
         # reductions fuse the elementwise work they read (TPU) writes no fused value out (a
         # softmax's exponentials, a cross entropy's one-hot products); otherwise only those it
         # recomputes in each consumer.
-        self.unmaterialized = (set(kept_fused) if device.fused_reductions
+        self.unmaterialized = (tpu_unmaterialized(graph, kept_fused) if device.fused_reductions
                                else unmaterialized_values(graph, kept_fused))
         # Ops whose results are written in a narrower dtype than their type (f32 values read
         # only by matmuls, which run on the narrower type): op index -> bytes kept per byte.
@@ -356,6 +366,16 @@ class _ProblemBuilder:
             if plain is None:
                 plain = tuple(self._plain(s) for s in strategies)
                 converted[key] = plain
+            if self.comm.model.tiled_layouts:  # results held in TPU tiles
+                row_major = row_major_results(op.name)
+                key = ("tiled", key, row_major)
+                tiled = converted.get(key)
+                if tiled is None:
+                    types = [self.graph.type_of(v) for v in op.results]
+                    tiled = converted[key] = tuple(
+                        self._tiled(op, types, p, s, row_major)
+                        for p, s in zip(plain, strategies))
+                plain = tiled
             scale = self.narrowed.get(op_index)
             if scale is not None:  # written in a narrower dtype: fewer bytes held
                 narrow = converted.get(("narrowed", key, scale))
@@ -535,12 +555,49 @@ class _ProblemBuilder:
                     label=f"%{value_id} (as %{source} reads it) -> %{consumer.index}",
                     copies=self._copies(type_, dst_id))
 
+    def _held_bytes(self, type_: TensorType, spec, row_major: bool = False) -> float:
+        """Bytes per device a value in layout `spec` holds: its local shard, in TPU tiles on a
+        device model with `[buffers] tiled_layouts` (`row_major`: in the program's order of
+        dims, see tpu_buffers.tiled_elements)."""
+        if not self.comm.model.tiled_layouts:
+            return local_bytes(type_, spec, self.mesh)
+        shape = self._local_shape(type_, spec)
+        return float(tiled_elements(shape, type_.itemsize, row_major) * type_.itemsize)
+
+    def _local_shape(self, type_: TensorType, spec) -> tuple[int, ...]:
+        shape = []
+        for size, axes in zip(type_.shape, spec):
+            split = 1
+            for axis in axes:
+                split *= self.mesh.axis_sizes[axis]
+            shape.append(-(-size // split))
+        return tuple(shape)
+
+    def _tiled(self, op: Op, types, plain: Strategy, strategy: OpStrategy,
+               row_major: bool) -> Strategy:
+        """`plain` with its results held in TPU tiles. A scatter works in the program's order
+        of dims (tpu_buffers.scatter_buffers): held while it is made, its result in that
+        layout and a copy of its updates; its result is then copied into the default layout,
+        which is what stays live."""
+        memory = sum(self._held_bytes(t, spec) for t, spec in zip(types, strategy.results))
+        if not row_major:
+            return replace(plain, memory=memory)
+        made = sum(self._held_bytes(t, spec, True) for t, spec in zip(types, strategy.results))
+        n = len(op.results)
+        window = tuple(op.attrs.get("update_window_dims", ()))
+        for value_id, spec in zip(op.operands[n + 1:], strategy.operands[n + 1:]):
+            type_ = self.graph.type_of(value_id)
+            if type_ is not None and spec is not None:
+                shape = scatter_updates_shape(self._local_shape(type_, spec), window)
+                made += tiled_elements(shape, type_.itemsize, True) * type_.itemsize
+        return replace(plain, memory=memory, transient=plain.transient + made - memory)
+
     def _copies(self, type_, dst_id: int) -> tuple[float, ...]:
         """Bytes per device of a value resharded into each of the layouts `dst_id` lists."""
         key = (type_, dst_id)
         found = self.copies_cache.get(key)
         if found is None:
-            found = tuple(0.0 if dst is None else local_bytes(type_, dst, self.mesh)
+            found = tuple(0.0 if dst is None else self._held_bytes(type_, dst)
                           for dst in self.specs_of[dst_id])
             self.copies_cache[key] = found
         return found
@@ -647,7 +704,7 @@ class _ProblemBuilder:
         node (all of whose values are born together) is live over one run of consecutive
         checks: work and output are linear in the program, never a live set per point.
         """
-        graph, space, mesh = self.graph, self.space, self.mesh
+        graph, space = self.graph, self.space
         births, deaths = self._lifetimes()
         end = len(graph.ops)
         arguments = set(graph.arguments)
@@ -671,7 +728,7 @@ class _ProblemBuilder:
                 owner[value.id] = node_of[value.producer]
             elif value.id not in space.free_values:
                 # Free values (constants, splats) are fused into their consumers by XLA: no bytes.
-                fixed_of[value.id] = local_bytes(value.type, replicated(value.type.rank), mesh)
+                fixed_of[value.id] = self._held_bytes(value.type, replicated(value.type.rank))
         count: dict[int, int] = {}  # node -> its live values
         first: dict[int, int] = {}  # live node -> its first check (absent: none yet)
         waiting: list[int] = []  # nodes born since the last check
@@ -743,6 +800,21 @@ class _ProblemBuilder:
         return points, ranges
 
 
+# Ops XLA moves a narrowing convert through (to their operand): a pad read only by matmuls
+# pads the bf16 value (libtpu: `bf16[8,512,50257] pad(bf16[8,511,50257])`).
+_CONVERT_MOVERS = ("stablehlo.pad",)
+
+
+def tpu_unmaterialized(graph: Graph, kept_fused: set[int]) -> set[int]:
+    """The values XLA's TPU compiler writes no buffer for: every fused value (reductions
+    fuse the elementwise work they read), the one-element scatters into splats it rewrites as
+    fused selects (tpu_buffers.fused_selects), matmul results it slices through
+    (tpu_buffers.sliced_matmuls), less the operands of written-out pads."""
+    out = set(kept_fused) | fused_selects(graph, free_values(graph)) | sliced_matmuls(graph)
+    out |= output_fused_matmuls(graph, out)
+    return out - pad_operands(graph, out)
+
+
 def matmul_narrowed(graph: Graph, folded: set[int], dtype: str) -> dict[int, float]:
     """Ops whose f32 results are read only by matmuls (directly or through transposes folded
     into them), on a compiler that runs f32 matmuls on `dtype` operands: XLA's TPU compiler
@@ -755,7 +827,8 @@ def matmul_narrowed(graph: Graph, folded: set[int], dtype: str) -> dict[int, flo
         users = graph.values[value_id].users
         return bool(users) and all(
             graph.ops[u].name in matmuls
-            or (u in folded and read_by_matmuls(graph.ops[u].results[0])) for u in users)
+            or ((u in folded or graph.ops[u].name in _CONVERT_MOVERS)
+                and read_by_matmuls(graph.ops[u].results[0])) for u in users)
 
     outputs = set(graph.outputs)
     narrow = dtype_bytes(dtype)

@@ -1,0 +1,187 @@
+"""Which values XLA's TPU compiler writes out, where its fusion differs from the generic rules of
+op_rules (the memory estimate's `[buffers] fused_reductions = true` device models).
+
+Each rule is one seen in libtpu's buffer assignment (libtpu 0.0.42, `xla_dump_to` of
+benchmarks/tpu_memory.py's train steps); the estimate applies them to the set of values it
+holds no buffer for (build-sharding-problem's `unmaterialized`).
+"""
+
+from __future__ import annotations
+
+from hloplan.graph import Graph
+from hloplan.op_rules import fusible_consumer, fusible_producer
+
+
+def select_scatters(graph: Graph, free: set[int]) -> set[int]:
+    """Scatters XLA rewrites as an elementwise select: one element per index (no update
+    window beyond size-1 dims) into a splat (a constant broadcast). `scatter-add` of a cross
+    entropy's label gradient into zeros over the vocabulary becomes
+    `select(iota == label, update, 0)`, fused into the kernel that reads it; the scattered
+    f32 logit-sized value is never written out. Op indices."""
+    out = set()
+    for op in graph.ops:
+        if op.name != "stablehlo.scatter" or len(op.operands) != 3 or len(op.results) != 1:
+            continue
+        operand, _, updates = op.operands
+        update_type = graph.type_of(updates)
+        if operand not in free or update_type is None:
+            continue
+        window = 1
+        for dim in op.attrs.get("update_window_dims", ()):
+            window *= update_type.shape[dim]
+        if window == 1:
+            out.add(op.index)
+    return out
+
+
+def fused_selects(graph: Graph, free: set[int]) -> set[int]:
+    """Values of select_scatters read only by fusible ops of their region: computed inside
+    those ops' kernel, no buffer."""
+    out = set()
+    for index in select_scatters(graph, free):
+        op = graph.ops[index]
+        value = graph.values[op.results[0]]
+        if value.id in graph.outputs or not value.users:
+            continue
+        if all(fusible_consumer(graph.ops[u].name)
+               and (graph.ops[u].parent, graph.ops[u].region) == (op.parent, op.region)
+               for u in value.users):
+            out.add(value.id)
+    return out
+
+
+def sliced_matmuls(graph: Graph) -> set[int]:
+    """Matmul results read only by one slice: XLA slices the matmul's operands instead
+    (every dim of a dot's result is a batch or free dim of an operand), so only the slice is
+    written out (libtpu: a shifted cross entropy's `logits[:, :-1]` is a matmul of the sliced
+    activations, the whole logits never exist). Value ids."""
+    out = set()
+    for op in graph.ops:
+        if op.name != "stablehlo.dot_general" or len(op.results) != 1:
+            continue
+        value = graph.values[op.results[0]]
+        if (value.id not in graph.outputs and len(value.users) == 1
+                and graph.ops[value.users[0]].name == "stablehlo.slice"):
+            out.add(value.id)
+    return out
+
+
+def output_fused_matmuls(graph: Graph, fused: set[int], limit: int = 64) -> set[int]:
+    """Matmul results read only by elementwise and layout ops that make one written-out
+    value between them (following the fused values they make, none read elsewhere): XLA's
+    TPU compiler computes the matmul inside that kernel (an output fusion) and writes only
+    its result. A GELU MLP's backward pass: the hidden gradient `g @ w2^T`, multiplied by
+    the activation's derivative in a dozen ops, is one kernel writing the bf16 product; the
+    f32 matmul result never exists. Value ids."""
+    out = set()
+    for op in graph.ops:
+        if op.name != "stablehlo.dot_general" or len(op.results) != 1:
+            continue
+        value = graph.values[op.results[0]]
+        if value.id in graph.outputs or not value.users:
+            continue
+        seen: set[int] = set()
+        sinks: set[int] = set()
+        stack = list(value.users)
+        ok = True
+        while stack and ok:
+            index = stack.pop()
+            if index in seen:
+                continue
+            seen.add(index)
+            user = graph.ops[index]
+            if (len(seen) > limit or not fusible_producer(user.name)
+                    or (user.parent, user.region) != (op.parent, op.region)):
+                ok = False
+                break
+            for result in user.results:
+                if result in fused:
+                    stack.extend(graph.values[result].users)
+                else:
+                    sinks.add(result)
+            ok = len(sinks) <= 1
+        if ok and len(sinks) == 1:
+            out.add(value.id)
+    return out
+
+
+def pad_operands(graph: Graph, unmaterialized: set[int]) -> set[int]:
+    """Values a written-out pad reads: XLA's TPU compiler gives such a pad a kernel of its
+    own, which reads its operand from a buffer (the elementwise chain making the operand is
+    not fused into it). A shifted cross entropy's logit gradient, padded back to the
+    sequence length for the matmuls, is written out once unpadded and once padded. (A pad a
+    convolution reads is left to the generic rules: XLA can fold it into the window.)"""
+    out = set()
+    for op in graph.ops:
+        if (op.name == "stablehlo.pad" and op.results[0] not in unmaterialized
+                and not any(graph.ops[u].name == "stablehlo.convolution"
+                            for u in graph.values[op.results[0]].users)):
+            out.add(op.operands[0])
+    return out
+
+
+def _round_up(size: int, tile: int) -> int:
+    return -(-size // tile) * tile
+
+
+def _second_minor_tile(size: int) -> int:
+    """libtpu tiles the second-minor dim by 8 rows (every dtype: `T(8,128)`, bf16 `T(8,128)(2,1)`,
+    s8 and pred `T(8,128)(4,1)`), by the power of two that holds it when shorter (`T(4,128)` for
+    3 rows, `T(1,128)` for one)."""
+    tile = 1
+    while tile < min(size, 8):
+        tile *= 2
+    return tile
+
+
+def tiled_elements(shape: tuple[int, ...], itemsize: int, row_major: bool = False) -> int:
+    """Elements of a `shape` buffer in libtpu's tiled layout (libtpu 0.0.42 on v5e): the minor
+    dim padded to 128 and the second-minor to 8 (_second_minor_tile); a rank-1 array padded to
+    1,024 elements (`T(1024)`, fewer when shorter: `f32[5]{0:T(128)}`, `bf16[5]{0:T(256)}`); a
+    scalar takes one 512-byte tile. libtpu picks the layout: its default layout of an array
+    (arguments, results, values no op constrains) is the order of dims that pads least
+    (`f32[1000,8]{0,1:T(8,128)}`: the 1,000-long dim minor, no padding); `row_major` keeps the
+    program's order (a scatter's operand and result keep their window dims minor:
+    `f32[524288,8]{1,0:T(8,128)}`, the 8 columns padded to 128, 16 times the bytes)."""
+    if not shape:
+        return max(1, 512 // itemsize)
+    if len(shape) == 1:
+        smallest = max(1, 512 // itemsize)
+        tile = smallest
+        while tile < min(shape[0], 1024):
+            tile *= 2
+        return _round_up(shape[0], tile)
+    if row_major:
+        pairs = [(len(shape) - 1, len(shape) - 2)]
+    else:
+        pairs = [(m, s) for m in range(len(shape)) for s in range(len(shape)) if m != s]
+    best = None
+    for minor, second in pairs:
+        count = _round_up(shape[minor], 128) * _round_up(shape[second],
+                                                          _second_minor_tile(shape[second]))
+        for dim, size in enumerate(shape):
+            if dim not in (minor, second):
+                count *= size
+        best = count if best is None else min(best, count)
+    return best
+
+
+def row_major_results(op_name: str) -> bool:
+    """Ops libtpu computes in the program's order of dims: scatters. libtpu's scatter kernel
+    writes its result with the updated rows' dims minor and reads its updates as
+    `[updates, window]` in that order too: it copies the updates into that layout, scatters,
+    and copies the result into the default layout (`f32[32000,8]` embedding gradient of
+    `f32[64,1024,8]` updates: a 32 MiB copy of the 2 MiB updates and a 16 MiB result for a
+    1 MiB array). See scatter_updates_shape."""
+    return op_name == "stablehlo.scatter"
+
+
+def scatter_updates_shape(shape: tuple[int, ...], window_dims: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape libtpu's scatter reads its updates in: the scatter dims (those not in the
+    update window) collapsed into one leading dim, the window dims after it in order
+    (`[64,1024,8]` with window (2,): `[65536,8]`)."""
+    rows = 1
+    for dim, size in enumerate(shape):
+        if dim not in window_dims:
+            rows *= size
+    return (rows, *(shape[d] for d in sorted(window_dims)))

@@ -1,0 +1,145 @@
+"""The TPU compiler's buffer rules (hloplan.tpu_buffers, applied by build-sharding-problem on
+device models with `[buffers] fused_reductions = true`): which values libtpu never writes
+out. Tiny programs on abstract shapes; no libtpu needed."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import export
+
+import hloplan
+from hloplan.op_rules import folded_transposes, free_values, fused_values
+from hloplan.passes.build_sharding_problem import matmul_narrowed, tpu_unmaterialized
+from hloplan.tpu_buffers import (
+    fused_selects,
+    output_fused_matmuls,
+    pad_operands,
+    select_scatters,
+    sliced_matmuls,
+)
+
+S, F32 = jax.ShapeDtypeStruct, jnp.float32
+
+
+def _state(step, *args, device="tpu-v5e"):
+    data = export.export(jax.jit(step))(*args).serialize()
+    return hloplan.compile(data, "8", device=device, mesh_views="off").state
+
+
+def _ops(graph, name):
+    return [op for op in graph.ops if op.name == name]
+
+
+def _label_grad(g, labels):
+    """A cross entropy's label gradient: one element per row scattered into zeros."""
+    zeros = jnp.zeros((64, 1024), F32)
+    onehot = zeros.at[jnp.arange(64), labels].add(g)
+    return jnp.tanh(onehot + 1.0) @ jnp.ones((1024, 8), F32)
+
+
+def _row_scatter(rows, index):
+    """Whole rows scattered: an update window, not a select."""
+    return jnp.tanh(jnp.zeros((64, 1024), F32).at[index].add(rows) + 1.0) @ jnp.ones((1024, 8))
+
+
+def test_one_element_scatters_into_zeros_are_fused_selects() -> None:
+    graph = _state(_label_grad, S((64,), F32), S((64,), jnp.int32)).graph
+    scatter, = _ops(graph, "stablehlo.scatter")
+    free = free_values(graph)
+    assert select_scatters(graph, free) == {scatter.index}
+    assert fused_selects(graph, free) == {scatter.results[0]}
+    rows = _state(_row_scatter, S((8, 1024), F32), S((8,), jnp.int32)).graph
+    assert _ops(rows, "stablehlo.scatter") and not select_scatters(rows, free_values(rows))
+
+
+def _shifted(x, w):
+    """logits[:, :-1] of a matmul (a shifted language-model loss)."""
+    logits = (x @ w)[:, :-1]
+    return jnp.sum(jnp.exp(logits))
+
+
+def _read_twice(x, w):
+    logits = x @ w
+    return jnp.sum(jnp.exp(logits[:, :-1])) + jnp.sum(logits)
+
+
+def test_matmuls_read_by_one_slice_are_sliced_through() -> None:
+    args = (S((8, 64, 128), F32), S((128, 1024), F32))
+    graph = _state(_shifted, *args).graph
+    dot, = _ops(graph, "stablehlo.dot_general")
+    assert sliced_matmuls(graph) == {dot.results[0]}
+    assert not sliced_matmuls(_state(_read_twice, *args).graph)
+
+
+def _backward_hidden(g, w2, h, a, w1):
+    """The hidden gradient g @ w2^T times an activation's derivative (several elementwise ops,
+    one written-out product), read by the next matmul."""
+    dh = g @ w2.T
+    return (dh * h + dh * jnp.tanh(h) * a) @ w1
+
+
+def _two_outputs(g, w2, h, a, w1):
+    dh = g @ w2.T
+    return (dh * h) @ w1, (dh + a) @ w1
+
+
+def test_matmuls_output_fused_into_one_kernel() -> None:
+    args = (S((256, 128), F32), S((512, 128), F32), S((256, 512), F32), S((256, 512), F32),
+            S((512, 64), F32))
+    graph = _state(_backward_hidden, *args).graph
+    fused = fused_values(graph, folded_transposes(graph))
+    dh = next(op for op in _ops(graph, "stablehlo.dot_general")
+              if graph.type_of(op.results[0]).shape == (256, 512))
+    assert dh.results[0] in output_fused_matmuls(graph, fused)
+    # Its readers make two written-out values (each read by a matmul): no output fusion.
+    graph = _state(_two_outputs, *args).graph
+    fused = fused_values(graph, folded_transposes(graph))
+    dh = next(op for op in _ops(graph, "stablehlo.dot_general")
+              if graph.type_of(op.results[0]).shape == (256, 512))
+    assert dh.results[0] not in output_fused_matmuls(graph, fused)
+
+
+def _padded(x, w, z):
+    """An elementwise gradient padded back for two matmuls (Flax GPT-2's shifted logits)."""
+    y = jnp.pad(jnp.tanh(x) * 2.0, ((0, 0), (0, 1), (0, 0)))
+    return jnp.einsum("bsv,vd->bsd", y, w), jnp.einsum("bsv,bsd->vd", y, z)
+
+
+def test_written_out_pads_keep_their_operand_in_bf16() -> None:
+    graph = _state(_padded, S((4, 63, 256), F32), S((256, 16), F32), S((4, 64, 16), F32)).graph
+    pad, = _ops(graph, "stablehlo.pad")
+    operand = pad.operands[0]
+    fused = fused_values(graph, folded_transposes(graph))
+    assert operand in fused  # the generic rules compute it inside the pad
+    assert pad_operands(graph, fused) == {operand}
+    assert operand not in tpu_unmaterialized(graph, fused)
+    # Read only by the pad, which matmuls read: converted to bf16 before the pad.
+    narrowed = matmul_narrowed(graph, folded_transposes(graph), "bf16")
+    assert narrowed.get(graph.values[operand].producer) == 0.5
+
+
+def test_cpu_and_gpu_models_keep_the_generic_rules() -> None:
+    """The rules are the TPU compiler's: on cpu and h100 the label-gradient scatter is kept."""
+    for device in ("cpu", "h100"):
+        state = _state(_label_grad, S((64,), F32), S((64,), jnp.int32), device=device)
+        space = state.space
+        scatter, = _ops(state.graph, "stablehlo.scatter")
+        node = space.node_of[scatter.index]
+        live = {r.node for r in state.problem.live_ranges}
+        assert node in live
+    tpu = _state(_label_grad, S((64,), F32), S((64,), jnp.int32))
+    scatter, = _ops(tpu.graph, "stablehlo.scatter")
+    assert tpu.space.node_of[scatter.index] not in {r.node for r in tpu.problem.live_ranges}
+
+
+def _padded_conv(x, w):
+    y = jnp.pad(jnp.tanh(x) * 2.0, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    return jax.lax.conv(y, w, (1, 1), "VALID")
+
+
+def test_pads_convolutions_read_keep_the_generic_rules() -> None:
+    graph = _state(_padded_conv, S((8, 4, 16, 16), F32), S((8, 4, 3, 3), F32)).graph
+    pad, = _ops(graph, "stablehlo.pad")
+    fused = fused_values(graph, folded_transposes(graph))
+    assert not pad_operands(graph, fused)
