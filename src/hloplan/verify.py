@@ -348,6 +348,23 @@ def format_verify_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _record_digests(plan_dir: Path, paths: list[Path]) -> None:
+    """The child's copy of plan.json records the sha256 of the programs it relabelled, so that
+    the loader's integrity check reads them as the plan's own."""
+    from hloplan.emit.loader import PLAN_FILE, digest
+
+    plan_json = plan_dir / PLAN_FILE
+    if not plan_json.is_file():
+        return
+    plan = json.loads(plan_json.read_text())
+    digests = plan.get("digests", {})
+    for path in paths:
+        name = path.relative_to(plan_dir).as_posix()
+        if name in digests:
+            digests[name] = digest(path.read_bytes())
+    plan_json.write_text(json.dumps(plan, indent=1, sort_keys=True))
+
+
 def main(argv: list[str]) -> int:
     """Child process: measure_plan_dir on PLAN_DIR, one JSON line on stdout."""
     parser = argparse.ArgumentParser(prog="python -m hloplan.verify")
@@ -363,14 +380,18 @@ def main(argv: list[str]) -> int:
         from hloplan.tpu import parse_topology, retarget_exported, topology_devices
 
         devices = topology_devices(parse_topology(args.topology))
+        relabelled = []
         for path in sorted(Path(args.plan_dir).rglob("*.jaxexport")):
             if path.name == "reference.jaxexport":
                 continue
             data, note = retarget_exported(path.read_bytes())
             if note is not None:
                 path.write_bytes(data)
+                relabelled.append(path)
                 if note not in notes:
                     notes.append(note)
+        if relabelled:
+            _record_digests(Path(args.plan_dir), relabelled)
     result = measure_plan_dir(args.plan_dir, devices=devices, compiler=args.compiler,
                               details=args.details or args.score is not None,
                               score_device=args.score)

@@ -218,3 +218,25 @@ def test_calibrate_quick(tmp_path):
         inner = model.interconnect[0]
         assert inner.devices == measured["devices"]
         assert inner.bandwidth == pytest.approx(measured["allreduce_bandwidth"], rel=1e-5)
+
+
+@needs_libtpu
+def test_verify_tpu_relabels_a_cpu_export(tmp_path):
+    """A program exported for cpu only is compiled for the TPU topology as if exported for it
+    (with a note), the relabelled program passing the loader's integrity check."""
+    from pathlib import Path
+
+    fixture = Path(__file__).parents[2] / "fixtures" / "mlp_train_step.jaxexport"
+    plan_dir = tmp_path / "plan"
+    out = CliRunner().invoke(main, ["compile", str(fixture), "--mesh", "2x2", "--device",
+                                    "tpu-v5e", "--mesh-views", "off", "-q",
+                                    "-o", str(plan_dir)])
+    assert out.exit_code == 0, out.output
+    out = CliRunner().invoke(main, ["verify", str(plan_dir), "--format", "json"])
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.output[out.output.index("{"):])
+    assert (report["platform"], report["topology"]) == ("tpu", "v5e:2x2")
+    assert any("exported for cpu only" in note for note in report["notes"])
+    assert report["programs"]["program"]["compiled"]["peak_bytes"] > 0
+    # The user's plan directory is left as it was written.
+    assert json.loads((plan_dir / "plan.json").read_text())["digests"]
