@@ -53,8 +53,10 @@ from hloplan.strategies import (
 )
 from hloplan.tpu_buffers import (
     fused_selects,
+    gathers_rows,
     output_fused_matmuls,
     pad_operands,
+    relaid_rows,
     row_major_results,
     scatter_updates_shape,
     sliced_matmuls,
@@ -368,7 +370,7 @@ class _ProblemBuilder:
                 converted[key] = plain
             if self.comm.model.tiled_layouts:  # results held in TPU tiles
                 row_major = row_major_results(op.name)
-                key = ("tiled", key, row_major)
+                key = ("tiled", key, row_major, op.name == "stablehlo.gather")
                 tiled = converted.get(key)
                 if tiled is None:
                     types = [self.graph.type_of(v) for v in op.results]
@@ -507,9 +509,12 @@ class _ProblemBuilder:
                              value_id in self.unmaterialized)
         if costs is None:
             return None
+        costs, relayout = self._relayout(consumer, position, type_, src_id, dst_id, costs,
+                                         multiplier)
         return Edge(self.space.node_of[producer], self.space.node_of[consumer.index], costs,
                     label=f"%{value_id} -> %{consumer.index}",
-                    copies=self._copies(type_, dst_id) if position >= 0 else ())
+                    copies=self._copies(type_, dst_id) if position >= 0 else (),
+                    relayout=relayout)
 
     def _shared_reshards(self) -> dict[tuple[int, int], tuple[int, int]]:
         """(matmul, operand position) -> (the previous matmul reading the same value, its
@@ -581,6 +586,11 @@ class _ProblemBuilder:
         which is what stays live."""
         memory = sum(self._held_bytes(t, spec) for t, spec in zip(types, strategy.results))
         if not row_major:
+            relaid = self._relaid_operand(op, strategy.operands[0] if strategy.operands else None)
+            if relaid:  # its table arrives rows-minor: copied row-major while it runs
+                return replace(plain, memory=memory, transient=plain.transient + relaid,
+                               compute_cost=plain.compute_cost
+                               + 2 * relaid / self.comm.model.hbm_bandwidth)
             return replace(plain, memory=memory)
         made = sum(self._held_bytes(t, spec, True) for t, spec in zip(types, strategy.results))
         n = len(op.results)
@@ -591,6 +601,48 @@ class _ProblemBuilder:
                 shape = scatter_updates_shape(self._local_shape(type_, spec), window)
                 made += tiled_elements(shape, type_.itemsize, True) * type_.itemsize
         return replace(plain, memory=memory, transient=plain.transient + made - memory)
+
+    def _relaid_operand(self, op: Op, spec) -> float:
+        """Bytes of the row-major copy a rows-reading gather (tpu_buffers.gathers_rows) makes
+        of its operand in layout `spec`, kept rows-minor in that layout (tpu_buffers.relaid_rows)."""
+        if op.name != "stablehlo.gather" or spec is None:
+            return 0.0
+        type_ = self.graph.type_of(op.operands[0])
+        if type_ is None or not gathers_rows(op.name, op.attrs, type_.rank):
+            return 0.0
+        return float(relaid_rows(self._local_shape(type_, spec), type_.itemsize))
+
+    def _relayout(self, consumer: Op, position: int, type_, src_id: int, dst_id: int,
+                  costs, multiplier: float):
+        """A rows-reading gather's table resharded from a layout libtpu keeps rows-minor into
+        one it would keep row-major (the whole table all-gathered from d-sharded shards):
+        the collective keeps the rows-minor order and the gather copies the result row-major
+        (tpu_buffers.relaid_rows). Returns (costs with that copy's HBM traffic, the copy's bytes
+        per (src, dst) layout pair), or (costs, ()) where no such copy is made. Resharded
+        copies of the indexed dims are left out: libtpu relays the shard before the collective."""
+        if (position != 0 or not self.comm.model.tiled_layouts
+                or not gathers_rows(consumer.name, consumer.attrs, type_.rank)):
+            return costs, ()
+        indexed = set(consumer.attrs.get("collapsed", ()))
+        src_specs, dst_specs = self.specs_of[src_id], self.specs_of[dst_id]
+        relayout, priced = [], []
+        for src, row in zip(src_specs, costs):
+            cells, times = [], []
+            for dst, seconds in zip(dst_specs, row):
+                copy = 0.0
+                if (seconds > 0 and src is not None and dst is not None
+                        and all(src[d] == dst[d] for d in indexed)
+                        and relaid_rows(self._local_shape(type_, src), type_.itemsize)
+                        and not relaid_rows(self._local_shape(type_, dst), type_.itemsize)):
+                    copy = self._held_bytes(type_, dst)
+                    seconds += 2 * copy / self.comm.model.hbm_bandwidth * multiplier
+                cells.append(copy)
+                times.append(seconds)
+            relayout.append(tuple(cells))
+            priced.append(tuple(times))
+        if not any(map(any, relayout)):
+            return costs, ()
+        return tuple(priced), tuple(relayout)
 
     def _copies(self, type_, dst_id: int) -> tuple[float, ...]:
         """Bytes per device of a value resharded into each of the layouts `dst_id` lists."""

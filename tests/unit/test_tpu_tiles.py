@@ -16,7 +16,7 @@ from jax import export
 from hloplan.compiler import compile_bytes, make_options
 from hloplan.cost_models import DeviceModelError, load_device_model
 from hloplan.strategies import local_bytes
-from hloplan.tpu_buffers import scatter_updates_shape, tiled_elements
+from hloplan.tpu_buffers import gathers_rows, relaid_rows, scatter_updates_shape, tiled_elements
 
 S, F32 = jax.ShapeDtypeStruct, jnp.float32
 
@@ -160,3 +160,49 @@ def test_scatters_hold_their_row_major_buffers_while_made() -> None:
             assert s.memory == local_bytes(other.graph.type_of(op.results[0]),
                                            strategy.results[0], other.options.mesh)
             assert s.transient == strategy.transient
+
+
+def test_gathers_copy_a_rows_minor_table_row_major() -> None:
+    """libtpu keeps `f32[32768,8]` rows minor (`{0,1:T(8,128)}`) and its gather copies it into
+    `{1,0:T(8,128)}`, the 8 columns padded to 128; `f32[32768,1024]` is kept row-major."""
+    assert relaid_rows((32768, 8), 4) == 32768 * 128 * 4
+    assert relaid_rows((32768, 1024), 4) == 0
+    assert relaid_rows((128256, 16), 4) == 128256 * 128 * 4
+    rows = {"collapsed": (0,), "start_index_map": (0,)}
+    assert gathers_rows("stablehlo.gather", rows, 2)
+    assert not gathers_rows("stablehlo.gather", {"collapsed": (1,), "start_index_map": (1,)}, 2)
+    assert not gathers_rows("stablehlo.scatter", rows, 2)
+
+
+def _lookup(table, ids):
+    return jnp.take(table, ids, axis=0) * 2.0
+
+
+def test_gathers_hold_the_row_major_copy_of_their_table() -> None:
+    args = (S((4096, 512), F32), S((64, 128), jnp.int32))
+    state = _state(_lookup, args, "tpu-v5e")
+    gather = next(op for op in state.graph.ops if op.name == "stablehlo.gather")
+    node_index = state.space.node_of[gather.index]
+    node = state.problem.nodes[node_index]
+    untiled = _state(_lookup, args, "tpu-v5e", tiled=False)
+    plain = untiled.problem.nodes[untiled.space.node_of[gather.index]]
+    split = [k for k, s in enumerate(state.space.strategies[gather.index])
+             if s.operands[0][1] and not s.operands[0][0]]
+    assert split
+    for k in split:  # [4096, 64] kept rows minor: copied as [4096, 128] while it gathers
+        assert node.strategies[k].transient == plain.strategies[k].transient + 4096 * 128 * 4
+        assert node.strategies[k].compute_cost > plain.strategies[k].compute_cost
+    # The table all-gathered whole from d-sharded [4096, 64] shards: copied row-major again.
+    edges = [e for e in state.problem.edges if e.dst == node_index and e.relayout]
+    assert len(edges) == 1
+    edge = edges[0]
+    src_specs = [s.results[0] for s in state.space.strategies[state.space.op_of[edge.src]]]
+    dst_specs = [s.operands[0] for s in state.space.strategies[gather.index]]
+    pairs = {(tuple(map(tuple, src_specs[i])), tuple(map(tuple, dst_specs[j])))
+             for i, row in enumerate(edge.relayout) for j, copy in enumerate(row) if copy}
+    assert pairs == {(((), (0,)), ((), ()))}
+    i = next(i for i, s in enumerate(src_specs) if tuple(map(tuple, s)) == ((), (0,)))
+    j = next(j for j, s in enumerate(dst_specs) if not any(s))
+    assert edge.relayout[i][j] == 4096 * 512 * 4
+    other = _state(_lookup, args, "cpu")
+    assert not any(e.relayout for e in other.problem.edges)
