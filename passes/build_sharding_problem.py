@@ -157,6 +157,7 @@ class _ProblemBuilder:
         self.edge_cache: dict = {}  # (type, layouts id, layouts id, multiplier) -> matrix
         self.reshard_cache: dict = {}  # (type, src layout, dst layout) -> seconds
         self.copies_cache: dict = {}  # (type, layouts id) -> bytes of a copy in each layout
+        self.relayout_cache: dict = {}  # _relayout's answers
         self.read_edges: dict[tuple[int, int], int] = {}  # (op, operand) -> its edge's index
         self.plain_of: dict[int, Strategy] = {}  # id(OpStrategy) -> Strategy (cached ones live)
         self.folded = folded_transposes(graph)  # transposes a GEMM reads through: no kernel
@@ -556,9 +557,11 @@ class _ProblemBuilder:
         costs = self._matrix(type_, src_id, dst_id, consumer.multiplier)
         if costs is None:
             return None
+        costs, relayout = self._relayout(consumer, position, type_, src_id, dst_id, costs,
+                                         consumer.multiplier)
         return Edge(self.space.node_of[source], self.space.node_of[consumer.index], costs,
                     label=f"%{value_id} (as %{source} reads it) -> %{consumer.index}",
-                    copies=self._copies(type_, dst_id))
+                    copies=self._copies(type_, dst_id), relayout=relayout)
 
     def _held_bytes(self, type_: TensorType, spec, row_major: bool = False) -> float:
         """Bytes per device a value in layout `spec` holds: its local shard, in TPU tiles on a
@@ -614,35 +617,51 @@ class _ProblemBuilder:
 
     def _relayout(self, consumer: Op, position: int, type_, src_id: int, dst_id: int,
                   costs, multiplier: float):
-        """A rows-reading gather's table resharded from a layout libtpu keeps rows-minor into
-        one it would keep row-major (the whole table all-gathered from d-sharded shards):
-        the collective keeps the rows-minor order and the gather copies the result row-major
-        (tpu_buffers.relaid_rows). Returns (costs with that copy's HBM traffic, the copy's bytes
-        per (src, dst) layout pair), or (costs, ()) where no such copy is made. Resharded
-        copies of the indexed dims are left out: libtpu relays the shard before the collective."""
-        if (position != 0 or not self.comm.model.tiled_layouts
-                or not gathers_rows(consumer.name, consumer.attrs, type_.rank)):
+        """Second copies of a resharded value that libtpu makes while resharding it, in bytes
+        per (src, dst) layout pair, with their HBM traffic added to `costs`; (costs, ()) where
+        none is made. Device models with `[buffers] tiled_layouts` only:
+        - an all-gather of two or more dims at once (`[y, x]` to replicated): XLA gathers the
+          shards on a new leading dim over all the axes and transposes them into place, a
+          copy of the whole gathered value made from it (two chained copies on libtpu 0.0.42:
+          the Llama-8B-class step's `f32[128256, 4096]` embedding table, 2.10 GB each);
+        - a rows-reading gather's table (tpu_buffers.gathers_rows) resharded from a layout
+          libtpu keeps rows-minor into one it keeps row-major: the collective keeps the
+          rows-minor order and the gather copies the result row-major (tpu_buffers.relaid_rows;
+          where the indexed dims are resharded too, libtpu relays the shard before the
+          collective instead)."""
+        if position < 0 or not self.comm.model.tiled_layouts:
             return costs, ()
-        indexed = set(consumer.attrs.get("collapsed", ()))
+        gather = position == 0 and gathers_rows(consumer.name, consumer.attrs, type_.rank)
+        indexed = tuple(consumer.attrs.get("collapsed", ())) if gather else ()
+        key = (type_, src_id, dst_id, multiplier, gather, indexed, id(costs))  # costs: cached
+        found = self.relayout_cache.get(key)
+        if found is not None:
+            return found
         src_specs, dst_specs = self.specs_of[src_id], self.specs_of[dst_id]
+        hbm = self.comm.model.hbm_bandwidth
+        held = self._copies(type_, dst_id)
         relayout, priced = [], []
         for src, row in zip(src_specs, costs):
             cells, times = [], []
-            for dst, seconds in zip(dst_specs, row):
+            for j, (dst, seconds) in enumerate(zip(dst_specs, row)):
                 copy = 0.0
-                if (seconds > 0 and src is not None and dst is not None
-                        and all(src[d] == dst[d] for d in indexed)
-                        and relaid_rows(self._local_shape(type_, src), type_.itemsize)
-                        and not relaid_rows(self._local_shape(type_, dst), type_.itemsize)):
-                    copy = self._held_bytes(type_, dst)
-                    seconds += 2 * copy / self.comm.model.hbm_bandwidth * multiplier
+                if seconds > 0 and src is not None and dst is not None:
+                    gathered = sum(1 for a, b in zip(src, dst) if a and set(a) - set(b))
+                    if gathered >= 2:
+                        copy = held[j]
+                        seconds += 4 * copy / hbm * multiplier  # two copies, each read + write
+                    elif (gather and all(src[d] == dst[d] for d in indexed)
+                          and relaid_rows(self._local_shape(type_, src), type_.itemsize)
+                          and not relaid_rows(self._local_shape(type_, dst), type_.itemsize)):
+                        copy = held[j]
+                        seconds += 2 * copy / hbm * multiplier
                 cells.append(copy)
                 times.append(seconds)
             relayout.append(tuple(cells))
             priced.append(tuple(times))
-        if not any(map(any, relayout)):
-            return costs, ()
-        return tuple(priced), tuple(relayout)
+        found = (tuple(priced), tuple(relayout)) if any(map(any, relayout)) else (costs, ())
+        self.relayout_cache[key] = found
+        return found
 
     def _copies(self, type_, dst_id: int) -> tuple[float, ...]:
         """Bytes per device of a value resharded into each of the layouts `dst_id` lists."""

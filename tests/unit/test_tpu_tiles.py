@@ -74,9 +74,9 @@ def test_bad_tiled_layouts(tmp_path: Path) -> None:
         load_device_model(path)
 
 
-def _state(step, args, device: str, tiled: bool | None = None):
+def _state(step, args, device: str, tiled: bool | None = None, mesh: str = "8"):
     data = export.export(jax.jit(step))(*args).serialize()
-    options = make_options("8", device=device, mesh_views="off")
+    options = make_options(mesh, device=device, mesh_views="off")
     if tiled is not None:
         options = dataclasses.replace(options, device=dataclasses.replace(
             options.device, tiled_layouts=tiled))
@@ -205,4 +205,26 @@ def test_gathers_hold_the_row_major_copy_of_their_table() -> None:
     j = next(j for j, s in enumerate(dst_specs) if not any(s))
     assert edge.relayout[i][j] == 4096 * 512 * 4
     other = _state(_lookup, args, "cpu")
+    assert not any(e.relayout for e in other.problem.edges)
+
+
+def test_all_gathers_of_two_dims_hold_a_transposed_copy() -> None:
+    """XLA all-gathers a `[y, x]`-sharded table over both axes on a new leading dim and
+    copies the shards into place: a second copy of the gathered table, made from it."""
+    args = (S((4096, 512), F32), S((64, 128), jnp.int32))
+    state = _state(_lookup, args, "tpu-v5e", mesh="2x4")
+    gather = next(op for op in state.graph.ops if op.name == "stablehlo.gather")
+    node_index = state.space.node_of[gather.index]
+    edge = next(e for e in state.problem.edges if e.dst == node_index and e.relayout)
+    src_specs = [tuple(map(tuple, s.results[0]))
+                 for s in state.space.strategies[state.space.op_of[edge.src]]]
+    dst_specs = [tuple(map(tuple, s.operands[0])) for s in state.space.strategies[gather.index]]
+    seen = 0
+    for i, src in enumerate(src_specs):
+        for j, dst in enumerate(dst_specs):
+            if sum(1 for a, b in zip(src, dst) if set(a) - set(b)) >= 2:  # two dims gathered
+                seen += 1
+                assert edge.relayout[i][j] == edge.copies[j] > 0, (src, dst)
+    assert seen
+    other = _state(_lookup, args, "cpu", mesh="2x4")
     assert not any(e.relayout for e in other.problem.edges)
