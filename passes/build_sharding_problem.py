@@ -53,8 +53,10 @@ from hloplan.strategies import (
 )
 from hloplan.tpu_buffers import (
     fused_selects,
+    gathers_rows,
     output_fused_matmuls,
     pad_operands,
+    relaid_rows,
     row_major_results,
     scatter_updates_shape,
     sliced_matmuls,
@@ -155,6 +157,7 @@ class _ProblemBuilder:
         self.edge_cache: dict = {}  # (type, layouts id, layouts id, multiplier) -> matrix
         self.reshard_cache: dict = {}  # (type, src layout, dst layout) -> seconds
         self.copies_cache: dict = {}  # (type, layouts id) -> bytes of a copy in each layout
+        self.relayout_cache: dict = {}  # _relayout's answers
         self.read_edges: dict[tuple[int, int], int] = {}  # (op, operand) -> its edge's index
         self.plain_of: dict[int, Strategy] = {}  # id(OpStrategy) -> Strategy (cached ones live)
         self.folded = folded_transposes(graph)  # transposes a GEMM reads through: no kernel
@@ -368,7 +371,7 @@ class _ProblemBuilder:
                 converted[key] = plain
             if self.comm.model.tiled_layouts:  # results held in TPU tiles
                 row_major = row_major_results(op.name)
-                key = ("tiled", key, row_major)
+                key = ("tiled", key, row_major, op.name == "stablehlo.gather")
                 tiled = converted.get(key)
                 if tiled is None:
                     types = [self.graph.type_of(v) for v in op.results]
@@ -507,9 +510,12 @@ class _ProblemBuilder:
                              value_id in self.unmaterialized)
         if costs is None:
             return None
+        costs, relayout = self._relayout(consumer, position, type_, src_id, dst_id, costs,
+                                         multiplier)
         return Edge(self.space.node_of[producer], self.space.node_of[consumer.index], costs,
                     label=f"%{value_id} -> %{consumer.index}",
-                    copies=self._copies(type_, dst_id) if position >= 0 else ())
+                    copies=self._copies(type_, dst_id) if position >= 0 else (),
+                    relayout=relayout)
 
     def _shared_reshards(self) -> dict[tuple[int, int], tuple[int, int]]:
         """(matmul, operand position) -> (the previous matmul reading the same value, its
@@ -551,9 +557,11 @@ class _ProblemBuilder:
         costs = self._matrix(type_, src_id, dst_id, consumer.multiplier)
         if costs is None:
             return None
+        costs, relayout = self._relayout(consumer, position, type_, src_id, dst_id, costs,
+                                         consumer.multiplier)
         return Edge(self.space.node_of[source], self.space.node_of[consumer.index], costs,
                     label=f"%{value_id} (as %{source} reads it) -> %{consumer.index}",
-                    copies=self._copies(type_, dst_id))
+                    copies=self._copies(type_, dst_id), relayout=relayout)
 
     def _held_bytes(self, type_: TensorType, spec, row_major: bool = False) -> float:
         """Bytes per device a value in layout `spec` holds: its local shard, in TPU tiles on a
@@ -581,6 +589,11 @@ class _ProblemBuilder:
         which is what stays live."""
         memory = sum(self._held_bytes(t, spec) for t, spec in zip(types, strategy.results))
         if not row_major:
+            relaid = self._relaid_operand(op, strategy.operands[0] if strategy.operands else None)
+            if relaid:  # its table arrives rows-minor: copied row-major while it runs
+                return replace(plain, memory=memory, transient=plain.transient + relaid,
+                               compute_cost=plain.compute_cost
+                               + 2 * relaid / self.comm.model.hbm_bandwidth)
             return replace(plain, memory=memory)
         made = sum(self._held_bytes(t, spec, True) for t, spec in zip(types, strategy.results))
         n = len(op.results)
@@ -591,6 +604,64 @@ class _ProblemBuilder:
                 shape = scatter_updates_shape(self._local_shape(type_, spec), window)
                 made += tiled_elements(shape, type_.itemsize, True) * type_.itemsize
         return replace(plain, memory=memory, transient=plain.transient + made - memory)
+
+    def _relaid_operand(self, op: Op, spec) -> float:
+        """Bytes of the row-major copy a rows-reading gather (tpu_buffers.gathers_rows) makes
+        of its operand in layout `spec`, kept rows-minor in that layout (tpu_buffers.relaid_rows)."""
+        if op.name != "stablehlo.gather" or spec is None:
+            return 0.0
+        type_ = self.graph.type_of(op.operands[0])
+        if type_ is None or not gathers_rows(op.name, op.attrs, type_.rank):
+            return 0.0
+        return float(relaid_rows(self._local_shape(type_, spec), type_.itemsize))
+
+    def _relayout(self, consumer: Op, position: int, type_, src_id: int, dst_id: int,
+                  costs, multiplier: float):
+        """Second copies of a resharded value that libtpu makes while resharding it, in bytes
+        per (src, dst) layout pair, with their HBM traffic added to `costs`; (costs, ()) where
+        none is made. Device models with `[buffers] tiled_layouts` only:
+        - an all-gather of two or more dims at once (`[y, x]` to replicated): XLA gathers the
+          shards on a new leading dim over all the axes and transposes them into place, a
+          copy of the whole gathered value made from it (two chained copies on libtpu 0.0.42:
+          the Llama-8B-class step's `f32[128256, 4096]` embedding table, 2.10 GB each);
+        - a rows-reading gather's table (tpu_buffers.gathers_rows) resharded from a layout
+          libtpu keeps rows-minor into one it keeps row-major: the collective keeps the
+          rows-minor order and the gather copies the result row-major (tpu_buffers.relaid_rows;
+          where the indexed dims are resharded too, libtpu relays the shard before the
+          collective instead)."""
+        if position < 0 or not self.comm.model.tiled_layouts:
+            return costs, ()
+        gather = position == 0 and gathers_rows(consumer.name, consumer.attrs, type_.rank)
+        indexed = tuple(consumer.attrs.get("collapsed", ())) if gather else ()
+        key = (type_, src_id, dst_id, multiplier, gather, indexed, id(costs))  # costs: cached
+        found = self.relayout_cache.get(key)
+        if found is not None:
+            return found
+        src_specs, dst_specs = self.specs_of[src_id], self.specs_of[dst_id]
+        hbm = self.comm.model.hbm_bandwidth
+        held = self._copies(type_, dst_id)
+        relayout, priced = [], []
+        for src, row in zip(src_specs, costs):
+            cells, times = [], []
+            for j, (dst, seconds) in enumerate(zip(dst_specs, row)):
+                copy = 0.0
+                if seconds > 0 and src is not None and dst is not None:
+                    gathered = sum(1 for a, b in zip(src, dst) if a and set(a) - set(b))
+                    if gathered >= 2:
+                        copy = held[j]
+                        seconds += 4 * copy / hbm * multiplier  # two copies, each read + write
+                    elif (gather and all(src[d] == dst[d] for d in indexed)
+                          and relaid_rows(self._local_shape(type_, src), type_.itemsize)
+                          and not relaid_rows(self._local_shape(type_, dst), type_.itemsize)):
+                        copy = held[j]
+                        seconds += 2 * copy / hbm * multiplier
+                cells.append(copy)
+                times.append(seconds)
+            relayout.append(tuple(cells))
+            priced.append(tuple(times))
+        found = (tuple(priced), tuple(relayout)) if any(map(any, relayout)) else (costs, ())
+        self.relayout_cache[key] = found
+        return found
 
     def _copies(self, type_, dst_id: int) -> tuple[float, ...]:
         """Bytes per device of a value resharded into each of the layouts `dst_id` lists."""

@@ -358,10 +358,10 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
             continue
         key = ("copy", *(("tie", problem.nodes[n].tie) if problem.nodes[n].tie is not None
                          else ("node", n) for n in (edge.src, edge.dst)),
-               id(edge.costs), edge.copies)
+               id(edge.costs), edge.copies, edge.relayout)
         if key not in class_ids:
             class_ids[key] = len(class_ids)
-            class_max.append(max(edge.copies))
+            class_max.append(max(edge.copies) + max(map(max, edge.relayout), default=0.0))
         copy_class[e] = class_ids[key]
     width = max(len(class_ids), 1)
     largest = np.array(class_max + [0.0] * (width - len(class_max)))

@@ -92,7 +92,9 @@ def restrict(problem: ShardingProblem, allowed: list[np.ndarray]) -> ShardingPro
         rows, cols = allowed[edge.src], allowed[edge.dst]
         costs = tuple(tuple(edge.costs[int(i)][int(j)] for j in cols) for i in rows)
         copies = tuple(edge.copies[int(j)] for j in cols) if edge.copies else ()
-        edges.append(dataclasses.replace(edge, costs=costs, copies=copies))
+        relayout = (tuple(tuple(edge.relayout[int(i)][int(j)] for j in cols) for i in rows)
+                    if edge.relayout else ())
+        edges.append(dataclasses.replace(edge, costs=costs, copies=copies, relayout=relayout))
     launches = []
     for launch in problem.launches:
         members = tuple((n, kept) for n, picks in launch.members

@@ -16,7 +16,7 @@ from jax import export
 from hloplan.compiler import compile_bytes, make_options
 from hloplan.cost_models import DeviceModelError, load_device_model
 from hloplan.strategies import local_bytes
-from hloplan.tpu_buffers import scatter_updates_shape, tiled_elements
+from hloplan.tpu_buffers import gathers_rows, relaid_rows, scatter_updates_shape, tiled_elements
 
 S, F32 = jax.ShapeDtypeStruct, jnp.float32
 
@@ -74,9 +74,9 @@ def test_bad_tiled_layouts(tmp_path: Path) -> None:
         load_device_model(path)
 
 
-def _state(step, args, device: str, tiled: bool | None = None):
+def _state(step, args, device: str, tiled: bool | None = None, mesh: str = "8"):
     data = export.export(jax.jit(step))(*args).serialize()
-    options = make_options("8", device=device, mesh_views="off")
+    options = make_options(mesh, device=device, mesh_views="off")
     if tiled is not None:
         options = dataclasses.replace(options, device=dataclasses.replace(
             options.device, tiled_layouts=tiled))
@@ -160,3 +160,71 @@ def test_scatters_hold_their_row_major_buffers_while_made() -> None:
             assert s.memory == local_bytes(other.graph.type_of(op.results[0]),
                                            strategy.results[0], other.options.mesh)
             assert s.transient == strategy.transient
+
+
+def test_gathers_copy_a_rows_minor_table_row_major() -> None:
+    """libtpu keeps `f32[32768,8]` rows minor (`{0,1:T(8,128)}`) and its gather copies it into
+    `{1,0:T(8,128)}`, the 8 columns padded to 128; `f32[32768,1024]` is kept row-major."""
+    assert relaid_rows((32768, 8), 4) == 32768 * 128 * 4
+    assert relaid_rows((32768, 1024), 4) == 0
+    assert relaid_rows((128256, 16), 4) == 128256 * 128 * 4
+    rows = {"collapsed": (0,), "start_index_map": (0,)}
+    assert gathers_rows("stablehlo.gather", rows, 2)
+    assert not gathers_rows("stablehlo.gather", {"collapsed": (1,), "start_index_map": (1,)}, 2)
+    assert not gathers_rows("stablehlo.scatter", rows, 2)
+
+
+def _lookup(table, ids):
+    return jnp.take(table, ids, axis=0) * 2.0
+
+
+def test_gathers_hold_the_row_major_copy_of_their_table() -> None:
+    args = (S((4096, 512), F32), S((64, 128), jnp.int32))
+    state = _state(_lookup, args, "tpu-v5e")
+    gather = next(op for op in state.graph.ops if op.name == "stablehlo.gather")
+    node_index = state.space.node_of[gather.index]
+    node = state.problem.nodes[node_index]
+    untiled = _state(_lookup, args, "tpu-v5e", tiled=False)
+    plain = untiled.problem.nodes[untiled.space.node_of[gather.index]]
+    split = [k for k, s in enumerate(state.space.strategies[gather.index])
+             if s.operands[0][1] and not s.operands[0][0]]
+    assert split
+    for k in split:  # [4096, 64] kept rows minor: copied as [4096, 128] while it gathers
+        assert node.strategies[k].transient == plain.strategies[k].transient + 4096 * 128 * 4
+        assert node.strategies[k].compute_cost > plain.strategies[k].compute_cost
+    # The table all-gathered whole from d-sharded [4096, 64] shards: copied row-major again.
+    edges = [e for e in state.problem.edges if e.dst == node_index and e.relayout]
+    assert len(edges) == 1
+    edge = edges[0]
+    src_specs = [s.results[0] for s in state.space.strategies[state.space.op_of[edge.src]]]
+    dst_specs = [s.operands[0] for s in state.space.strategies[gather.index]]
+    pairs = {(tuple(map(tuple, src_specs[i])), tuple(map(tuple, dst_specs[j])))
+             for i, row in enumerate(edge.relayout) for j, copy in enumerate(row) if copy}
+    assert pairs == {(((), (0,)), ((), ()))}
+    i = next(i for i, s in enumerate(src_specs) if tuple(map(tuple, s)) == ((), (0,)))
+    j = next(j for j, s in enumerate(dst_specs) if not any(s))
+    assert edge.relayout[i][j] == 4096 * 512 * 4
+    other = _state(_lookup, args, "cpu")
+    assert not any(e.relayout for e in other.problem.edges)
+
+
+def test_all_gathers_of_two_dims_hold_a_transposed_copy() -> None:
+    """XLA all-gathers a `[y, x]`-sharded table over both axes on a new leading dim and
+    copies the shards into place: a second copy of the gathered table, made from it."""
+    args = (S((4096, 512), F32), S((64, 128), jnp.int32))
+    state = _state(_lookup, args, "tpu-v5e", mesh="2x4")
+    gather = next(op for op in state.graph.ops if op.name == "stablehlo.gather")
+    node_index = state.space.node_of[gather.index]
+    edge = next(e for e in state.problem.edges if e.dst == node_index and e.relayout)
+    src_specs = [tuple(map(tuple, s.results[0]))
+                 for s in state.space.strategies[state.space.op_of[edge.src]]]
+    dst_specs = [tuple(map(tuple, s.operands[0])) for s in state.space.strategies[gather.index]]
+    seen = 0
+    for i, src in enumerate(src_specs):
+        for j, dst in enumerate(dst_specs):
+            if sum(1 for a, b in zip(src, dst) if set(a) - set(b)) >= 2:  # two dims gathered
+                seen += 1
+                assert edge.relayout[i][j] == edge.copies[j] > 0, (src, dst)
+    assert seen
+    other = _state(_lookup, args, "cpu", mesh="2x4")
+    assert not any(e.relayout for e in other.problem.edges)
