@@ -190,6 +190,10 @@ def _matmul_time(rule: OpRule, factor_axes, mesh: MeshSpec, comm: CommModel, mov
 # XLA's SPMD partitioner windows an einsum over at most this many devices
 # (SpmdPartitionerOptions.max_windowed_einsum_iteration).
 MAX_COLLECTIVE_MATMUL_DEVICES = 32
+# libtpu windows only einsums whose (partial-sum) result reaches its
+# xla_jf_spmd_threshold_for_windowed_einsum_mib, a default it does not publish: on v5e:2x4 it
+# keeps 0.5 MiB weight gradients as one matmul and one reduce-scatter and loops 2 MiB ones.
+MIN_COLLECTIVE_MATMUL_BYTES = 1 << 20
 
 
 def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...], factor_axes,
@@ -207,8 +211,10 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     scattered dim) whole, 1/(n/2) of the other, and writes its partial sums, which a second
     kernel adds to the received accumulators. It does so where it expects the loop to pay:
     max(compute, communication) + two chunks' communication under compute + communication
-    (dot_handler.cc's cost check), i.e. min(compute, communication) > 2 communication / n,
-    over at most MAX_COLLECTIVE_MATMUL_DEVICES devices.
+    (dot_handler.cc's cost check, which takes the FLOPs at the peak rate and an all-reduce of
+    the partial sums), i.e. min(compute, communication) > 2 communication / n, over at most
+    MAX_COLLECTIVE_MATMUL_DEVICES devices, for partial sums of MIN_COLLECTIVE_MATMUL_BYTES or
+    more.
     """
     n = 1
     for axis in reduced:
@@ -217,9 +223,16 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     if n < 4 or n > MAX_COLLECTIVE_MATMUL_DEVICES or n % 2 or len(scattered) != 1 \
             or len(rule.operands) != 2:
         return None
-    sent = comm.bytes_sent("reduce-scatter", partial_bytes, reduced)
-    communication = sent / comm.group(reduced).bandwidth
-    if min(plain, communication) <= 2 * communication / n:
+    if partial_bytes < MIN_COLLECTIVE_MATMUL_BYTES:
+        return None
+    # dot_handler's cost check, with libtpu's estimates as it makes them: the matmul's FLOPs at
+    # the peak rate (in the MXU's input dtype) against an all-reduce of the partial sums.
+    narrow = comm.model.matmul_input_dtype
+    peak_dtype = narrow if narrow and flops_dtype == "f32" else flops_dtype
+    peak = rule.flops / split / comm.model.flops_for(peak_dtype)
+    all_reduce = (comm.bytes_sent("all-reduce", partial_bytes, reduced)
+                  / comm.group(reduced).bandwidth)
+    if min(peak, all_reduce) <= 2 * all_reduce / n:
         return None
     chunk_factors = set(rule.results[0][scattered[0]])
     kernels = n // 2
@@ -238,7 +251,6 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
         dims.append(size / kernels if chunk_factors & set(factors) else size)
     # The loop reads its operands in the MXU's input dtype (libtpu rounds f32 operands at
     # default precision to bf16 once, before the loop).
-    narrow = comm.model.matmul_input_dtype
     read = 0.0
     for i, (t, spec, reads_it) in enumerate(zip(operand_types, operands, reads)):
         if t is not None and spec is not None and reads_it:
@@ -254,6 +266,16 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     # the sums: three passes over the partial sums in all. The loop is never faster than the
     # one matmul it replaces.
     return max(plain, kernels * per_kernel + 3 * partial_bytes / comm.model.hbm_bandwidth)
+
+
+def collective_matmul_sends(partial_bytes: float, n: int, axes: str,
+                            multiplier: float) -> list[tuple[str, str, float]]:
+    """The collectives of a collective matmul's loop as libtpu compiles them, one entry per
+    execution: each of the n/2 steps sends a chunk of the partial sums (1/n of them) each way
+    round the ring, and one more hop after the loop joins the two directions' sums: n + 1
+    collective-permutes of partial_bytes / n over the reduced axes (the reduce-scatter's
+    (n - 1) / n of the partial sums, sent as (n + 1) / n)."""
+    return [("collective-permute", axes, partial_bytes / n * multiplier)] * (n + 1)
 
 
 def collective_matmul_copy_bytes(operands, operand_types, mesh: MeshSpec,
@@ -327,6 +349,10 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
     if reduced:
         for nbytes in computed_bytes:
             communication += comm.collective(kind, nbytes, reduced)
+            if chunked is not None:
+                collectives.extend(collective_matmul_sends(nbytes, reduce_split,
+                                                           comm.axes_label(reduced), multiplier))
+                continue
             sent = comm.bytes_sent(kind, nbytes, reduced)
             if sent:
                 collectives.append((kind, comm.axes_label(reduced), sent * multiplier))
