@@ -190,9 +190,10 @@ def _matmul_time(rule: OpRule, factor_axes, mesh: MeshSpec, comm: CommModel, mov
 # XLA's SPMD partitioner windows an einsum over at most this many devices
 # (SpmdPartitionerOptions.max_windowed_einsum_iteration).
 MAX_COLLECTIVE_MATMUL_DEVICES = 32
-# libtpu windows only einsums whose (partial-sum) result reaches its
-# xla_jf_spmd_threshold_for_windowed_einsum_mib, a default it does not publish: on v5e:2x4 it
-# keeps 0.5 MiB weight gradients as one matmul and one reduce-scatter and loops 2 MiB ones.
+# Observed on v5e:2x4 (libtpu does not publish its windowed-einsum thresholds): it keeps dots
+# with 0.5 MiB of partial sums (keras_gemma's attention weight gradients) as one matmul and one
+# reduce-scatter and loops 2 MiB ones; it loops convolutions' weight gradients of 0.56 MiB
+# (linen_resnet), so this bound applies to dots only.
 MIN_COLLECTIVE_MATMUL_BYTES = 1 << 20
 
 
@@ -200,8 +201,8 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
                            operands, operand_types, reads, partial_bytes: float, mesh: MeshSpec,
                            comm: CommModel, flops_dtype: str, split: int,
                            plain: float) -> float | None:
-    """Compute time of a reduce-scattered matmul as XLA's TPU compiler runs it, or None where it
-    keeps one matmul and one reduce-scatter.
+    """Compute time of a reduce-scattered matmul (or convolution) as XLA's TPU compiler runs it,
+    or None where it keeps one matmul and one reduce-scatter.
 
     libtpu's SPMD partitioner turns a matmul whose operands share the sharded contraction and
     whose result is reduce-scattered over those axes into a loop ("windowed einsum", collective
@@ -213,8 +214,8 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     max(compute, communication) + two chunks' communication under compute + communication
     (dot_handler.cc's cost check, which takes the FLOPs at the peak rate and an all-reduce of
     the partial sums), i.e. min(compute, communication) > 2 communication / n, over at most
-    MAX_COLLECTIVE_MATMUL_DEVICES devices, for partial sums of MIN_COLLECTIVE_MATMUL_BYTES or
-    more.
+    MAX_COLLECTIVE_MATMUL_DEVICES devices, for a dot's partial sums of
+    MIN_COLLECTIVE_MATMUL_BYTES or more.
     """
     n = 1
     for axis in reduced:
@@ -223,16 +224,19 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     if n < 4 or n > MAX_COLLECTIVE_MATMUL_DEVICES or n % 2 or len(scattered) != 1 \
             or len(rule.operands) != 2:
         return None
-    if partial_bytes < MIN_COLLECTIVE_MATMUL_BYTES:
+    if rule.matmul is not None and partial_bytes < MIN_COLLECTIVE_MATMUL_BYTES:
         return None
-    # dot_handler's cost check, with libtpu's estimates as it makes them: the matmul's FLOPs at
-    # the peak rate (in the MXU's input dtype) against an all-reduce of the partial sums.
+    # dot_handler's cost check against an all-reduce of the partial sums, with compute as
+    # libtpu's estimates behave on v5e:2x4: a dot at the peak rate (in the MXU's input dtype;
+    # hf_llama's 2048 x 2048 x 1024 activation matmul reduce-scattered over 4 devices stays one
+    # matmul), a convolution at its measured rate (linen_resnet's 3x3 weight gradients loop).
     narrow = comm.model.matmul_input_dtype
     peak_dtype = narrow if narrow and flops_dtype == "f32" else flops_dtype
-    peak = rule.flops / split / comm.model.flops_for(peak_dtype)
+    estimate = (rule.flops / split / comm.model.flops_for(peak_dtype) if rule.matmul is not None
+                else plain)
     all_reduce = (comm.bytes_sent("all-reduce", partial_bytes, reduced)
                   / comm.group(reduced).bandwidth)
-    if min(peak, all_reduce) <= 2 * all_reduce / n:
+    if min(estimate, all_reduce) <= 2 * all_reduce / n:
         return None
     chunk_factors = set(rule.results[0][scattered[0]])
     kernels = n // 2
@@ -241,7 +245,7 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     if len(moving) != 1:
         return None
     dims = []
-    for factors, constant in rule.matmul:
+    for factors, constant in rule.matmul or rule.conv:
         size = float(constant)
         for f in factors:
             shards = 1
@@ -258,8 +262,12 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
             read += scale * local_bytes(t, spec, mesh) / (kernels if i == moving[0] else 1)
     chunk_bytes = read + partial_bytes / kernels
     dtype = narrow if narrow and flops_dtype == "f32" else flops_dtype
-    rate = comm.model.matmul_flops_for(dtype, *dims) if comm.model.matmul \
-        else comm.model.flops_for(dtype)
+    if rule.matmul is not None and comm.model.matmul:
+        rate = comm.model.matmul_flops_for(dtype, *dims)
+    elif rule.matmul is None and comm.model.conv:
+        rate = comm.model.conv_flops_for(dtype, *dims)
+    else:
+        rate = comm.model.flops_for(dtype)
     per_kernel = max(rule.flops / split / kernels / rate,
                      chunk_bytes / comm.model.hbm_bandwidth)
     # The accumulator kernels read the partial sums and the received accumulators and write
@@ -335,7 +343,9 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
     else:
         compute = (comm.compute_time(rule.flops / split, moved, flops_dtype)
                    + serial_bytes / comm.model.hbm_bandwidth)
-    if scatter and rule.matmul is not None and comm.model.collective_matmul and not rule.free:
+    # Convolutions too: XLA's convolution handler windows them as it does dots.
+    if (scatter and (rule.matmul is not None or rule.conv is not None)
+            and comm.model.collective_matmul and not rule.free):
         chunked = collective_matmul_time(rule, results[0], reduced, factor_axes, operands,
                                          operand_types, reads, computed_bytes[0], mesh, comm,
                                          flops_dtype, split, compute)
