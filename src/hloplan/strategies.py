@@ -212,8 +212,8 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     scattered dim) whole, 1/(n/2) of the other, and writes its partial sums, which a second
     kernel adds to the received accumulators. It does so where it expects the loop to pay:
     max(compute, communication) + two chunks' communication under compute + communication
-    (dot_handler.cc's cost check, which takes the FLOPs at the peak rate and an all-reduce of
-    the partial sums), i.e. min(compute, communication) > 2 communication / n, over at most
+    (dot_handler.cc's cost check, which prices the communication as an all-reduce of the
+    partial sums), i.e. min(compute, communication) > 2 communication / n, over at most
     MAX_COLLECTIVE_MATMUL_DEVICES devices, for a dot's partial sums of
     MIN_COLLECTIVE_MATMUL_BYTES or more.
     """
@@ -226,18 +226,14 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
         return None
     if rule.matmul is not None and partial_bytes < MIN_COLLECTIVE_MATMUL_BYTES:
         return None
-    # dot_handler's cost check against an all-reduce of the partial sums, with compute as
-    # libtpu's estimates behave on v5e:2x4: a dot at the peak rate (in the MXU's input dtype;
-    # hf_llama's 2048 x 2048 x 1024 activation matmul reduce-scattered over 4 devices stays one
-    # matmul), a convolution at its measured rate (linen_resnet's 3x3 weight gradients loop).
-    narrow = comm.model.matmul_input_dtype
-    peak_dtype = narrow if narrow and flops_dtype == "f32" else flops_dtype
-    estimate = (rule.flops / split / comm.model.flops_for(peak_dtype) if rule.matmul is not None
-                else plain)
+    # dot_handler's cost check prices the communication as an all-reduce of the partial sums
+    # (hf_llama's 2048 x 2048 x 1024 activation matmul reduce-scattered over 4 devices on
+    # v5e:2x4 stays one matmul, as it does priced so).
     all_reduce = (comm.bytes_sent("all-reduce", partial_bytes, reduced)
                   / comm.group(reduced).bandwidth)
-    if min(estimate, all_reduce) <= 2 * all_reduce / n:
+    if min(plain, all_reduce) <= 2 * all_reduce / n:
         return None
+    narrow = comm.model.matmul_input_dtype
     chunk_factors = set(rule.results[0][scattered[0]])
     kernels = n // 2
     moving = [i for i, dims in enumerate(rule.operands)
