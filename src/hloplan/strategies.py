@@ -190,11 +190,12 @@ def _matmul_time(rule: OpRule, factor_axes, mesh: MeshSpec, comm: CommModel, mov
 # XLA's SPMD partitioner windows an einsum over at most this many devices
 # (SpmdPartitionerOptions.max_windowed_einsum_iteration).
 MAX_COLLECTIVE_MATMUL_DEVICES = 32
-# Observed on v5e:2x4 (libtpu does not publish its windowed-einsum thresholds): it keeps dots
-# with 0.5 MiB of partial sums (keras_gemma's attention weight gradients) as one matmul and one
-# reduce-scatter and loops 2 MiB ones; it loops convolutions' weight gradients of 0.56 MiB
-# (linen_resnet), so this bound applies to dots only.
-MIN_COLLECTIVE_MATMUL_BYTES = 1 << 20
+# Observed (libtpu does not publish why): it keeps a dot whose chunks (1/n of the partial sums)
+# are 64 KiB as one matmul and one reduce-scatter (keras_gemma's 0.5 MiB attention weight
+# gradients over 8 devices, GPT's 2 MiB ones over 32 on v5e:4x8) and loops dots with chunks
+# of 256 KiB and more; it loops convolutions' weight gradients with chunks of 36 KiB
+# (linen_resnet), so the bound applies to dots only.
+MIN_COLLECTIVE_MATMUL_CHUNK_BYTES = 64 << 10
 
 
 def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...], factor_axes,
@@ -214,8 +215,8 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     max(compute, communication) + two chunks' communication under compute + communication
     (dot_handler.cc's cost check, which prices the communication as an all-reduce of the
     partial sums), i.e. min(compute, communication) > 2 communication / n, over at most
-    MAX_COLLECTIVE_MATMUL_DEVICES devices, for a dot's partial sums of
-    MIN_COLLECTIVE_MATMUL_BYTES or more.
+    MAX_COLLECTIVE_MATMUL_DEVICES devices, for a dot's chunks of more than
+    MIN_COLLECTIVE_MATMUL_CHUNK_BYTES.
     """
     n = 1
     for axis in reduced:
@@ -224,7 +225,7 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     if n < 4 or n > MAX_COLLECTIVE_MATMUL_DEVICES or n % 2 or len(scattered) != 1 \
             or len(rule.operands) != 2:
         return None
-    if rule.matmul is not None and partial_bytes < MIN_COLLECTIVE_MATMUL_BYTES:
+    if rule.matmul is not None and partial_bytes / n <= MIN_COLLECTIVE_MATMUL_CHUNK_BYTES:
         return None
     # dot_handler's cost check prices the communication as an all-reduce of the partial sums
     # (hf_llama's 2048 x 2048 x 1024 activation matmul reduce-scattered over 4 devices on

@@ -92,9 +92,9 @@ def test_no_loop_where_communication_dwarfs_compute_or_beyond_32_devices():
             == _scattered(*short, collective_matmul=False).compute)
     assert [c[0] for c in _scattered(*short, collective_matmul=True).collectives] == [
         "reduce-scatter"]
-    # Partial sums under libtpu's windowed-einsum threshold (1 MiB): one matmul, however long
+    # Chunks of the partial sums of 64 KiB (libtpu's observed bound): one matmul, however long
     # its contraction.
-    small = (8, 8 * 65536, 256, 256)
+    small = (8, 8 * 65536, 128, 128)
     assert (_scattered(*small, collective_matmul=True).compute
             == _scattered(*small, collective_matmul=False).compute)
     wide = (64, 64 * 16384, 1024, 8192)  # XLA windows an einsum over at most 32 devices
