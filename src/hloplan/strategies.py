@@ -190,14 +190,20 @@ def _matmul_time(rule: OpRule, factor_axes, mesh: MeshSpec, comm: CommModel, mov
 # XLA's SPMD partitioner windows an einsum over at most this many devices
 # (SpmdPartitionerOptions.max_windowed_einsum_iteration).
 MAX_COLLECTIVE_MATMUL_DEVICES = 32
+# Observed (libtpu does not publish why): it keeps a dot whose chunks (1/n of the partial sums)
+# are 64 KiB as one matmul and one reduce-scatter (keras_gemma's 0.5 MiB attention weight
+# gradients over 8 devices, GPT's 2 MiB ones over 32 on v5e:4x8) and loops dots with chunks
+# of 256 KiB and more; it loops convolutions' weight gradients with chunks of 36 KiB
+# (linen_resnet), so the bound applies to dots only.
+MIN_COLLECTIVE_MATMUL_CHUNK_BYTES = 64 << 10
 
 
 def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...], factor_axes,
                            operands, operand_types, reads, partial_bytes: float, mesh: MeshSpec,
                            comm: CommModel, flops_dtype: str, split: int,
                            plain: float) -> float | None:
-    """Compute time of a reduce-scattered matmul as XLA's TPU compiler runs it, or None where it
-    keeps one matmul and one reduce-scatter.
+    """Compute time of a reduce-scattered matmul (or convolution) as XLA's TPU compiler runs it,
+    or None where it keeps one matmul and one reduce-scatter.
 
     libtpu's SPMD partitioner turns a matmul whose operands share the sharded contraction and
     whose result is reduce-scattered over those axes into a loop ("windowed einsum", collective
@@ -207,8 +213,10 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     scattered dim) whole, 1/(n/2) of the other, and writes its partial sums, which a second
     kernel adds to the received accumulators. It does so where it expects the loop to pay:
     max(compute, communication) + two chunks' communication under compute + communication
-    (dot_handler.cc's cost check), i.e. min(compute, communication) > 2 communication / n,
-    over at most MAX_COLLECTIVE_MATMUL_DEVICES devices.
+    (dot_handler.cc's cost check, which prices the communication as an all-reduce of the
+    partial sums), i.e. min(compute, communication) > 2 communication / n, over at most
+    MAX_COLLECTIVE_MATMUL_DEVICES devices, for a dot's chunks of more than
+    MIN_COLLECTIVE_MATMUL_CHUNK_BYTES.
     """
     n = 1
     for axis in reduced:
@@ -217,10 +225,16 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     if n < 4 or n > MAX_COLLECTIVE_MATMUL_DEVICES or n % 2 or len(scattered) != 1 \
             or len(rule.operands) != 2:
         return None
-    sent = comm.bytes_sent("reduce-scatter", partial_bytes, reduced)
-    communication = sent / comm.group(reduced).bandwidth
-    if min(plain, communication) <= 2 * communication / n:
+    if rule.matmul is not None and partial_bytes / n <= MIN_COLLECTIVE_MATMUL_CHUNK_BYTES:
         return None
+    # dot_handler's cost check prices the communication as an all-reduce of the partial sums
+    # (hf_llama's 2048 x 2048 x 1024 activation matmul reduce-scattered over 4 devices on
+    # v5e:2x4 stays one matmul, as it does priced so).
+    all_reduce = (comm.bytes_sent("all-reduce", partial_bytes, reduced)
+                  / comm.group(reduced).bandwidth)
+    if min(plain, all_reduce) <= 2 * all_reduce / n:
+        return None
+    narrow = comm.model.matmul_input_dtype
     chunk_factors = set(rule.results[0][scattered[0]])
     kernels = n // 2
     moving = [i for i, dims in enumerate(rule.operands)
@@ -228,7 +242,7 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     if len(moving) != 1:
         return None
     dims = []
-    for factors, constant in rule.matmul:
+    for factors, constant in rule.matmul or rule.conv:
         size = float(constant)
         for f in factors:
             shards = 1
@@ -238,7 +252,6 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
         dims.append(size / kernels if chunk_factors & set(factors) else size)
     # The loop reads its operands in the MXU's input dtype (libtpu rounds f32 operands at
     # default precision to bf16 once, before the loop).
-    narrow = comm.model.matmul_input_dtype
     read = 0.0
     for i, (t, spec, reads_it) in enumerate(zip(operand_types, operands, reads)):
         if t is not None and spec is not None and reads_it:
@@ -246,14 +259,28 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
             read += scale * local_bytes(t, spec, mesh) / (kernels if i == moving[0] else 1)
     chunk_bytes = read + partial_bytes / kernels
     dtype = narrow if narrow and flops_dtype == "f32" else flops_dtype
-    rate = comm.model.matmul_flops_for(dtype, *dims) if comm.model.matmul \
-        else comm.model.flops_for(dtype)
+    if rule.matmul is not None and comm.model.matmul:
+        rate = comm.model.matmul_flops_for(dtype, *dims)
+    elif rule.matmul is None and comm.model.conv:
+        rate = comm.model.conv_flops_for(dtype, *dims)
+    else:
+        rate = comm.model.flops_for(dtype)
     per_kernel = max(rule.flops / split / kernels / rate,
                      chunk_bytes / comm.model.hbm_bandwidth)
     # The accumulator kernels read the partial sums and the received accumulators and write
     # the sums: three passes over the partial sums in all. The loop is never faster than the
     # one matmul it replaces.
     return max(plain, kernels * per_kernel + 3 * partial_bytes / comm.model.hbm_bandwidth)
+
+
+def collective_matmul_sends(partial_bytes: float, n: int, axes: str,
+                            multiplier: float) -> list[tuple[str, str, float]]:
+    """The collectives of a collective matmul's loop as libtpu compiles them, one entry per
+    execution: each of the n/2 steps sends a chunk of the partial sums (1/n of them) each way
+    round the ring, and one more hop after the loop joins the two directions' sums: n + 1
+    collective-permutes of partial_bytes / n over the reduced axes (the reduce-scatter's
+    (n - 1) / n of the partial sums, sent as (n + 1) / n)."""
+    return [("collective-permute", axes, partial_bytes / n * multiplier)] * (n + 1)
 
 
 def collective_matmul_copy_bytes(operands, operand_types, mesh: MeshSpec,
@@ -313,7 +340,9 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
     else:
         compute = (comm.compute_time(rule.flops / split, moved, flops_dtype)
                    + serial_bytes / comm.model.hbm_bandwidth)
-    if scatter and rule.matmul is not None and comm.model.collective_matmul and not rule.free:
+    # Convolutions too: XLA's convolution handler windows them as it does dots.
+    if (scatter and (rule.matmul is not None or rule.conv is not None)
+            and comm.model.collective_matmul and not rule.free):
         chunked = collective_matmul_time(rule, results[0], reduced, factor_axes, operands,
                                          operand_types, reads, computed_bytes[0], mesh, comm,
                                          flops_dtype, split, compute)
@@ -327,6 +356,10 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
     if reduced:
         for nbytes in computed_bytes:
             communication += comm.collective(kind, nbytes, reduced)
+            if chunked is not None:
+                collectives.extend(collective_matmul_sends(nbytes, reduce_split,
+                                                           comm.axes_label(reduced), multiplier))
+                continue
             sent = comm.bytes_sent(kind, nbytes, reduced)
             if sent:
                 collectives.append((kind, comm.axes_label(reduced), sent * multiplier))

@@ -75,7 +75,9 @@ def test_chunks_reread_the_stationary_operand():
     sent = (n - 1) / n * d * f * f32 / LINK
     assert plain.communication == pytest.approx(sent)
     assert looped.communication == pytest.approx(max(0.0, sent - looped.compute) + 2 * sent / n)
-    assert looped.collectives == plain.collectives  # the same bytes, reported as before
+    # Listed as libtpu compiles the loop: n + 1 collective-permutes of 1/n of the partial sums.
+    assert plain.collectives == (("reduce-scatter", "x", (n - 1) / n * d * f * f32),)
+    assert looped.collectives == (("collective-permute", "x", d * f * f32 / n),) * (n + 1)
     # Memory: the plain form holds the unscattered partial sums while it makes them; the loop
     # holds only chunks of them, but a copy of an operand in its own layout (the larger, bf16).
     assert plain.transient == d * f * f32 * (n - 1) / n
@@ -88,6 +90,13 @@ def test_no_loop_where_communication_dwarfs_compute_or_beyond_32_devices():
     short = (16, 16 * 8, 1024, 8192)
     assert (_scattered(*short, collective_matmul=True).compute
             == _scattered(*short, collective_matmul=False).compute)
+    assert [c[0] for c in _scattered(*short, collective_matmul=True).collectives] == [
+        "reduce-scatter"]
+    # Chunks of the partial sums of 64 KiB (libtpu's observed bound): one matmul, however long
+    # its contraction.
+    small = (8, 8 * 65536, 128, 128)
+    assert (_scattered(*small, collective_matmul=True).compute
+            == _scattered(*small, collective_matmul=False).compute)
     wide = (64, 64 * 16384, 1024, 8192)  # XLA windows an einsum over at most 32 devices
     assert (_scattered(*wide, collective_matmul=True).compute
             == _scattered(*wide, collective_matmul=False).compute)
@@ -98,3 +107,29 @@ def test_collective_matmul_field():
     assert _load_text(MODEL + "collective_matmul = true\n", "toy.toml").collective_matmul
     with pytest.raises(DeviceModelError, match="must be true or false"):
         _load_text(MODEL + 'collective-matmul = "yes"\n', "bad.toml")
+
+
+def test_plan_lists_the_loop_collective_permutes(tmp_path):
+    """plan.json's predicted collectives (what `hloplan verify` sets beside the compiled ones)
+    list a windowed weight gradient as its loop's collective-permutes, counted per execution as
+    hlo_stats counts them, and no reduce-scatter."""
+    import jax
+    import jax.numpy as jnp
+
+    from hloplan.compiler import compile_bytes, make_options
+
+    n, tokens, d, f = 8, 8 * 8192, 256, 2048
+
+    def grad(x, g):
+        return jnp.einsum("td,tf->df", x, g)
+
+    args = [jax.ShapeDtypeStruct((tokens, d), jnp.float32),
+            jax.ShapeDtypeStruct((tokens, f), jnp.float32)]
+    exported = jax.export.export(jax.jit(grad), platforms=("tpu",))(*args)
+    result = compile_bytes(bytes(exported.serialize()), "grad.jaxexport",
+                           make_options(str(n), device="tpu-v5e", mesh_views="off"))
+    listed = {c["kind"]: c for c in result.plan["estimate"]["collectives"]}
+    assert "reduce-scatter" not in listed
+    permutes = listed["collective-permute"]
+    assert permutes["axes"] == "x" and permutes["count"] == n + 1
+    assert permutes["bytes"] == pytest.approx((n + 1) * d * f * 4 / n, rel=1e-4)
