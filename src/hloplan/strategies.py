@@ -190,12 +190,14 @@ def _matmul_time(rule: OpRule, factor_axes, mesh: MeshSpec, comm: CommModel, mov
 # XLA's SPMD partitioner windows an einsum over at most this many devices
 # (SpmdPartitionerOptions.max_windowed_einsum_iteration).
 MAX_COLLECTIVE_MATMUL_DEVICES = 32
-# Observed (libtpu does not publish why): it keeps a dot whose chunks (1/n of the partial sums)
-# are 64 KiB as one matmul and one reduce-scatter (keras_gemma's 0.5 MiB attention weight
-# gradients over 8 devices, GPT's 2 MiB ones over 32 on v5e:4x8) and loops dots with chunks
-# of 256 KiB and more; it loops convolutions' weight gradients with chunks of 36 KiB
-# (linen_resnet), so the bound applies to dots only.
-MIN_COLLECTIVE_MATMUL_CHUNK_BYTES = 64 << 10
+# Observed (libtpu does not publish why): it keeps a dot whose partial sums are 2 MiB or less
+# as one matmul and one reduce-scatter (keras_gemma's 0.5 MiB attention weight gradients over
+# 8 devices; GPT's 2 MiB output-head gradient over 8 devices on v5e:2x4 and over 32 on 4x8;
+# the 1 MiB gradients of the benchmark GPT and BERT over 8 and the MLP's 0.5 MiB over 4) and
+# loops dots whose partial sums are 4.2 MB and more (keras_gemma over 4 devices, haiku,
+# keras_moe, hf_llama's output head, the Llama-8B-class MLPs); it loops convolutions' weight
+# gradients of 2.4 MB (linen_resnet), so the bound applies to dots only.
+MIN_COLLECTIVE_MATMUL_PARTIAL_BYTES = 3 << 20
 
 
 def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...], factor_axes,
@@ -215,8 +217,8 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     max(compute, communication) + two chunks' communication under compute + communication
     (dot_handler.cc's cost check, which prices the communication as an all-reduce of the
     partial sums), i.e. min(compute, communication) > 2 communication / n, over at most
-    MAX_COLLECTIVE_MATMUL_DEVICES devices, for a dot's chunks of more than
-    MIN_COLLECTIVE_MATMUL_CHUNK_BYTES.
+    MAX_COLLECTIVE_MATMUL_DEVICES devices, for a dot's partial sums of more than
+    MIN_COLLECTIVE_MATMUL_PARTIAL_BYTES.
     """
     n = 1
     for axis in reduced:
@@ -225,7 +227,7 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     if n < 4 or n > MAX_COLLECTIVE_MATMUL_DEVICES or n % 2 or len(scattered) != 1 \
             or len(rule.operands) != 2:
         return None
-    if rule.matmul is not None and partial_bytes / n <= MIN_COLLECTIVE_MATMUL_CHUNK_BYTES:
+    if rule.matmul is not None and partial_bytes <= MIN_COLLECTIVE_MATMUL_PARTIAL_BYTES:
         return None
     # dot_handler's cost check prices the communication as an all-reduce of the partial sums
     # (hf_llama's 2048 x 2048 x 1024 activation matmul reduce-scattered over 4 devices on

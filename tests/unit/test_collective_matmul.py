@@ -92,11 +92,13 @@ def test_no_loop_where_communication_dwarfs_compute_or_beyond_32_devices():
             == _scattered(*short, collective_matmul=False).compute)
     assert [c[0] for c in _scattered(*short, collective_matmul=True).collectives] == [
         "reduce-scatter"]
-    # Chunks of the partial sums of 64 KiB (libtpu's observed bound): one matmul, however long
-    # its contraction.
-    small = (8, 8 * 65536, 128, 128)
-    assert (_scattered(*small, collective_matmul=True).compute
-            == _scattered(*small, collective_matmul=False).compute)
+    # Partial sums of 2 MiB or less (libtpu's observed bound): one matmul, however long its
+    # contraction.
+    for small in ((8, 8 * 65536, 128, 128), (8, 8 * 65536, 512, 1024)):
+        assert (_scattered(*small, collective_matmul=True).compute
+                == _scattered(*small, collective_matmul=False).compute)
+        assert [c[0] for c in _scattered(*small, collective_matmul=True).collectives] == [
+            "reduce-scatter"]
     wide = (64, 64 * 16384, 1024, 8192)  # XLA windows an einsum over at most 32 devices
     assert (_scattered(*wide, collective_matmul=True).compute
             == _scattered(*wide, collective_matmul=False).compute)
@@ -118,7 +120,7 @@ def test_plan_lists_the_loop_collective_permutes(tmp_path):
 
     from hloplan.compiler import compile_bytes, make_options
 
-    n, tokens, d, f = 8, 8 * 8192, 256, 2048
+    n, tokens, d, f = 8, 8 * 8192, 512, 2048
 
     def grad(x, g):
         return jnp.einsum("td,tf->df", x, g)
