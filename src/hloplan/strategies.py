@@ -190,13 +190,15 @@ def _matmul_time(rule: OpRule, factor_axes, mesh: MeshSpec, comm: CommModel, mov
 # XLA's SPMD partitioner windows an einsum over at most this many devices
 # (SpmdPartitionerOptions.max_windowed_einsum_iteration).
 MAX_COLLECTIVE_MATMUL_DEVICES = 32
-# Observed (libtpu does not publish why): it keeps a dot whose partial sums are 2 MiB or less
-# as one matmul and one reduce-scatter (keras_gemma's 0.5 MiB attention weight gradients over
-# 8 devices; GPT's 2 MiB output-head gradient over 8 devices on v5e:2x4 and over 32 on 4x8;
-# the 1 MiB gradients of the benchmark GPT and BERT over 8 and the MLP's 0.5 MiB over 4) and
-# loops dots whose partial sums are 4.2 MB and more (keras_gemma over 4 devices, haiku,
-# keras_moe, hf_llama's output head, the Llama-8B-class MLPs); it loops convolutions' weight
-# gradients of 2.4 MB (linen_resnet), so the bound applies to dots only.
+# Observed (libtpu does not publish why): it keeps dots with small partial sums as one matmul
+# and one reduce-scatter where the planner's cost check would loop them (the benchmark GPT's
+# and BERT's 1 MiB weight gradients over 8 devices, the MLP's 0.5 MiB over 4, keras_gemma's
+# 0.5 MiB over 8, GPT's 2 MiB over 32 on v5e:4x8) and loops the dots of 4.2 MB and more the
+# cost check passes (keras_gemma over 4 devices, haiku, keras_moe, hf_llama's output head,
+# the Llama-8B-class MLPs). The bound is a proxy for its cost check at small sizes, where the
+# [matmul] table's rates put more compute behind a dot than libtpu's check does: a 2 MiB
+# gradient from 8,192 tokens per device on v5e:2x4 loops, which the bound misses. It loops
+# convolutions' weight gradients of 2.4 MB (linen_resnet): the bound applies to dots only.
 MIN_COLLECTIVE_MATMUL_PARTIAL_BYTES = 3 << 20
 
 
