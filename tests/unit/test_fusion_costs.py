@@ -212,9 +212,8 @@ def test_a_fused_kernel_reads_each_value_once():
     assert hbm_traffic(g, dot, fused, shared=shared)[0] == (True, True)
 
 
-def test_matmuls_on_tpu_read_a_fused_operand_each():
-    from hloplan.op_rules import matmul_rereads
-
+def _two_matmuls_of_a_fused_value():
+    """x * x read by two matmuls with w (a forward and a backward reader)."""
     g = Graph()
     x = g.add_op("arg", (), [F32]).results[0]
     w = g.add_op("arg", (), [F32]).results[0]
@@ -224,6 +223,13 @@ def test_matmuls_on_tpu_read_a_fused_operand_each():
     forward = g.add_op("stablehlo.dot_general", (normed, w), [F32], attrs=attrs)
     backward = g.add_op("stablehlo.dot_general", (normed, w), [F32], attrs=attrs)
     g.outputs = [forward.results[0], backward.results[0]]
+    return g, normed, forward, backward
+
+
+def test_matmuls_on_tpu_read_a_fused_operand_each():
+    from hloplan.op_rules import matmul_rereads
+
+    g, normed, forward, backward = _two_matmuls_of_a_fused_value()
     fused = fused_values(g, matmul_fusion=True)
     rereads = matmul_rereads(g, fused)
     # The multiply is fused into both matmuls' kernels: the second reads its input again.
@@ -269,15 +275,7 @@ def test_a_recomputed_matmul_operand_is_read_apart_from_the_flops():
     read adds to the matmul's FLOP time (op_rules.serial_reads) instead of hiding under it."""
     from hloplan.op_rules import matmul_rereads, serial_reads
 
-    g = Graph()
-    x = g.add_op("arg", (), [F32]).results[0]
-    w = g.add_op("arg", (), [F32]).results[0]
-    g.arguments = [x, w]
-    normed = g.add_op("stablehlo.multiply", (x, x), [F32]).results[0]
-    attrs = {"lhs_batch": [], "rhs_batch": [], "lhs_contracting": [1], "rhs_contracting": [0]}
-    forward = g.add_op("stablehlo.dot_general", (normed, w), [F32], attrs=attrs)
-    backward = g.add_op("stablehlo.dot_general", (normed, w), [F32], attrs=attrs)
-    g.outputs = [forward.results[0], backward.results[0]]
+    g, normed, forward, backward = _two_matmuls_of_a_fused_value()
     fused = fused_values(g, matmul_fusion=True)
     rereads = matmul_rereads(g, fused)
     assert serial_reads(forward, rereads) is None
