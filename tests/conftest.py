@@ -129,6 +129,29 @@ def plan_is_sharded(plan: dict) -> bool:
 # --------------------------------------------------------------------------- fixtures
 
 
+def mlp_train_step_export(width: int, hidden: int, batch: int, platforms=("cpu",)):
+    """A two-layer MLP train step (tanh, mean squared error, SGD) on abstract f32 arguments,
+    parameters donated, exported with jax.export for `platforms`."""
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+
+    def loss(params, x, y):
+        h = jnp.tanh(x @ params["w1"])
+        return jnp.mean((h @ params["w2"] - y) ** 2)
+
+    def step(params, x, y):
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        return value, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    f32 = jnp.float32
+    params = {"w1": jax.ShapeDtypeStruct((width, hidden), f32),
+              "w2": jax.ShapeDtypeStruct((hidden, width), f32)}
+    args = (params, jax.ShapeDtypeStruct((batch, width), f32),
+            jax.ShapeDtypeStruct((batch, width), f32))
+    return export.export(jax.jit(step, donate_argnums=(0,)), platforms=platforms)(*args)
+
+
 @pytest.fixture(scope="session")
 def devices8():
     return cpu_devices(DEVICE_COUNT)
@@ -153,4 +176,5 @@ def helpers():
                            fixture_arguments=fixture_arguments,
                            single_device_call=single_device_call,
                            assert_trees_close=assert_trees_close,
-                           spec_is_sharded=spec_is_sharded, plan_is_sharded=plan_is_sharded)
+                           spec_is_sharded=spec_is_sharded, plan_is_sharded=plan_is_sharded,
+                           mlp_train_step_export=mlp_train_step_export)

@@ -13,30 +13,10 @@ from hloplan.cli import main
 from hloplan.tpu import libtpu_available
 
 
-def _step_export(platforms):
-    """A two-layer MLP train step (SGD), small enough to compile in seconds."""
-    import jax
-    import jax.numpy as jnp
-    from jax import export
-
-    def loss(params, x, y):
-        h = jnp.tanh(x @ params["w1"])
-        return jnp.mean((h @ params["w2"] - y) ** 2)
-
-    def step(params, x, y):
-        value, grads = jax.value_and_grad(loss)(params, x, y)
-        return value, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
-
-    f32 = jnp.float32
-    params = {"w1": jax.ShapeDtypeStruct((256, 1024), f32),
-              "w2": jax.ShapeDtypeStruct((1024, 256), f32)}
-    args = (params, jax.ShapeDtypeStruct((512, 256), f32), jax.ShapeDtypeStruct((512, 256), f32))
-    return export.export(jax.jit(step, donate_argnums=(0,)), platforms=platforms)(*args)
-
-
-def _select(tmp_path, device, platforms):
+def _select(tmp_path, device, platforms, helpers):
+    """The MLP train step planned with `--select compiled`; its plan.json."""
     source = tmp_path / "step.jaxexport"
-    source.write_bytes(bytes(_step_export(platforms).serialize()))
+    source.write_bytes(bytes(helpers.mlp_train_step_export(256, 1024, 512, platforms).serialize()))
     out = CliRunner().invoke(main, ["compile", str(source), "--mesh", "2x2", "--device", device,
                                     "--mesh-views", "off", "--select", "compiled",
                                     "-o", str(tmp_path / "plan")])
@@ -70,10 +50,10 @@ def _check_selection(plan, platform):
             assert all(sorted(a for s in w for a in s) == ["x", "y"] for w in weights)
 
 
-def test_select_compiled_cpu(tmp_path):
+def test_select_compiled_cpu(tmp_path, helpers):
     """A GPU device model: the candidates are compiled by XLA's CPU compiler (simulated
     devices) and scored with the device model's figures."""
-    plan = _select(tmp_path, "h100", ("cpu",))
+    plan = _select(tmp_path, "h100", ("cpu",), helpers)
     _check_selection(plan, "cpu")
     out = CliRunner().invoke(main, ["explain", str(tmp_path / "plan")])
     assert out.exit_code == 0, out.output
@@ -82,15 +62,15 @@ def test_select_compiled_cpu(tmp_path):
 
 
 @pytest.mark.skipif(not libtpu_available(), reason="libtpu is not installed (pip install '.[tpu]')")
-def test_select_compiled_libtpu(tmp_path):
+def test_select_compiled_libtpu(tmp_path, helpers):
     """A TPU device model: libtpu compiles every candidate for v5e:2x2."""
-    plan = _select(tmp_path, "tpu-v5e", ("tpu",))
+    plan = _select(tmp_path, "tpu-v5e", ("tpu",), helpers)
     _check_selection(plan, "tpu")
     assert plan["selection"]["topology"] == "v5e:2x2"
 
 
 @pytest.mark.parametrize("kind", ["dp", "fsdp"])
-def test_canonical_plans(kind, tmp_path):
+def test_canonical_plans(kind, tmp_path, helpers):
     """solve-sharding.canonical: the same ILP restricted to data parallel or FSDP layouts; the
     batch is split over both axes, the weights replicated (dp) or split over both (fsdp). As
     `--select compiled` emits them (dp: replicated values unconstrained), the sharded program
@@ -99,7 +79,7 @@ def test_canonical_plans(kind, tmp_path):
     from hloplan.compiler import compile_bytes, make_options
     from hloplan.passmanager import pass_pipeline
 
-    data = bytes(_step_export(("cpu",)).serialize())
+    data = bytes(helpers.mlp_train_step_export(256, 1024, 512).serialize())
     settings = [f"solve-sharding.canonical={kind}"]
     if kind == "dp":
         settings.append("propagate-sharding.constrain_replicated=false")

@@ -108,35 +108,13 @@ def test_tpu_hlo_collectives():
     assert reduce.bytes_sent == pytest.approx(2 * 7 / 8 * (256 + 64) * 4)
 
 
-def _train_step_export():
-    """A two-layer MLP train step (SGD), exported for cpu and tpu."""
-    import jax
-    import jax.numpy as jnp
-    from jax import export
-
-    def loss(params, x, y):
-        h = jnp.tanh(x @ params["w1"])
-        return jnp.mean((h @ params["w2"] - y) ** 2)
-
-    def step(params, x, y):
-        value, grads = jax.value_and_grad(loss)(params, x, y)
-        return value, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
-
-    f32 = jnp.float32
-    # Large enough that the plan shards: one device would spend longer than the collectives.
-    params = {"w1": jax.ShapeDtypeStruct((512, 2048), f32),
-              "w2": jax.ShapeDtypeStruct((2048, 512), f32)}
-    args = (params, jax.ShapeDtypeStruct((2048, 512), f32),
-            jax.ShapeDtypeStruct((2048, 512), f32))
-    return export.export(jax.jit(step, donate_argnums=(0,)), platforms=("cpu", "tpu"))(*args)
-
-
 @pytest.fixture(scope="module")
-def tpu_plan(tmp_path_factory):
+def tpu_plan(tmp_path_factory, helpers):
     """The train step planned for tpu-v5e on 2x4 with --verify-memory (libtpu when present)."""
     from hloplan.compiler import compile_bytes, make_options
 
-    data = bytes(_train_step_export().serialize())
+    # Large enough that the plan shards: one device would spend longer than the collectives.
+    data = bytes(helpers.mlp_train_step_export(512, 2048, 2048, ("cpu", "tpu")).serialize())
     options = make_options("2x4", device="tpu-v5e", verify_memory=True, mesh_views="off",
                            time_limit=30)
     result = compile_bytes(data, "step.jaxexport", options)
