@@ -1526,9 +1526,9 @@ def preallocated_temp_bytes(buffer_assignment_text: str) -> dict[int, int]:
     by memory space (color): 0 is the default memory (HBM on TPU); libtpu's other colors are
     on-chip (1 is VMEM). On TPU the color-0 figure is what the runtime reserves for the
     program's temporaries: on a v5e chip, `memory_stats()["bytes_reserved"]` after a run of
-    models.py's gpt train step is that figure plus 16 kB, while
-    `memory_analysis().temp_size_in_bytes` is 80 MB more (no allocation of the dump holds
-    those bytes)."""
+    models.py's gpt, llama or bert train step is that figure plus 16 kB, while
+    `memory_analysis().temp_size_in_bytes` is 9 to 80 MB more (no allocation of the dump holds
+    those bytes; benchmarks/tpu_reserved.py)."""
     out: dict[int, int] = {}
     for found in re.finditer(r"^allocation \d+: size (\d+),(?: color (\d+),)? preallocated-temp:",
                              buffer_assignment_text, re.M):
