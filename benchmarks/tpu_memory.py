@@ -1,6 +1,6 @@
 """Memory on TPU: hloplan's estimated peak per device against what libtpu compiles.
 
-    .venv/bin/python benchmarks/tpu_memory.py                         # every case, ~8 min
+    .venv/bin/python benchmarks/tpu_memory.py                         # every case, ~15 min
     .venv/bin/python benchmarks/tpu_memory.py --cases gpt:v5e:2x4     # one case
     .venv/bin/python benchmarks/tpu_memory.py --llama8b 32            # the Llama-8B-class step
 
