@@ -1,6 +1,6 @@
 """Memory on TPU: hloplan's estimated peak per device against what libtpu compiles.
 
-    .venv/bin/python benchmarks/tpu_memory.py                         # every case, ~8 min
+    .venv/bin/python benchmarks/tpu_memory.py                         # every case, ~15 min
     .venv/bin/python benchmarks/tpu_memory.py --cases gpt:v5e:2x4     # one case
     .venv/bin/python benchmarks/tpu_memory.py --llama8b 32            # the Llama-8B-class step
 
@@ -10,9 +10,11 @@ device), exported for the tpu platform, planned by hloplan with `--device tpu-v5
 topology's mesh, and compiled by libtpu for the topology with the plan's own loader. Per case:
 
 - predicted: plan.json's estimated peak per device (`estimate.peak_memory_bytes`);
-- compiled: libtpu's two figures, arguments + results + temporaries - aliased (`peak_bytes`)
-  and `peak_memory_in_bytes` (`xla_peak_bytes`, which also counts the generated code);
-- the ratios predicted / compiled of both;
+- compiled: libtpu's figures, arguments + results + temporaries - aliased (`peak_bytes`,
+  from `memory_analysis`), what its runtime reserves (`reserved_bytes`: the same with the HBM
+  temporaries of the buffer assignment libtpu dumps, which `temp_size_in_bytes` can exceed)
+  and `peak_memory_in_bytes` (`xla_peak_bytes`);
+- the ratios predicted / compiled of the three (`ratio`, `ratio_reserved`, `ratio_xla`);
 - `without_buffers`: the same program planned with tpu-v5e less its `[buffers]` table (the
   rules XLA's CPU compiler follows), and whether that picks the same plan.
 
@@ -112,14 +114,33 @@ def _layouts(plan: dict) -> list:
         (op["id"], op["results"]) for op in plan["ops"]]
 
 
-def _compile_plan(result, devices):
+def _compile_plan(result, devices, dump: Path | None = None):
+    """libtpu's compile of the plan; with `dump`, its optimized HLO and buffer assignment are
+    written there (`xla_dump_to`)."""
     from hloplan.emit.loader import load
 
+    options = {"xla_dump_to": str(dump), "xla_dump_hlo_as_text": True} if dump else None
     with tempfile.TemporaryDirectory() as tmp:
         result.write(Path(tmp) / "plan")
         started = time.perf_counter()
-        compiled = load(Path(tmp) / "plan", devices=devices).compile_abstract()
+        compiled = load(Path(tmp) / "plan", devices=devices).compile_abstract(options)
         return compiled, time.perf_counter() - started
+
+
+def _reserved(memory: dict, dump: Path) -> dict:
+    """What libtpu's runtime reserves for the program: arguments + results - aliased + the
+    HBM temporaries of its buffer assignment (hlo_stats.preallocated_temp_bytes, color 0).
+    `memory_analysis`'s temp bytes can exceed that allocation (by 141 MB on the MLP on
+    v5e:2x4) with no allocation of the dump holding the difference; on a v5e chip the
+    runtime's `bytes_reserved` after a run is the allocation, not the temp bytes."""
+    from hloplan.hlo_stats import preallocated_temp_bytes
+
+    (found,) = dump.glob("*after_optimizations-buffer-assignment.txt")  # one compile per dump
+    temps = preallocated_temp_bytes(found.read_text())
+    hbm_temp = temps.get(0, 0)
+    return {"hbm_temp_bytes": hbm_temp, "vmem_temp_bytes": temps.get(1, 0),
+            "reserved_bytes": (memory["argument_bytes"] + memory["output_bytes"] + hbm_temp
+                               - (memory["alias_bytes"] or 0))}
 
 
 def run_case(case: str) -> dict:
@@ -136,16 +157,20 @@ def run_case(case: str) -> dict:
     data, cfg = export(name, topology.devices)
     result, plan_s = _plan(data, mesh_text)
     plain, _ = _plan(data, mesh_text, buffers=False)
-    compiled, compile_s = _compile_plan(result, devices)
-    memory = memory_stats(compiled)
+    with tempfile.TemporaryDirectory() as dump:
+        compiled, compile_s = _compile_plan(result, devices, Path(dump))
+        memory = memory_stats(compiled)
+        memory.update(_reserved(memory, Path(dump)))
     predicted = result.plan["estimate"]["peak_memory_bytes"]
     without = plain.plan["estimate"]["peak_memory_bytes"]
     return {
         "case": case, "config": cfg, "plan_s": plan_s, "compile_s": compile_s,
         "predicted_bytes": predicted, "peak_bytes": memory["peak_bytes"],
         "xla_peak_bytes": memory["xla_peak_bytes"], "memory": memory,
+        "reserved_bytes": memory["reserved_bytes"],
         "ratio": predicted / memory["peak_bytes"],
         "ratio_xla": predicted / memory["xla_peak_bytes"],
+        "ratio_reserved": predicted / memory["reserved_bytes"],
         "predicted_peak_after": result.plan["estimate"]["peak"]["after"],
         "without_buffers": {"predicted_bytes": without, "ratio": without / memory["peak_bytes"],
                             "same_plan": _layouts(plain.plan) == _layouts(result.plan)},
@@ -249,8 +274,10 @@ def main() -> None:
         else:
             print(f"{case}: predicted {row['predicted_bytes'] / 2**30:.2f} GiB, libtpu "
                   f"{row['peak_bytes'] / 2**30:.2f} GiB (arg + out + temp - alias; "
+                  f"reserved {row['reserved_bytes'] / 2**30:.2f}; "
                   f"peak_memory_in_bytes {row['xla_peak_bytes'] / 2**30:.2f}): "
-                  f"{row['ratio']:.3f} / {row['ratio_xla']:.3f}; without [buffers] "
+                  f"{row['ratio']:.3f} / {row['ratio_reserved']:.3f} / {row['ratio_xla']:.3f}; "
+                  f"without [buffers] "
                   f"{row['without_buffers']['ratio']:.3f}; {row['seconds']:.0f} s", flush=True)
         path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
 

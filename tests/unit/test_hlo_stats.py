@@ -29,6 +29,7 @@ from hloplan.hlo_stats import (  # noqa: E402
     live_range_peak,
     memory_stats,
     parse_replica_groups,
+    preallocated_temp_bytes,
     shape_bytes,
 )
 
@@ -878,6 +879,41 @@ def test_live_range_peak_reads_the_dumped_peak():
     assert live_range_peak(text) == 1_468_028_940
     assert live_range_peak(text.rpartition("  Stack")[0]) == 768  # no breakdown: the sum
     assert live_range_peak("HloLiveRange (max 0):\n") is None
+
+
+def test_preallocated_temp_bytes_by_memory_space():
+    """libtpu's buffer assignment: parameters and constants are not temporaries; the default
+    memory's temporaries (HBM) and each other color's (1: VMEM) are counted apart."""
+    text = """BufferAssignment:
+allocation 0: size 512, thread-local:
+ value: <11 reduce_sum.40 @0> (size=512,offset=0): f32[]{:T(128)}
+allocation 1: size 33554432, parameter 16, shape |f32[1024,8192]| at ShapeIndex {}, maybe-live-out:
+ value: <1045 param.9 @0> (size=33554432,offset=0): f32[1024,8192]{1,0:T(8,128)}
+allocation 24: size 512, constant:
+allocation 75: size 711770624, preallocated-temp:
+ value: <538 broadcast_select_fusion.14 @0> (size=33554432,offset=661225472): f32[8192,1024]
+allocation 76: size 108, color 2, preallocated-temp:
+allocation 79: size 117440512, color 1, preallocated-temp:
+ value: <560 fusion.148 @1> (size=67108864,offset=33554432): f32[8192,2,1024]
+"""
+    assert preallocated_temp_bytes(text) == {0: 711770624, 1: 117440512, 2: 108}
+    assert preallocated_temp_bytes("BufferAssignment:\n") == {}
+
+
+def test_preallocated_temp_bytes_of_a_compiled_program(tmp_path):
+    """The CPU compiler's temporaries are one default-memory allocation: memory_analysis's
+    temp bytes (TPU differs, see preallocated_temp_bytes)."""
+
+    def f(x):
+        a = jnp.sin(x) @ x
+        return (jnp.cos(a) @ x).sum() + a.sum()
+
+    x = jnp.ones((512, 512))
+    compiled = jax.jit(f, compiler_options={"xla_dump_to": str(tmp_path),
+                                            "xla_dump_hlo_as_text": True}).lower(x).compile()
+    (dump,) = tmp_path.glob("*after_optimizations-buffer-assignment.txt")
+    temps = preallocated_temp_bytes(dump.read_text())
+    assert temps[0] == memory_stats(compiled)["temp_bytes"] >= x.nbytes
 
 
 def test_live_range_peak_of_a_compiled_program_is_within_its_allocation(tmp_path):
