@@ -116,8 +116,9 @@ class CommModel:
     all-reduces of many parameters) are merged into buffers of about that size, so one of S
     bytes pays only min(1, S / threshold) of the per-call latency (none when the platform merges
     them all: threshold inf); a threshold of 0, or no `combine`, makes every collective pay its
-    full latency. The first buffer's launch, which a plan pays once if it issues the kind at
-    all, is `launch_latency` (the planner charges it through the problem's launches, where it
+    full latency; so does a reduce-scatter on a TPU slice where libtpu merges none
+    (DeviceModel.reduce_scatter_apart). The first buffer's launch, which a plan pays once if it
+    issues the kind at all, is `launch_latency` (the planner charges it through the problem's launches, where it
     costs at least BuildShardingProblem.min_launch_s).
     """
 
@@ -136,6 +137,7 @@ class CommModel:
         # layouts, and validating them each time dominated the cost.
         self._groups: dict = {}
         self._checked: dict = {}
+        self._apart: dict[int, bool] = {}
 
     def __repr__(self) -> str:
         links = ", ".join(
@@ -213,10 +215,23 @@ class CommModel:
         if n == 1 or nbytes <= 0:
             return 0.0
         latency = self._latency(kind, group)
-        threshold = self.combine.get(kind)
+        threshold = self._threshold(kind, group)
         if threshold:
             latency *= min(1.0, nbytes / threshold)  # 0 when all are merged (threshold inf)
         return self.bytes_sent(kind, nbytes, group.axes) / group.bandwidth + latency
+
+    def _threshold(self, kind: str, group: AxisGroup) -> float | None:
+        """Bytes per merged collective of `kind` over `group` (None: not merged). libtpu merges
+        no reduce-scatter on some slices (DeviceModel.reduce_scatter_apart)."""
+        threshold = self.combine.get(kind)
+        if threshold and kind == REDUCE_SCATTER:
+            apart = self._apart.get(group.size)
+            if apart is None:
+                apart = self._apart[group.size] = self.model.reduce_scatter_apart(
+                    self.mesh.size, group.size)
+            if apart:
+                return None
+        return threshold
 
     def _latency(self, kind: str, group) -> float:
         steps = 2 * (group.size - 1) if kind == ALL_REDUCE else group.size - 1
@@ -228,7 +243,7 @@ class CommModel:
         the combiners do not merge (each of those pays its latency in full already)."""
         kind = _kind(kind)
         group = self.group(axes)
-        if kind not in self.combine or group.size == 1:
+        if group.size == 1 or not self._threshold(kind, group):
             return 0.0
         return self._latency(kind, group)
 

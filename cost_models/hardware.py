@@ -61,6 +61,10 @@ Schema (all fields required unless marked optional)::
     all-reduce = "30MiB"         # bytes per merged collective; "unbounded": all merged into one;
     reduce-scatter = "30MiB"     # 0: never merged (each pays its full latency)
     all-gather = 0
+    [combiner.reduce-scatter-apart]  # optional, TPU models: slices (of tpu_topology, chosen by
+    "4x8" = "all"                # the mesh's device count) where libtpu merges no reduce-scatter
+    "4x4" = "partial"            # ("all") or none over part of the slice ("partial": one over
+                                 # every chip is merged)
 
     [collectives]                # optional: how the platform's compiler lays out collectives
     gathers = "per-dim"          # "per-dim": a reshard all-gathers each tensor dim on its own
@@ -137,6 +141,7 @@ _COMBINER_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 DEFAULT_COMBINER: dict[str, float] = {
     "all-reduce": 30.0 * 1024 * 1024, "reduce-scatter": 30.0 * 1024 * 1024, "all-gather": 0.0,
 }
+_APART = "reduce-scatter-apart"  # [combiner] sub-table: slices where libtpu merges none
 _LEVEL_FIELDS = {"name", "devices", "bandwidth", "latency"}
 _COLLECTIVES_FIELDS = ("gathers", "matmul-input-dtype", "reassociate", "collective-matmul")
 _GATHERS = ("per-dim", "one")
@@ -222,6 +227,10 @@ class DeviceModel:
     # Collective kind -> bytes per merged collective (inf: all merged; 0: none); see [combiner].
     combiner: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_COMBINER),
                                        hash=False)
+    # [combiner.reduce-scatter-apart]: TPU slice shape ("4x8") -> which reduce-scatters libtpu
+    # leaves unmerged there: "all", or "partial" (those over part of the slice); see
+    # reduce_scatter_apart.
+    unmerged_reduce_scatters: dict[str, str] = field(default_factory=dict, hash=False)
     # Seconds of fixed cost per program call (dispatch and launch), measured by calibrate.
     program_overhead: float = 0.0
     # TPU models: the libtpu topology kind ("v5e", "v6e", "v5p", "v4"); see hloplan.tpu.
@@ -252,6 +261,27 @@ class DeviceModel:
     conv: dict[str, Any] = field(default_factory=dict, hash=False)
     # Seconds each argument or result buffer of a program call adds to it (dispatch).
     buffer_overhead: float = 0.0
+
+    def unmerged_reduce_scatters_on(self, devices: int) -> str | None:
+        """Which reduce-scatters libtpu leaves unmerged on the slice a mesh of `devices`
+        devices is planned for (hloplan.tpu.topology_for): "all", "partial" (those over part
+        of the slice) or None, per [combiner] reduce-scatter-apart."""
+        if not self.unmerged_reduce_scatters or self.tpu_topology is None:
+            return None
+        from hloplan.diagnostics import UsageError
+        from hloplan.tpu import topology_for
+
+        try:
+            shape = topology_for(self.tpu_topology, devices).name.split(":", 1)[1]
+        except UsageError:  # no slice has that many devices (multislice): no rule
+            return None
+        return self.unmerged_reduce_scatters.get(shape)
+
+    def reduce_scatter_apart(self, devices: int, group: int) -> bool:
+        """Whether libtpu leaves a reduce-scatter over `group` of a mesh of `devices` devices
+        unmerged (each pays its whole latency; unmerged_reduce_scatters_on)."""
+        which = self.unmerged_reduce_scatters_on(devices)
+        return which == "all" or (which == "partial" and group < devices)
 
     def call_overhead(self, buffers: int) -> float:
         """Seconds a program call with `buffers` argument and result buffers spends outside
@@ -465,6 +495,7 @@ def _parse_model(data: dict[str, Any], source: str) -> DeviceModel:
         source=source,
         collective_overhead=overhead,
         combiner=_parse_combiner(data.get("combiner", {}), source),
+        unmerged_reduce_scatters=_parse_apart(data.get("combiner", {}), source),
         program_overhead=program_overhead,
         tpu_topology=tpu_topology,
         calibration=dict(calibration),
@@ -580,6 +611,8 @@ def _parse_combiner(table: Any, source: str) -> dict[str, float]:
         raise _fail(source, "field 'combiner' must be a table ([combiner])")
     combiner = dict(DEFAULT_COMBINER)
     for key, value in table.items():
+        if key == _APART:
+            continue
         kind = key.strip().lower().replace("_", "-")
         if kind not in _COMBINER_KINDS:
             raise _fail(source, f"unknown field 'combiner.{key}' (known: "
@@ -593,6 +626,19 @@ def _parse_combiner(table: Any, source: str) -> dict[str, float]:
             raise _fail(source, f"field 'combiner.{key}': {exc}") from None
         combiner[kind] = _number(size, source, f"combiner.{key}", positive=False)
     return combiner
+
+
+def _parse_apart(table: Any, source: str) -> dict[str, str]:
+    apart = table.get(_APART, {}) if isinstance(table, dict) else {}
+    if not isinstance(apart, dict):
+        raise _fail(source, f"field 'combiner.{_APART}' must be a table of slice shapes")
+    out = {}
+    for shape, which in apart.items():
+        if which not in ("all", "partial"):
+            raise _fail(source, f"field 'combiner.{_APART}.{shape}' must be \"all\" or "
+                                f"\"partial\", not {which!r}")
+        out[shape.strip().lower()] = which
+    return out
 
 
 def _load_text(text: str, source: str) -> DeviceModel:

@@ -345,6 +345,9 @@ def _toml_value(value) -> str:
         return json.dumps(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table ([combiner]'s reduce-scatter-apart)
+        return "{ " + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}"
+                                for k, v in value.items()) + " }"
     raise TypeError(f"cannot write {value!r} to TOML")
 
 

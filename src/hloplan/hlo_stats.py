@@ -1010,11 +1010,22 @@ def _scattered_elements(module: _Module, comp: _Computation, users: dict[str, li
     return out
 
 
-def _split_reduce_scatter(op: CollectiveOp, ins: _Instr, scattered: list[int]) -> list[CollectiveOp]:
-    """An all-reduce as compiled -> [remaining all-reduce?, reduce-scatter of the sliced part]."""
+def _split_reduce_scatter(comp: _Computation, op: CollectiveOp, ins: _Instr,
+                          scattered: list[int]) -> list[CollectiveOp]:
+    """An all-reduce as compiled -> [remaining all-reduce?, reduce-scatter of the sliced part].
+    Each part is sized by its operands, as a whole all-reduce is (operand_bytes): libtpu's
+    all-reduce can take f32 operands and give bf16 results (a convert to the MXU's input dtype
+    folded into it), so the sliced results' bytes taken from the operands' would leave a
+    spurious remainder of the difference."""
     elements = _tuple_elements(ins.shape) or [ins.shape]
-    part = sum(shape_bytes(elements[k]) for k in scattered)
-    rest = op.operand_bytes - part
+    sizes = [shape_bytes(shape) for shape in elements]
+    if len(ins.operands) == len(elements):
+        operands = [inline or comp.shapes.get(name)
+                    for name, inline in zip(ins.operands, ins.operand_shapes, strict=True)]
+        if all(operands):
+            sizes = [shape_bytes(shape) for shape in operands]
+    part = sum(sizes[k] for k in scattered)
+    rest = sum(size for k, size in enumerate(sizes) if k not in scattered)
     n = op.group_size
     scatter = replace(
         op, kind="reduce-scatter", name=op.name + " (reduce-scatter part)"
@@ -1108,7 +1119,7 @@ def collective_stats(
             if fold_reduce_scatter and kind == "all-reduce" and not is_async and op.group_size > 1:
                 scattered = _scattered_elements(module, comp, users, ins, op.group_size)
                 if scattered:
-                    ops.extend(_split_reduce_scatter(op, ins, scattered))
+                    ops.extend(_split_reduce_scatter(comp, op, ins, scattered))
                     continue
             ops.append(op)
     return CollectiveStats(ops=tuple(ops), num_devices=num_devices)

@@ -121,7 +121,11 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
                          "memory_bytes": options.device.memory_bytes,
                          # bytes per merged collective the plan was priced with (see [combiner])
                          "combiner": {kind: "unbounded" if size == float("inf") else int(size)
-                                      for kind, size in sorted(options.device.combiner.items())}},
+                                      for kind, size in sorted(options.device.combiner.items())},
+                         # reduce-scatters the compiler leaves unmerged on this mesh's slice
+                         # ("all", "partial" or null; [combiner] reduce-scatter-apart)
+                         "unmerged_reduce_scatters":
+                             options.device.unmerged_reduce_scatters_on(options.mesh.size)},
         "memory_budget_bytes": int(options.budget) if options.budget != float("inf") else None,
         "arguments": arguments,
         "results": results,

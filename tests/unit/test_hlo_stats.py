@@ -676,6 +676,27 @@ def test_all_reduce_read_only_as_shards_counts_as_reduce_scatter() -> None:
     assert whole.kind == "all-reduce" and whole.operand_bytes == 64 * 16 * 4 + 8 * 4
 
 
+def test_sliced_all_reduce_with_narrower_results_splits_by_its_operands() -> None:
+    # libtpu folds the convert of an f32 matmul operand to bf16 into the all-reduce: f32
+    # operands, bf16 results. Both elements are read only as 1/4 shards: one reduce-scatter of
+    # the operands' bytes (as the whole all-reduce is counted), no all-reduce of the
+    # difference between the f32 operands and the bf16 results.
+    text = (_SNIPPET_SLICED
+            .replace("%ar = (f32[64,16]{1,0}, f32[8]{0}) all-reduce",
+                     "%ar = (bf16[64,16]{1,0}, f32[8]{0}) all-reduce")
+            .replace("%g0 = f32[64,16]{1,0} get-tuple-element", "%g0 = bf16[64,16]{1,0} get-tuple-element")
+            .replace("%fused (param_0: f32[64,16]", "%fused (param_0: bf16[64,16]")
+            .replace("%param_0 = f32[64,16]{1,0}", "%param_0 = bf16[64,16]{1,0}")
+            .replace("%g1)\n}", "%g1)\n}"))
+    ops = collective_stats(text).ops
+    assert [op.kind for op in ops] == ["all-reduce", "reduce-scatter"]
+    rest, scatter = ops
+    assert rest.operand_bytes == 8 * 4  # the f32[8] read whole
+    assert scatter.operand_bytes == 64 * 16 * 4  # the f32 operand of the sliced element
+    (whole,) = collective_stats(text, fold_reduce_scatter=False).ops
+    assert whole.operand_bytes == rest.operand_bytes + scatter.operand_bytes
+
+
 # --- per-kernel roofline ----------------------------------------------------------------------
 
 _KERNELS = """HloModule m, num_partitions=1
