@@ -54,6 +54,7 @@ from hloplan.strategies import (
 from hloplan.tpu_buffers import (
     fused_selects,
     gathers_rows,
+    operand_fused_values,
     output_fused_matmuls,
     pad_operands,
     relaid_rows,
@@ -880,9 +881,11 @@ def tpu_unmaterialized(graph: Graph, kept_fused: set[int]) -> set[int]:
     """The values XLA's TPU compiler writes no buffer for: every fused value (reductions
     fuse the elementwise work they read), the one-element scatters into splats it rewrites as
     fused selects (tpu_buffers.fused_selects), matmul results it slices through
-    (tpu_buffers.sliced_matmuls), less the operands of written-out pads."""
+    (tpu_buffers.sliced_matmuls), matmul operands computed inside the matmuls
+    (tpu_buffers.operand_fused_values), less the operands of written-out pads."""
     out = set(kept_fused) | fused_selects(graph, free_values(graph)) | sliced_matmuls(graph)
     out |= output_fused_matmuls(graph, out)
+    out |= operand_fused_values(graph, out, free_values(graph))
     return out - pad_operands(graph, out)
 
 

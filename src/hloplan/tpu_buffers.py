@@ -9,7 +9,7 @@ holds no buffer for (build-sharding-problem's `unmaterialized`).
 from __future__ import annotations
 
 from hloplan.graph import Graph
-from hloplan.op_rules import fusible_consumer, fusible_producer
+from hloplan.op_rules import ELEMENTWISE, fusible_consumer, fusible_producer
 
 
 def select_scatters(graph: Graph, free: set[int]) -> set[int]:
@@ -212,3 +212,65 @@ def relaid_rows(shape: tuple[int, ...], itemsize: int) -> int:
     if row_major > tiled_elements(shape, itemsize):
         return row_major * itemsize
     return 0
+
+
+_MATMULS = ("stablehlo.dot_general", "stablehlo.convolution")
+
+
+def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int]) -> set[int]:
+    """Elementwise values read only by matmuls and computed from one value held past their
+    last reader: XLA's TPU compiler computes such a value inside each matmul that reads it
+    (an operand fusion) instead of writing it out, since what it is made from stays in HBM
+    anyway. A GELU expert MLP (models.py's moe): the activation `gelu(x @ w_in)`, read by the
+    `@ w_out` matmul and by w_out's weight gradient, is recomputed in both from the f32
+    pre-activation, which the backward pass keeps for GELU's derivative and reads after
+    them (libtpu 0.0.42: no buffer for it, 160 MiB per layer per device on v5e:2x4). One made
+    from two held values is written out (libtpu 0.0.42, bf16, on v5e:2x4): a SwiGLU's
+    `silu(x @ w_gate) * (x @ w_up)` (models.py's llama) and GPT's `gelu(x @ w + b)`, made from
+    the matmul result and the bias (the sum is fused into its readers); so is, by the same
+    reasoning, one whose source is last read before the value's last matmul (no such case
+    seen in libtpu's dumps). The value is followed back through the fused values it is made
+    from (`unmaterialized`) to the written-out ones: besides those free to make (`free`:
+    splats, iotas), exactly one, an argument or a value read by an op after the value's last
+    matmul. Only values an elementwise op makes (a weight's transpose is
+    left to the other rules), and no pad on the way (a written-out pad is a kernel of its
+    own: pad_operands). Value ids."""
+    arguments = set(graph.arguments)
+    out = set()
+    for op in graph.ops:
+        if (len(op.results) != 1 or not op.name.startswith("stablehlo.")
+                or op.name.removeprefix("stablehlo.") not in ELEMENTWISE):
+            continue
+        value = graph.values[op.results[0]]
+        if (value.id in unmaterialized or value.id in graph.outputs or not value.users
+                or not all(graph.ops[u].name in _MATMULS for u in value.users)):
+            continue
+        last = max(value.users)
+        chain: set[int] = set()  # ops of the fused chain making the value
+        leaves: set[int] = set()  # written-out values it is made from
+        stack = [op.index]
+        ok = True
+        while stack and ok:
+            index = stack.pop()
+            if index in chain:
+                continue
+            chain.add(index)
+            node = graph.ops[index]
+            if ((node.parent, node.region) != (op.parent, op.region)
+                    or not fusible_producer(node.name) or node.name == "stablehlo.pad"
+                    or len(chain) > 64):
+                ok = False
+                break
+            for operand in node.operands:
+                if operand in unmaterialized:
+                    stack.append(graph.values[operand].producer)
+                else:
+                    leaves.add(operand)
+        held = leaves - free
+        if not ok or len(held) != 1:
+            continue
+        (leaf,) = held
+        if leaf in arguments or any(u > last and u not in chain
+                                    for u in graph.values[leaf].users):
+            out.add(value.id)
+    return out

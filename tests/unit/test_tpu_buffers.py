@@ -13,6 +13,7 @@ from hloplan.op_rules import folded_transposes, free_values, fused_values
 from hloplan.passes.build_sharding_problem import matmul_narrowed, tpu_unmaterialized
 from hloplan.tpu_buffers import (
     fused_selects,
+    operand_fused_values,
     output_fused_matmuls,
     pad_operands,
     select_scatters,
@@ -98,6 +99,50 @@ def test_matmuls_output_fused_into_one_kernel() -> None:
     dh = next(op for op in _ops(graph, "stablehlo.dot_general")
               if graph.type_of(op.results[0]).shape == (256, 512))
     assert dh.results[0] not in output_fused_matmuls(graph, fused)
+
+
+def _activation_recomputed(x, w1, w2, g):
+    """A GELU-like activation read by the next matmul and its weight gradient, whose
+    pre-activation the backward pass reads after both (for the activation's derivative)."""
+    h = x @ w1
+    a = h * jnp.tanh(h)
+    y = a @ w2
+    dw2 = jnp.einsum("bf,bd->fd", a, g)
+    dh = (g @ w2.T) * (1.0 - jnp.square(jnp.tanh(h)))
+    return y, dw2, dh
+
+
+def _activation_kept(x, w1, w2, g):
+    """The same, the pre-activation last read before the weight gradient: the activation is
+    written out (it outlives what it is made from)."""
+    h = x @ w1
+    a = h * jnp.tanh(h)
+    y = a @ w2
+    dh = (g @ w2.T) * (1.0 - jnp.square(jnp.tanh(h)))
+    dw2 = jnp.einsum("bf,bd->fd", a, g)
+    return y, dw2, dh
+
+
+def _gated(x, w1, w2, g):
+    """Made from two held values (a SwiGLU): written out."""
+    h, u = x @ w1, x @ (w1 * 2.0)
+    a = h * jnp.tanh(h) * u
+    y = a @ w2
+    dw2 = jnp.einsum("bf,bd->fd", a, g)
+    dh = (g @ w2.T) * (1.0 - jnp.square(jnp.tanh(h))) * u
+    return y, dw2, dh
+
+
+def test_matmul_operands_made_from_held_values_are_recomputed() -> None:
+    args = (S((256, 128), F32), S((128, 512), F32), S((512, 128), F32), S((256, 128), F32))
+    for step, recomputed in ((_activation_recomputed, True), (_activation_kept, False),
+                             (_gated, False)):
+        graph = _state(step, *args).graph
+        fused = fused_values(graph, folded_transposes(graph))
+        activation, = (op.results[0] for op in _ops(graph, "stablehlo.multiply")
+                       if len(graph.values[op.results[0]].users) == 2)
+        assert (activation in operand_fused_values(graph, fused, free_values(graph))) == recomputed
+        assert (activation in tpu_unmaterialized(graph, fused)) == recomputed
 
 
 def _padded(x, w, z):
