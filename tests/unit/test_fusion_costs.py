@@ -409,3 +409,23 @@ def test_only_a_recomputed_softmax_is_read_apart_from_the_flops(normalized):
     rereads = matmul_rereads(g, fused)
     assert value in fused and rereads == {(backward.index, 0)}
     assert normalized_rereads(g, fused, rereads) == (rereads if normalized else set())
+
+
+def test_pipeline_bound_takes_a_matmul_kernels_flops_against_all_its_traffic():
+    """The pipeline search's lower bound of a matmul takes its fused ops' traffic off its FLOP
+    time (those ops count it themselves): an HBM-bound kernel is priced at its traffic, so a
+    bound of max(FLOPs, own traffic) + fused traffic would exceed the planner's price."""
+    from types import SimpleNamespace
+
+    from hloplan.pipeline_parallel.search import StageSearch
+
+    search = object.__new__(StageSearch)
+    search.options = SimpleNamespace(device=SimpleNamespace(hbm_bandwidth=1e12))
+    # 1 ms of FLOPs, 0.2 ms of own traffic, 1.5 ms of fused traffic (0.5 ms of it per batch).
+    figure = (1e9, 1e12, [(2e8, False)], [], False, [(1e9, False), (1e9, True)])
+    assert search._op_seconds(figure, 1, ()) == pytest.approx(2e-4)
+    assert search._op_seconds(figure, 2, ()) == pytest.approx(2e-4)
+    # Without fused traffic the FLOPs bound it.
+    assert search._op_seconds(figure[:5] + ([],), 1, ()) == pytest.approx(1e-3)
+    # 0.2 ms of fused traffic: 0.8 ms of FLOPs left over the kernel's.
+    assert search._op_seconds(figure[:5] + ([(2e8, False)],), 1, ()) == pytest.approx(8e-4)
