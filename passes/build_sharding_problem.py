@@ -26,7 +26,10 @@ from hloplan.op_rules import (
     fused_values,
     fuses_matmuls,
     hbm_traffic,
+    matmul_kernels,
     matmul_rereads,
+    normalized_rereads,
+    output_fused_values,
     rule_for,
     serial_reads,
     shared_reads,
@@ -165,9 +168,16 @@ class _ProblemBuilder:
         matmul_fusion = fuses_matmuls(comm.model.platform)
         # Kept inside a fused kernel: no HBM traffic.
         self.fused = fused_values(graph, self.folded, matmul_fusion)
-        self.shared = shared_reads(graph, self.fused)  # a fused kernel reads a value once
+        # Returned values that their readers take inside the kernel making them (multi-output
+        # fusion): written out, never read back.
+        self.kept = (output_fused_values(graph, self.folded, matmul_fusion) if matmul_fusion
+                     else set())
+        # A fused kernel reads a value once.
+        self.shared = shared_reads(graph, self.fused | self.kept)
         # Matmuls recompute the fused operands they share.
         self.rereads = matmul_rereads(graph, self.fused) if matmul_fusion else set()
+        # Of those, the ones read apart from the FLOPs (op_rules.serial_reads).
+        self.serial = normalized_rereads(graph, self.fused, self.rereads)
         # Memory counts the values fused among elementwise ops and reductions only: those fused
         # into a matmul's kernel keep their buffers in libtpu's buffer assignment (the matmul
         # fusion is priced as HBM traffic only).
@@ -192,8 +202,54 @@ class _ProblemBuilder:
         # what each device receives, so their bytes are priced.
         state = state_like_args(graph)
         self.streamed = frozenset(v for p, v in enumerate(graph.arguments) if p not in state)
+        self.overlapped = self._overlapped_matmuls()
 
     # -- strategies ---------------------------------------------------------------------------
+
+    def _overlapped_matmuls(self) -> set[int]:
+        """Matmuls whose kernel is HBM-bound: the HBM traffic of the matmul and of the
+        elementwise ops fused into its kernel (op_rules.matmul_kernels: an optimizer update
+        fused into a weight-gradient matmul, an activation recomputed in its prologue) takes
+        longer than its FLOPs at the [matmul] rate of its whole shape. The chip streams that
+        traffic while the MXU computes, so the kernel takes its traffic's time: such a matmul
+        is priced at its own traffic, the fused ops at theirs (_price's `overlap`). In a
+        compute-bound kernel the fused ops' traffic adds to the FLOPs, as priced op by op (on
+        a v5e chip the weight-gradient kernels of the dense transformers and MLPs come near
+        that sum; the MoE's expert weight gradients, HBM-bound, take their traffic's time)."""
+        if not fuses_matmuls(self.comm.model.platform) or not self.comm.model.matmul:
+            return set()
+        graph, model = self.graph, self.comm.model
+
+        def traffic(op: Op) -> float:
+            """HBM bytes the op moves alongside its kernel's FLOPs: a recomputed operand's read
+            that comes before them (serial_reads) is left out."""
+            reads, writes = hbm_traffic(graph, op, self.fused, self.streamed, self.folded,
+                                        self.shared, self.rereads, self.kept)
+            late = serial_reads(op, self.serial) or (False,) * len(op.operands)
+            reads = tuple(read and not apart for read, apart in zip(reads, late))
+            return sum(graph.type_of(v).nbytes for v, moved in
+                       zip((*op.operands, *op.results), (*reads, *writes))
+                       if moved and graph.type_of(v) is not None)
+
+        out = set()
+        for index, neighbours in matmul_kernels(graph, self.fused | self.kept).items():
+            op = graph.ops[index]
+            rule = rule_for(graph, op)
+            if rule.matmul is None or not neighbours:
+                continue
+            dims = []
+            for factors, constant in rule.matmul:
+                size = float(constant)
+                for f in factors:
+                    size *= rule.factors[f].size
+                dims.append(size)
+            flop_s = rule.flops / model.matmul_flops_for(graph.type_of(op.results[0]).dtype,
+                                                         *dims)
+            moved = traffic(op) + sum(traffic(graph.ops[u]) for u in neighbours
+                                      if graph.ops[u].name not in UNPLANNED)
+            if moved / model.hbm_bandwidth >= flop_s:
+                out.add(index)
+        return out
 
     def build(self, budget: float) -> tuple[PlanSpace, ShardingProblem]:
         for op in self.graph.ops:
@@ -291,19 +347,21 @@ class _ProblemBuilder:
         result_types = tuple(self.graph.type_of(v) for v in op.results)
         dtype = result_types[0].dtype if result_types and result_types[0] else "f32"
         hbm = hbm_traffic(self.graph, op, self.fused, self.streamed, self.folded, self.shared,
-                          self.rereads)
-        serial = serial_reads(op, self.rereads)  # recomputed operands: read apart from FLOPs
+                          self.rereads, self.kept)
+        serial = serial_reads(op, self.serial)  # recomputed operands: read apart from FLOPs
         # The signature (rule, types, ...) is hashed once, here; the follower cache and the
         # list ids key on its small id (hashing an OpRule walks all its factors).
         chained = op.index in self.chained
-        own_key = (rule, operand_types, result_types, op.multiplier, dtype, hbm, serial, chained)
+        overlap = op.index in self.overlapped
+        own_key = (rule, operand_types, result_types, op.multiplier, dtype, hbm, serial, chained,
+                   overlap)
         own_id = self.own_ids.get(own_key)
         if own_id is None:
             own_id = self.own_ids[own_key] = len(self.own_ids)
             self.own_lists.append(enumerate_strategies(
                 rule, list(operand_types), list(result_types), self.mesh,
                 self.unmerged if chained else self.comm, op.multiplier, dtype, hbm=hbm,
-                serial=serial))
+                serial=serial, overlap=overlap))
         own = self.own_lists[own_id]
         leader = self._leader_operand(op, rule) if self.follow else None
         if leader is None:

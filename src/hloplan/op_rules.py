@@ -576,6 +576,33 @@ def fused_values(graph: Graph, folded: set[int] | None = None,
     return fused
 
 
+def output_fused_values(graph: Graph, folded: set[int] | None = None,
+                        matmul_fusion: bool = False) -> set[int]:
+    """Returned values that fused_values would keep inside a kernel were they not returned: made
+    by a fusible op and read only by fusible ops of the same region (an optimizer's new
+    moments, returned and read by the update of the weight). XLA makes such a value and its
+    readers one multi-output kernel, which writes the value out once and hands it to its
+    readers in the kernel: they do not read it back from HBM, and the kernel reads each of its
+    other inputs once (shared_reads over fused_values and these)."""
+    outputs = set(graph.outputs)
+    folded = folded_transposes(graph) if folded is None else folded
+    kept = set()
+    for value_id in outputs:
+        value = graph.values[value_id]
+        if value.type is None or not value.users:
+            continue
+        producer = graph.ops[value.producer]
+        if not fusible_producer(producer.name):
+            continue
+        if all((fusible_consumer(graph.ops[u].name)
+                or (matmul_fusion and graph.ops[u].name in MATMULS))
+               and u not in folded
+               and (graph.ops[u].parent, graph.ops[u].region) == (producer.parent, producer.region)
+               for u in value.users):
+            kept.add(value_id)
+    return kept
+
+
 def free_values(graph: Graph) -> set[int]:
     """Values made from constants alone (splats, iotas): any shape of them is free to make."""
     free: set[int] = set()
@@ -712,12 +739,75 @@ def matmul_rereads(graph: Graph, fused: set[int]) -> set[tuple[int, int]]:
     return rereads
 
 
+def matmul_kernels(graph: Graph, fused: set[int]) -> dict[int, list[int]]:
+    """Per matmul: the elementwise ops XLA's TPU compiler fuses into its kernel, each given to
+    one matmul (the first in program order): its epilogue, the ops reached from its result
+    through fused values (bias, activation; the optimizer update of the weight whose gradient
+    it makes), and its prologue, the ops making its fused operands (a layer norm's scale and
+    shift, an activation of the previous matmul's result), back to values read from HBM.
+    Neither crosses another matmul."""
+    taken: set[int] = set()
+    out: dict[int, list[int]] = {}
+    for op in graph.ops:
+        if op.name not in MATMULS:
+            continue
+        ops: list[int] = []
+        # Epilogue: forward from the result.
+        stack = [v for v in op.results if v in fused]
+        while stack:
+            for user in dict.fromkeys(graph.values[stack.pop()].users):
+                if user in taken or graph.ops[user].name in MATMULS:
+                    continue
+                taken.add(user)
+                ops.append(user)
+                stack.extend(v for v in graph.ops[user].results if v in fused)
+        # Prologue: back from the fused operands.
+        stack = [v for v in op.operands if v in fused]
+        while stack:
+            producer = graph.values[stack.pop()].producer
+            if producer in taken or graph.ops[producer].name in MATMULS:
+                continue
+            taken.add(producer)
+            ops.append(producer)
+            stack.extend(v for v in graph.ops[producer].operands if v in fused)
+        out[op.index] = ops
+    return out
+
+
+def normalized_rereads(graph: Graph, fused: set[int],
+                       rereads: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    """The rereads (matmul_rereads) whose recomputed value is normalized by a reduction: made,
+    through fused ops, from a reduce's result (a softmax's exp(x - max) / sum and its
+    gradient, attention probabilities), read apart from the FLOPs (serial_reads)."""
+    memo: dict[int, bool] = {}
+
+    def after_reduction(value_id: int) -> bool:
+        if value_id in memo:
+            return memo[value_id]
+        memo[value_id] = False
+        producer = graph.ops[graph.values[value_id].producer]
+        found = False
+        for operand in producer.operands:
+            if operand in fused:
+                found = after_reduction(operand)
+            else:
+                found = graph.ops[graph.values[operand].producer].name == "stablehlo.reduce"
+            if found:
+                break
+        memo[value_id] = found
+        return found
+
+    return {(i, k) for i, k in rereads if after_reduction(graph.ops[i].operands[k])}
+
+
 def serial_reads(op: Op, rereads: set[tuple[int, int]]) -> tuple[bool, ...] | None:
-    """Per operand of `op`: whether its kernel reads it apart from its compute: a fused operand
-    a matmul recomputes (matmul_rereads) is made by the kernel's prologue, which reads the
-    producers' inputs before the MXU can use them, so that read and the matmul's FLOPs do not
-    overlap (on a v5e chip, the vocabulary matmuls of a language model's backward pass that
-    recompute the softmax gradient take their FLOPs' time plus the logits' read time). None
+    """Per operand of `op`: whether its kernel reads it apart from its compute. The planner
+    passes the normalized rereads (normalized_rereads): a softmax a matmul recomputes in its
+    prologue needs its row statistics before the MXU can use any of it, so reading its inputs
+    and the matmul's FLOPs do not overlap (on a v5e chip, the vocabulary matmuls of a language
+    model's backward pass that recompute the softmax gradient take their FLOPs' time plus the
+    logits' read time). An elementwise recompute (an activation's derivative) streams with the
+    MXU work: the MoE's expert matmuls that recompute GELU take the larger of the two. None
     where no operand is such."""
     serial = tuple((op.index, k) in rereads for k in range(len(op.operands)))
     return serial if any(serial) else None
@@ -725,20 +815,21 @@ def serial_reads(op: Op, rereads: set[tuple[int, int]]) -> tuple[bool, ...] | No
 
 def hbm_traffic(graph: Graph, op: Op, fused: set[int], streamed: frozenset[int] = frozenset(),
                 folded: set[int] = frozenset(), shared: set[tuple[int, int]] = frozenset(),
-                rereads: set[tuple[int, int]] = frozenset(),
+                rereads: set[tuple[int, int]] = frozenset(), kept: set[int] = frozenset(),
                 ) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
     """Per operand and per result of `op`: whether it is read or written through HBM.
     `streamed`: argument values written into device memory every step (data inputs; state
     that the step updates in place stays resident). `folded`: folded_transposes(graph), ops
     that are no kernel. `shared`: shared_reads(graph, fused), reads another op of the same
-    kernel makes. `rereads`: matmul_rereads(graph, fused), fused operands read again."""
+    kernel makes. `rereads`: matmul_rereads(graph, fused), fused operands read again. `kept`:
+    output_fused_values(graph), written out but read by their readers inside the kernel."""
     if op.index in folded:
         return (False,), (False,)
     if op.name in NO_TRAFFIC_OPS:
         return (tuple(False for _ in op.operands),
                 tuple(op.name == "arg" and v in streamed for v in op.results))
     return (tuple((v not in fused or (op.index, k) in rereads) and (op.index, k) not in shared
-                  for k, v in enumerate(op.operands)),
+                  and v not in kept for k, v in enumerate(op.operands)),
             tuple(v not in fused for v in op.results))
 
 

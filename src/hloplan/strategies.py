@@ -96,12 +96,15 @@ def enumerate_strategies(rule: OpRule, operand_types: list[TensorType | None],
                          result_types: list[TensorType], mesh: MeshSpec, comm: CommModel,
                          multiplier: float = 1.0, flops_dtype: str = "f32",
                          hbm: tuple[tuple[bool, ...], tuple[bool, ...]] | None = None,
-                         serial: tuple[bool, ...] | None = None,
+                         serial: tuple[bool, ...] | None = None, overlap: bool = False,
                          ) -> list[OpStrategy]:
     """All legal strategies of an op, in a deterministic order (replicated first). `hbm`: per
     operand and per result, whether it goes through HBM (False: fused into a neighbour's
     kernel, op_rules.hbm_traffic); default: all do. `serial`: per operand, whether its read
-    adds to the op's time rather than overlapping its FLOPs (op_rules.serial_reads)."""
+    adds to the op's time rather than overlapping its FLOPs (op_rules.serial_reads). `overlap`:
+    a matmul whose kernel is HBM-bound with the ops fused into it (build_sharding_problem's
+    _overlapped_matmuls): its FLOPs hide under that traffic, so it is priced at its own
+    traffic alone."""
     shardable = [f for f, factor in enumerate(rule.factors) if factor.kind != "replicate"]
     choices = [None, *shardable]
     seen: set = set()
@@ -130,14 +133,15 @@ def enumerate_strategies(rule: OpRule, operand_types: list[TensorType | None],
             seen.add(key)
             out.append(_price(rule, tuple(results), operands, reduced, factor_axes, operand_types,
                               result_types, mesh, comm, multiplier, flops_dtype, hbm=hbm,
-                              serial=serial))
+                              serial=serial, overlap=overlap))
             for scattered in _scatter_variants(results, reduced, result_types, mesh):
                 key = (scattered, operands, reduced)
                 if key not in seen:
                     seen.add(key)
                     out.append(_price(rule, scattered, operands, reduced, factor_axes,
                                       operand_types, result_types, mesh, comm, multiplier,
-                                      flops_dtype, scatter=True, hbm=hbm, serial=serial))
+                                      flops_dtype, scatter=True, hbm=hbm, serial=serial,
+                                      overlap=overlap))
     return out
 
 
@@ -304,7 +308,7 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
            mesh: MeshSpec, comm: CommModel, multiplier: float, flops_dtype: str,
            scatter: bool = False,
            hbm: tuple[tuple[bool, ...], tuple[bool, ...]] | None = None,
-           serial: tuple[bool, ...] | None = None) -> OpStrategy:
+           serial: tuple[bool, ...] | None = None, overlap: bool = False) -> OpStrategy:
     """Costs of one strategy; `scatter`: the partial sums are reduce-scattered into `results`
     (whose dims carry the reduced axes) instead of all-reduced."""
     split = 1
@@ -339,7 +343,8 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
         compute = 0.0
     elif ((rule.matmul is not None and comm.model.matmul)
           or (rule.conv is not None and comm.model.conv)):
-        compute = (_matmul_time(rule, factor_axes, mesh, comm, moved, flops_dtype, split)
+        compute = ((moved / comm.model.hbm_bandwidth if overlap else
+                    _matmul_time(rule, factor_axes, mesh, comm, moved, flops_dtype, split))
                    + serial_bytes / comm.model.hbm_bandwidth)
     else:
         compute = (comm.compute_time(rule.flops / split, moved, flops_dtype)

@@ -294,3 +294,138 @@ def test_a_recomputed_matmul_operand_is_read_apart_from_the_flops():
     assert serial.compute == pytest.approx(max(2 * 1024**3 / flops,
                                                2 * F32.nbytes / model.hbm_bandwidth)
                                            + F32.nbytes / model.hbm_bandwidth)
+
+
+def _adam_step(w, m, v, x):
+    g = jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+    m = 0.9 * m + 0.1 * g
+    v = 0.99 * v + 0.01 * g * g
+    return w - 1e-3 * m / (jnp.sqrt(v) + 1e-8), m, v
+
+
+def _adam_builder(tokens: int, width: int = 4096):
+    """The planner's problem builder for one device on tpu-v5e, for an Adam step of one
+    width x width weight on a batch of `tokens` rows; and the weight-gradient matmul."""
+    from types import SimpleNamespace
+
+    from hloplan.passes.build_sharding_problem import _ProblemBuilder
+
+    s = jax.ShapeDtypeStruct
+    weight = s((width, width), jnp.float32)
+    data = export.export(jax.jit(_adam_step))(weight, weight, weight,
+                                              s((tokens, width), jnp.float32)).serialize()
+    graph = hloplan.compile(data, "1", device="tpu-v5e", mesh_views="off").state.graph
+    builder = _ProblemBuilder(graph, CommModel(load_device_model("tpu-v5e"), parse_mesh("1")),
+                              False, SimpleNamespace(log=None))
+    # The weight gradient contracts the tokens: the dot whose operands both have them.
+    grad = next(op for op in graph.ops if op.name == "stablehlo.dot_general"
+                and all(graph.type_of(v).shape[0] == tokens for v in op.operands))
+    return builder, graph, grad
+
+
+def test_returned_moments_are_read_inside_the_update_kernel():
+    """Adam's new moments are returned and read by the weight's update: XLA writes them out
+    from the kernel that makes them and hands them to the update there (multi-output fusion),
+    so the update reads neither back."""
+    from hloplan.op_rules import output_fused_values
+
+    builder, graph, _ = _adam_builder(512)
+    kept = output_fused_values(graph, matmul_fusion=True)
+    moments = {v for v in graph.outputs if v in kept}
+    assert len(moments) == 2 and moments == kept
+    readers = [op for op in graph.ops if any(v in moments for v in op.operands)]
+    assert readers
+    for op in readers:
+        reads, _ = hbm_traffic(graph, op, builder.fused, folded=builder.folded,
+                               shared=builder.shared, kept=builder.kept)
+        assert not any(read for read, v in zip(reads, op.operands) if v in moments)
+        reads, _ = hbm_traffic(graph, op, builder.fused, folded=builder.folded)
+        assert any(read for read, v in zip(reads, op.operands) if v in moments)
+    # Written out all the same.
+    for v in moments:
+        producer = graph.ops[graph.values[v].producer]
+        assert all(hbm_traffic(graph, producer, builder.fused, kept=builder.kept)[1])
+
+
+@pytest.mark.parametrize("tokens, hbm_bound", [(512, True), (8192, False)])
+def test_a_weight_gradient_kernel_with_its_update_takes_the_larger_of_flops_and_traffic(
+        tokens, hbm_bound):
+    """The Adam update fused into the weight-gradient matmul (4096^2 weight): with 512 tokens
+    the kernel's traffic (the update's 6 x 64 MiB) outlasts its FLOPs and the chip streams it
+    under them (the matmul costs its own traffic, the kernel its total traffic); with 8192
+    tokens the kernel is compute-bound and the update's traffic adds to the FLOPs."""
+    from hloplan.op_rules import matmul_kernels
+
+    builder, graph, grad = _adam_builder(tokens)
+    model = builder.comm.model
+    assert (grad.index in builder.overlapped) == hbm_bound
+    update = matmul_kernels(graph, builder.fused | builder.kept)[grad.index]
+    assert any(graph.ops[u].name == "stablehlo.sqrt" for u in update)
+    strategies = builder._strategies(grad, rule_for(graph, grad))
+    flop_s = 2.0 * tokens * 4096**2 / model.matmul_flops_for("f32", 4096, tokens, 4096)
+    reads, writes = hbm_traffic(graph, grad, builder.fused, folded=builder.folded,
+                                shared=builder.shared, rereads=builder.rereads,
+                                kept=builder.kept)
+    own = sum(graph.type_of(v).nbytes for v, moved in
+              zip((*grad.operands, *grad.results), (*reads, *writes)) if moved)
+    expected = own / model.hbm_bandwidth if hbm_bound else max(flop_s, own / model.hbm_bandwidth)
+    assert strategies[0].compute == pytest.approx(expected)
+    if hbm_bound:
+        assert strategies[0].compute < flop_s
+
+
+def _recomputed_by_two_matmuls(normalized: bool):
+    """x -> (softmax-like: exp(x - broadcast(max(x)))) or (elementwise: tanh(x)) -> read by two
+    matmuls with w."""
+    g = Graph()
+    x = g.add_op("arg", (), [F32]).results[0]
+    w = g.add_op("arg", (), [F32]).results[0]
+    g.arguments = [x, w]
+    if normalized:
+        row = TensorType((1024,), "f32")
+        peak = g.add_op("stablehlo.reduce", (x,), [row],
+                        attrs={"dimensions": [1], "combiner": "stablehlo.maximum"}).results[0]
+        spread = g.add_op("stablehlo.broadcast_in_dim", (peak,), [F32],
+                          attrs={"broadcast_dimensions": [0]}).results[0]
+        shifted = g.add_op("stablehlo.subtract", (x, spread), [F32]).results[0]
+        value = g.add_op("stablehlo.exponential", (shifted,), [F32]).results[0]
+    else:
+        value = g.add_op("stablehlo.tanh", (x,), [F32]).results[0]
+    attrs = {"lhs_batch": [], "rhs_batch": [], "lhs_contracting": [1], "rhs_contracting": [0]}
+    forward = g.add_op("stablehlo.dot_general", (value, w), [F32], attrs=attrs)
+    backward = g.add_op("stablehlo.dot_general", (value, w), [F32], attrs=attrs)
+    g.outputs = [forward.results[0], backward.results[0]]
+    return g, value, backward
+
+
+@pytest.mark.parametrize("normalized", [True, False])
+def test_only_a_recomputed_softmax_is_read_apart_from_the_flops(normalized):
+    """Both recompute the value in the second matmul's prologue (a reread); a softmax needs
+    its row statistics first, so its read is serial; an elementwise recompute streams."""
+    from hloplan.op_rules import matmul_rereads, normalized_rereads
+
+    g, value, backward = _recomputed_by_two_matmuls(normalized)
+    fused = fused_values(g, matmul_fusion=True)
+    rereads = matmul_rereads(g, fused)
+    assert value in fused and rereads == {(backward.index, 0)}
+    assert normalized_rereads(g, fused, rereads) == (rereads if normalized else set())
+
+
+def test_pipeline_bound_takes_a_matmul_kernels_flops_against_all_its_traffic():
+    """The pipeline search's lower bound of a matmul takes its fused ops' traffic off its FLOP
+    time (those ops count it themselves): an HBM-bound kernel is priced at its traffic, so a
+    bound of max(FLOPs, own traffic) + fused traffic would exceed the planner's price."""
+    from types import SimpleNamespace
+
+    from hloplan.pipeline_parallel.search import StageSearch
+
+    search = object.__new__(StageSearch)
+    search.options = SimpleNamespace(device=SimpleNamespace(hbm_bandwidth=1e12))
+    # 1 ms of FLOPs, 0.2 ms of own traffic, 1.5 ms of fused traffic (0.5 ms of it per batch).
+    figure = (1e9, 1e12, [(2e8, False)], [], False, [(1e9, False), (1e9, True)])
+    assert search._op_seconds(figure, 1, ()) == pytest.approx(2e-4)
+    assert search._op_seconds(figure, 2, ()) == pytest.approx(2e-4)
+    # Without fused traffic the FLOPs bound it.
+    assert search._op_seconds(figure[:5] + ([],), 1, ()) == pytest.approx(1e-3)
+    # 0.2 ms of fused traffic: 0.8 ms of FLOPs left over the kernel's.
+    assert search._op_seconds(figure[:5] + ([(2e8, False)],), 1, ()) == pytest.approx(8e-4)

@@ -13,6 +13,8 @@ from hloplan.op_rules import (
     fused_values,
     fuses_matmuls,
     hbm_traffic,
+    matmul_kernels,
+    output_fused_values,
     rule_for,
     shared_reads,
 )
@@ -99,9 +101,16 @@ class StageSearch:
         # Fusion in the whole program: a task's own module fuses no more, so this stays a
         # lower bound.
         self._folded = folded_transposes(self.graph)
-        self._fused = fused_values(self.graph, self._folded,
-                                   fuses_matmuls(comm.model.platform))
-        self._shared = shared_reads(self.graph, self._fused)
+        matmul_fusion = fuses_matmuls(comm.model.platform)
+        self._fused = fused_values(self.graph, self._folded, matmul_fusion)
+        self._kept = (output_fused_values(self.graph, self._folded, matmul_fusion)
+                      if matmul_fusion else set())
+        self._shared = shared_reads(self.graph, self._fused | self._kept)
+        # Per matmul, the elementwise ops of its kernel: the planner prices an HBM-bound
+        # kernel at its traffic, its FLOPs hidden under it (build_sharding_problem's
+        # _overlapped_matmuls), so the bound takes the kernel's FLOPs against all its traffic.
+        self._kernel_ops = (matmul_kernels(self.graph, self._fused | self._kept)
+                            if matmul_fusion else {})
         self._prefix: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
         self._crossers = self._crossing_values()
         self.cuts: dict[tuple[int, int], PipelineCut] = {}
@@ -119,34 +128,45 @@ class StageSearch:
                     label = self.analysis.label
                     types = [self.graph.type_of(v) for v in op.results]
                     dtype = types[0].dtype if types and types[0] is not None else "f32"
-                    moved, dims, scaled = [], set(), False
-                    reads, writes = hbm_traffic(self.graph, op, self._fused, folded=self._folded,
-                                               shared=self._shared)
-                    for v, traffic in zip((*op.operands, *op.results), (*reads, *writes)):
+                    moved, dims, scaled = self._moved(op), set(), False
+                    for v in (*op.operands, *op.results):
                         type_ = self.graph.type_of(v)
                         if type_ is None:
                             continue
                         scaled = scaled or v in label
-                        if traffic:
-                            moved.append((type_.nbytes * op.multiplier, v in label))
                         dims.update((size, label.get(v) == d) for d, size in enumerate(type_.shape))
+                    # The traffic of the elementwise ops in a matmul's kernel, which may hide
+                    # its FLOPs: taken off them (those ops count it themselves).
+                    hidden = [moved_bytes for u in self._kernel_ops.get(op.index, ())
+                              for moved_bytes in self._moved(self.graph.ops[u])]
                     figure = (rule.flops * op.multiplier, self.options.device.flops_for(dtype),
-                              moved, sorted(dims), scaled)
+                              moved, sorted(dims), scaled, hidden)
             self._op_figures[op.index] = figure
         return self._op_figures[op.index]
+
+    def _moved(self, op) -> list[tuple[float, bool]]:
+        """(HBM bytes per step, batch-labelled) of each value the op reads or writes."""
+        label = self.analysis.label
+        reads, writes = hbm_traffic(self.graph, op, self._fused, folded=self._folded,
+                                    shared=self._shared, kept=self._kept)
+        return [(self.graph.type_of(v).nbytes * op.multiplier, v in label)
+                for v, traffic in zip((*op.operands, *op.results), (*reads, *writes))
+                if traffic and self.graph.type_of(v) is not None]
 
     def _op_seconds(self, figure, microbatches: int, axis_sizes: tuple[int, ...]) -> float:
         """A lower bound on the op's seconds on a submesh with these axes: its roofline with
         the batch split `microbatches` ways, divided by the most any strategy can split it (a
         mesh axis can only split a dimension its size divides)."""
-        flops, rate, moved, dims, scaled = figure
+        flops, rate, moved, dims, scaled, hidden = figure
         nbytes = sum(b / microbatches if lab else b for b, lab in moved)
+        hidden_s = sum(b / microbatches if lab else b
+                       for b, lab in hidden) / self.options.device.hbm_bandwidth
         sizes = {size // microbatches if batch else size for size, batch in dims}
         split = 1
         for axis in axis_sizes:
             if any(size >= axis and size % axis == 0 for size in sizes):
                 split *= axis
-        seconds = max(flops / (microbatches if scaled else 1) / rate,
+        seconds = max(flops / (microbatches if scaled else 1) / rate - hidden_s,
                       nbytes / self.options.device.hbm_bandwidth)
         return seconds / split
 
