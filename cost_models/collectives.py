@@ -340,6 +340,18 @@ class CommModel:
                 if dst_dim.get(axis, d) != d:
                     sources.setdefault(dst_dim[axis], set()).add(d)
         gathered_into = {t for t, dims in sources.items() if len(dims) > 1}
+        # Axes that stay on their dim while others leave it or arrive at it by all-to-all need
+        # no gather when they keep their order: XLA's partitioner moves the others and
+        # renumbers the devices (v5e:2x4, one all-to-all over x each: [-, -, (x, y)] ->
+        # [x, -, y], [(x, y), -] -> [y, x], [x, -, y] -> [-, -, (x, y)]).
+        for d in range(rank):
+            staying = [a for a in leaving[d] if dst_dim.get(a) == d]
+            moving = [a for a in leaving[d] if a not in staying]
+            arriving = [a for a in dst_s[d] if a not in src_s[d]]
+            if (staying and (moving or arriving) and d not in gathered_into
+                    and staying == [a for a in dst_s[d] if a in staying]
+                    and all(a in dst_dim and dst_dim[a] not in gathered_into for a in moving)):
+                leaving[d] = moving
 
         def size() -> int:
             return local_bytes(shape, itemsize, current, self.mesh)
