@@ -536,6 +536,10 @@ def test_reshard_keeps_an_axis_that_stays_in_order(comm: CommModel) -> None:
     assert comm.reshard(SHAPE, 4, ((0,), (1,)), ((), (0, 1))).collectives == moved
     # (-, (data, model)) -> ((data), (model)).
     assert comm.reshard(SHAPE, 4, ((), (0, 1)), ((0,), (1,))).collectives == moved
+    # Leaving one dim for two: all-gathered there (libtpu, [-, -, (x, y)] -> [x, y, -]), then
+    # sliced: one all-gather over both axes to the full 8 MiB.
+    cost = comm.reshard((16, 256, 512), 4, ((), (), (0, 1)), ((0,), (1,), ()))
+    assert cost.collectives == (("all-gather", (0, 1), 7 / 8 * 8 * 2**20),)
     # Reordered on the dim: gathered as before.
     assert comm.reshard(SHAPE, 4, ((0, 1), ()), ((1, 0), ())).collectives[0][0] == "all-gather"
 
