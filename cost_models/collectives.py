@@ -324,8 +324,11 @@ class CommModel:
           2. all-to-alls: axes that move to another dim d', one all-to-all per (d, d') pair over
              those axes, sized by the per-device tensor at that moment; but XLA's partitioner
              moves axes into a dim by all-to-all from one source dim only: axes that arrive
-             at one dim from two or more dims ([x, y, -] -> [-, -, (x, y)]) are all-gathered
-             where they are in step 1 instead;
+             at one dim from two or more dims ([x, y, -] -> [-, -, (x, y)]), or leave one dim
+             for two or more ([-, -, (x, y)] -> [x, y, -]), are all-gathered where they are in
+             step 1 instead; an axis that stays on its dim while others leave it or join it by
+             all-to-all is not gathered when the dim keeps its axes in order (XLA renumbers the
+             devices: [-, -, (x, y)] -> [x, -, y] is one all-to-all over x);
           3. slices: dst axes not yet in place are free (each device keeps its part).
         On a device model with [collectives] gathers = "one" (XLA's TPU compiler), the
         all-gathers of step 1 are one all-gather over all their axes (mesh order), sized by the
@@ -355,6 +358,24 @@ class CommModel:
                 if dst_dim.get(axis, d) != d:
                     sources.setdefault(dst_dim[axis], set()).add(d)
         gathered_into = {t for t, dims in sources.items() if len(dims) > 1}
+        # Nor does it move axes out of one dim into two or more: it all-gathers them there
+        # ([-, -, (x, y)] -> [x, y, -] on v5e:2x4 and 16x16: one all-gather over (x, y)).
+        gathered_from = {d for d in range(rank)
+                         if len({dst_dim[a] for a in leaving[d]
+                                 if dst_dim.get(a, d) != d}) > 1}
+        # Axes that stay on their dim while others leave it or arrive at it by all-to-all need
+        # no gather when they keep their order: XLA's partitioner moves the others and
+        # renumbers the devices (v5e:2x4, one all-to-all over x each: [-, -, (x, y)] ->
+        # [x, -, y], [(x, y), -] -> [y, x], [x, -, y] -> [-, -, (x, y)]).
+        for d in range(rank):
+            staying = [a for a in leaving[d] if dst_dim.get(a) == d]
+            moving = [a for a in leaving[d] if a not in staying]
+            arriving = [a for a in dst_s[d] if a not in src_s[d]]
+            if (staying and (moving or arriving) and d not in gathered_into
+                    and d not in gathered_from
+                    and staying == [a for a in dst_s[d] if a in staying]
+                    and all(a in dst_dim and dst_dim[a] not in gathered_into for a in moving)):
+                leaving[d] = moving
 
         def size() -> int:
             return local_bytes(shape, itemsize, current, self.mesh)
@@ -375,7 +396,8 @@ class CommModel:
         together: list[int] = []
         for d in reversed(range(rank)):
             gathered = tuple(a for a in leaving[d]
-                             if dst_dim.get(a, d) == d or dst_dim[a] in gathered_into)
+                             if dst_dim.get(a, d) == d or dst_dim[a] in gathered_into
+                             or d in gathered_from)
             if not gathered:
                 continue
             if self.one_gather:
@@ -397,7 +419,8 @@ class CommModel:
         # 2. all-to-alls
         for d in range(rank):
             targets = sorted({dst_dim[a] for a in leaving[d]
-                              if dst_dim.get(a, d) != d and dst_dim[a] not in gathered_into})
+                              if dst_dim.get(a, d) != d and dst_dim[a] not in gathered_into
+                              and d not in gathered_from})
             for target in targets:
                 moved = tuple(a for a in leaving[d] if dst_dim.get(a) == target)
                 record(ALL_TO_ALL, size(), moved)

@@ -405,6 +405,14 @@ class _ProblemBuilder:
                 continue
             if dims is None or self.graph.type_of(value_id).rank != rank:
                 continue
+            rule_of = self.rules.get(producer.index)
+            if rule_of is not None and rule_of.indexed == "gather":
+                # A lookup's cheapest forms (rows sharded on their width, or on the
+                # vocabulary and summed) make layouts the values it feeds need not keep; a
+                # follower would make the two one decision with no reshard between them (a
+                # residual stream split over both axes left the Llama-8B step's lookup one
+                # form: the whole table on every device).
+                return None
             return producer, value.result_index
         return None
 

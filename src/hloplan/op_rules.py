@@ -433,8 +433,22 @@ def _gather(graph: Graph, op: Op) -> OpRule:
         out_dims[od] = f
         if full:
             operand_dims[d] = f
+    # A dim indexed one row at a time (an embedding lookup's vocabulary) can be sharded as a
+    # masked lookup: each device gathers the indices in its row range, zeros for the others,
+    # and the partial results are summed. XLA's SPMD partitioner does this for a gather whose
+    # operand is sharded on such a dim (a select and an all-reduce over the dim's axes).
+    for d in _indexed_rows(a["start_index_map"], a["collapsed"], a["slice_sizes"]):
+        operand_dims[d] = b.new(operand.shape[d], "reduce")
     return b.rule([tuple(operand_dims), tuple(indices_dims)], [tuple(out_dims)],
                   flops=float(out.elements), indexed="gather")
+
+
+def _indexed_rows(index_map, collapsed, slice_sizes=None) -> list[int]:
+    """Operand dims a gather or scatter indexes one row at a time: in its index map, with a
+    window of size 1 collapsed away (table[ids]'s vocabulary; a scatter's inserted window
+    dims have size 1)."""
+    return [d for d in index_map
+            if d in collapsed and (slice_sizes is None or slice_sizes[d] == 1)]
 
 
 def _scatter(graph: Graph, op: Op) -> OpRule:
@@ -457,6 +471,11 @@ def _scatter(graph: Graph, op: Op) -> OpRule:
         if updates.shape[ud] == operand.shape[d] and d not in a["scatter_to_operand"]:
             f = b.new(operand.shape[d])
             operand_dims[d] = update_dims[ud] = f
+    # A row-sharded operand (a vocabulary-sharded table's gradient): each device scatters
+    # the updates whose indices fall in its rows (XLA's SPMD partitioner masks the others).
+    for d in _indexed_rows(a["scatter_to_operand"], a["inserted_window_dims"]):
+        if d not in a["operand_batching"]:
+            operand_dims[d] = b.new(operand.shape[d])
     kind = "reduce" if a.get("combiner") == "stablehlo.add" else "replicate"
     scatter_updates = [d for d in range(updates.rank) if d not in a["update_window_dims"]]
     scatter_indices = [d for d in range(indices.rank) if d != a["index_vector_dim"]]

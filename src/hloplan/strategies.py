@@ -134,7 +134,12 @@ def enumerate_strategies(rule: OpRule, operand_types: list[TensorType | None],
             out.append(_price(rule, tuple(results), operands, reduced, factor_axes, operand_types,
                               result_types, mesh, comm, multiplier, flops_dtype, hbm=hbm,
                               serial=serial, overlap=overlap))
-            for scattered in _scatter_variants(results, reduced, result_types, mesh):
+            # A gather's partial sums are all-reduced: given a result layout that
+            # reduce-scatters them, XLA's partitioner all-gathers the table instead (v5e:2x4,
+            # table [x, -], indices [y, -], result [y, x, -]).
+            variants = ([] if rule.indexed == "gather"
+                        else _scatter_variants(results, reduced, result_types, mesh))
+            for scattered in variants:
                 key = (scattered, operands, reduced)
                 if key not in seen:
                     seen.add(key)

@@ -95,9 +95,9 @@ module @jit_ops {
     }) : (tensor<2x8x8x3xf32>, tensor<2x4x4x3xf32>, tensor<f32>) -> tensor<2x8x8x3xf32>
     // CHECK-NEXT: {{.*}}op-rules.mlir:[[# @LINE + 1]]:12: remark: stablehlo.constant: factors {f0=2} operands - results [f0, -] free{{$}}
     %idx = stablehlo.constant dense<[[1], [3]]> : tensor<2x1xi32>
-    // CHECK-NEXT: {{.*}}op-rules.mlir:[[# @LINE + 1]]:11: remark: stablehlo.gather: factors {f0=2, f1=4} operands [-, f1] [f0, -] results [f0, f1]{{$}}
+    // CHECK-NEXT: {{.*}}op-rules.mlir:[[# @LINE + 1]]:11: remark: stablehlo.gather: factors {f0=2, f1=4, f2=10 reduce} operands [f2, f1] [f0, -] results [f0, f1]{{$}}
     %18 = "stablehlo.gather"(%arg6, %idx) <{dimension_numbers = #stablehlo.gather<offset_dims = [1], collapsed_slice_dims = [0], start_index_map = [0], index_vector_dim = 1>, indices_are_sorted = false, slice_sizes = array<i64: 1, 4>}> : (tensor<10x4xf32>, tensor<2x1xi32>) -> tensor<2x4xf32>
-    // CHECK-NEXT: {{.*}}op-rules.mlir:[[# @LINE + 1]]:11: remark: stablehlo.scatter: factors {f0=4, f1=2 reduce} operands [-, f0] [f1, -] [f1, f0] results [-, f0]{{$}}
+    // CHECK-NEXT: {{.*}}op-rules.mlir:[[# @LINE + 1]]:11: remark: stablehlo.scatter: factors {f0=4, f1=10, f2=2 reduce} operands [f1, f0] [f2, -] [f2, f0] results [f1, f0]{{$}}
     %19 = "stablehlo.scatter"(%arg6, %idx, %18) <{indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<update_window_dims = [1], inserted_window_dims = [0], scatter_dims_to_operand_dims = [0], index_vector_dim = 1>, unique_indices = false}> ({
     ^bb0(%a: tensor<f32>, %b: tensor<f32>):
       %s = stablehlo.add %a, %b : tensor<f32>

@@ -223,3 +223,28 @@ def test_donors_are_read_from_the_module_and_paired_with_outputs():
     in_place, own = (space.node_of[graph.values[graph.outputs[k]].producer] for k in (2, 3))
     assert in_place not in live
     assert next(r for r in problem.live_ranges if r.node == own).first == 0
+
+
+def _embed(table, ids, x):
+    return jnp.tanh(table[ids] + x)
+
+
+def test_values_made_from_a_lookup_are_decided_apart_from_it():
+    """A pointwise op reading a gather's result does not follow it: the lookup's strategies
+    (rows split on their width, or on the vocabulary and summed) are chosen apart from the
+    layout of the stream it feeds (a reshard between them where they differ)."""
+    s = jax.ShapeDtypeStruct
+    data = export.export(jax.jit(_embed))(s((4096, 256), jnp.float32),
+                                          s((16, 128), jnp.int32),
+                                          s((16, 128, 256), jnp.float32)).serialize()
+    state = hloplan.compile(data, "2x4", device="tpu-v5e", mesh_views="off").state
+    graph, space, problem = state.graph, state.space, state.problem
+    gather = next(op for op in graph.ops if op.name == "stablehlo.gather")
+    add = next(op for op in graph.ops if op.name == "stablehlo.add")
+    gather_node, add_node = space.node_of[gather.index], space.node_of[add.index]
+    assert problem.nodes[add_node].tie != gather.index
+    assert len(problem.nodes[add_node].strategies) != len(problem.nodes[gather_node].strategies)
+    # The lookup's own forms: summed over the vocabulary's axes, or split on the row width.
+    names = [s.name for s in space.strategies[gather.index]]
+    assert any("all-reduce" in n for n in names)
+    assert not any("reduce-scatter" in n for n in names)

@@ -525,6 +525,25 @@ def test_reshard_gather_then_all_to_all(comm: CommModel) -> None:
     assert cost.seconds == pytest.approx(262144 / 1e11 + 1e-6 + 393216 / 1e11 + 3e-6)
 
 
+def test_reshard_keeps_an_axis_that_stays_in_order(comm: CommModel) -> None:
+    # An axis staying on its dim while another leaves it or joins it as the major one is not
+    # gathered: libtpu moves the other by one all-to-all and renumbers the devices (v5e:2x4).
+    # The local tensor is 2 MiB / 8 = 262144 bytes; an all-to-all over data sends half.
+    moved = (("all-to-all", (0,), 131072.0),)
+    # ((data, model), -) -> ((model), (data)): data leaves dim 0, model stays.
+    assert comm.reshard(SHAPE, 4, ((0, 1), ()), ((1,), (0,))).collectives == moved
+    # ((data), (model)) -> (-, (data, model)): data joins dim 1 ahead of model.
+    assert comm.reshard(SHAPE, 4, ((0,), (1,)), ((), (0, 1))).collectives == moved
+    # (-, (data, model)) -> ((data), (model)).
+    assert comm.reshard(SHAPE, 4, ((), (0, 1)), ((0,), (1,))).collectives == moved
+    # Leaving one dim for two: all-gathered there (libtpu, [-, -, (x, y)] -> [x, y, -]), then
+    # sliced: one all-gather over both axes to the full 8 MiB.
+    cost = comm.reshard((16, 256, 512), 4, ((), (), (0, 1)), ((0,), (1,), ()))
+    assert cost.collectives == (("all-gather", (0, 1), 7 / 8 * 8 * 2**20),)
+    # Reordered on the dim: gathered as before.
+    assert comm.reshard(SHAPE, 4, ((0, 1), ()), ((1, 0), ())).collectives[0][0] == "all-gather"
+
+
 def test_reshard_over_the_slow_link() -> None:
     comm = CommModel(load_device_model("h100"), parse_mesh("data=8,model=4"))
     # f32[4096, 4096] = 64 MiB, split over data on dim 0 -> replicated: all-gather over IB,
