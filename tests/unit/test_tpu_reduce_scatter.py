@@ -1,6 +1,6 @@
-"""Reduce-scatters as libtpu (0.0.42, v5e) merges them: with the step's others on most slices,
-but none on v5e:4x8, nor those over part of v5e:4x4 ([combiner] reduce-scatter-apart). The
-device model's rule, the planner's pricing of it, and libtpu itself where it is installed."""
+"""Reduce-scatters as libtpu (0.0.42, v5e and v6e) merges them: with the step's others on most
+slices, but none on 4x8, nor those over part of v5e:4x4 ([combiner] reduce-scatter-apart).
+The device model's rule, the planner's pricing of it, and libtpu itself where it is installed."""
 
 from __future__ import annotations
 
@@ -26,7 +26,10 @@ def test_slices_where_libtpu_merges_no_reduce_scatter() -> None:
     assert v5e.reduce_scatter_apart(16, 4) and not v5e.reduce_scatter_apart(16, 16)
     for devices, group in ((8, 8), (8, 4), (64, 8), (64, 64), (256, 16), (512, 8)):
         assert not v5e.reduce_scatter_apart(devices, group)
-    for name in ("h100", "cpu", "tpu-v6e", "tpu-v5p"):
+    v6e = load_device_model("tpu-v6e")
+    assert v6e.reduce_scatter_apart(32, 32) and not v6e.reduce_scatter_apart(8, 8)
+    assert not v6e.reduce_scatter_apart(64, 64)
+    for name in ("h100", "cpu", "tpu-v5p"):
         model = load_device_model(name)
         assert not model.reduce_scatter_apart(32, 32)
 
@@ -98,17 +101,22 @@ print(json.dumps(out))
 def test_reduce_scatters_as_libtpu_compiles_them():
     from hloplan.tpu import child_env
 
-    cases = [("v5e:2x4", 256, 3), ("v5e:4x8", 256, 3), ("v5e:4x4", 256, 3)]
+    cases = [("v5e:2x4", 256, 3), ("v5e:4x8", 256, 3), ("v5e:4x4", 256, 3),
+             ("v6e:2x4", 256, 3), ("v6e:4x8", 256, 3)]
     done = subprocess.run([sys.executable, "-c", _LIBTPU_SCATTERS, json.dumps(cases)],
                           env=child_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    merged_2x4, apart_4x8, whole_4x4 = json.loads(done.stdout.strip().splitlines()[-1])
-    v5e = load_device_model("tpu-v5e")
+    merged_2x4, apart_4x8, whole_4x4, v6e_2x4, v6e_4x8 = json.loads(
+        done.stdout.strip().splitlines()[-1])
+    v5e, v6e = load_device_model("tpu-v5e"), load_device_model("tpu-v6e")
     # Three all-reduce-scatters over every chip: one merged kernel on v5e:2x4, three on 4x8,
     # and on the square 4x4 all-reduces (merged, each read through a slice).
     assert merged_2x4 == {"kernels": 1, "merged": 1} and not v5e.reduce_scatter_apart(8, 8)
     assert apart_4x8 == {"kernels": 3, "merged": 0} and v5e.reduce_scatter_apart(32, 32)
     assert whole_4x4["kernels"] == 0 and not v5e.reduce_scatter_apart(16, 16)
+    # v6e the same on 2x4 and 4x8.
+    assert v6e_2x4 == {"kernels": 1, "merged": 1} and not v6e.reduce_scatter_apart(8, 8)
+    assert v6e_4x8 == {"kernels": 3, "merged": 0} and v6e.reduce_scatter_apart(32, 32)
 
 
 def test_calibrate_keeps_the_reduce_scatter_rules(tmp_path) -> None:
