@@ -52,6 +52,7 @@ from hloplan.strategies import (
     axis_roles,
     enumerate_strategies,
     local_bytes,
+    local_matmul_dims,
     replicated,
 )
 from hloplan.tpu_buffers import (
@@ -237,12 +238,8 @@ class _ProblemBuilder:
             rule = rule_for(graph, op)
             if rule.matmul is None or not neighbours:
                 continue
-            dims = []
-            for factors, constant in rule.matmul:
-                size = float(constant)
-                for f in factors:
-                    size *= rule.factors[f].size
-                dims.append(size)
+            dims = [size for _, size in local_matmul_dims(rule, [[]] * len(rule.factors),
+                                                           self.mesh)]
             flop_s = rule.flops / model.matmul_flops_for(graph.type_of(op.results[0]).dtype,
                                                          *dims)
             moved = traffic(op) + sum(traffic(graph.ops[u]) for u in neighbours
@@ -949,9 +946,10 @@ def tpu_unmaterialized(graph: Graph, kept_fused: set[int]) -> set[int]:
     fused selects (tpu_buffers.fused_selects), matmul results it slices through
     (tpu_buffers.sliced_matmuls), matmul operands computed inside the matmuls
     (tpu_buffers.operand_fused_values), less the operands of written-out pads."""
-    out = set(kept_fused) | fused_selects(graph, free_values(graph)) | sliced_matmuls(graph)
+    free = free_values(graph)
+    out = set(kept_fused) | fused_selects(graph, free) | sliced_matmuls(graph)
     out |= output_fused_matmuls(graph, out)
-    out |= operand_fused_values(graph, out, free_values(graph))
+    out |= operand_fused_values(graph, out, free)
     return out - pad_operands(graph, out)
 
 

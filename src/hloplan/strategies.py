@@ -177,9 +177,9 @@ def _divides(rule: OpRule, factor_axes: list[list[int]], mesh: MeshSpec) -> bool
     return True
 
 
-def _local_matmul_dims(rule: OpRule, factor_axes, mesh: MeshSpec) -> list[tuple]:
+def local_matmul_dims(rule: OpRule, factor_axes, mesh: MeshSpec) -> list[tuple]:
     """The local (m, k, n) of a dot or convolution under `factor_axes`: each dim's factors and
-    its size on one device."""
+    its size on one device (no factor sharded: the whole shape)."""
     dims = []
     for factors, constant in rule.matmul or rule.conv:
         size = float(constant)
@@ -197,7 +197,7 @@ def _matmul_time(rule: OpRule, factor_axes, mesh: MeshSpec, comm: CommModel, mov
     """Roofline time of a dot or convolution at the device's rate for its local (m, k, n)
     ([matmul] table; [conv] for convolutions wider than one tap): the chip's matmul kernels
     run far below the square-matmul rate when a dim is short or the contraction long."""
-    dims = [size for _, size in _local_matmul_dims(rule, factor_axes, mesh)]
+    dims = [size for _, size in local_matmul_dims(rule, factor_axes, mesh)]
     rate = (comm.model.matmul_flops_for(flops_dtype, *dims) if rule.matmul is not None
             else comm.model.conv_flops_for(flops_dtype, *dims))
     return max(rule.flops / split / rate, moved / comm.model.hbm_bandwidth)
@@ -262,7 +262,7 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     if len(moving) != 1:
         return None
     dims = [size / kernels if chunk_factors & set(factors) else size
-            for factors, size in _local_matmul_dims(rule, factor_axes, mesh)]
+            for factors, size in local_matmul_dims(rule, factor_axes, mesh)]
     # The loop reads its operands in the MXU's input dtype (libtpu rounds f32 operands at
     # default precision to bf16 once, before the loop).
     read = 0.0
