@@ -133,10 +133,9 @@ def _reserved(memory: dict, dump: Path) -> dict:
     `memory_analysis`'s temp bytes can exceed that allocation (by 141 MB on the MLP on
     v5e:2x4) with no allocation of the dump holding the difference; on a v5e chip the
     runtime's `bytes_reserved` after a run is the allocation, not the temp bytes."""
-    from hloplan.hlo_stats import preallocated_temp_bytes
+    from hloplan.hlo_stats import dumped_temp_bytes
 
-    (found,) = dump.glob("*after_optimizations-buffer-assignment.txt")  # one compile per dump
-    temps = preallocated_temp_bytes(found.read_text())
+    temps = dumped_temp_bytes(dump)  # one compile per dump
     hbm_temp = temps.get(0, 0)
     return {"hbm_temp_bytes": hbm_temp, "vmem_temp_bytes": temps.get(1, 0),
             "reserved_bytes": (memory["argument_bytes"] + memory["output_bytes"] + hbm_temp

@@ -30,7 +30,7 @@ def main(name: str) -> None:
     import jax.numpy as jnp
     import models
 
-    from hloplan.hlo_stats import preallocated_temp_bytes
+    from hloplan.hlo_stats import dumped_temp_bytes
 
     entry = models.MODELS[name]
     cfg = entry.config("realistic", 1)
@@ -45,8 +45,7 @@ def main(name: str) -> None:
     with tempfile.TemporaryDirectory() as dump:
         compiled = jax.jit(entry.make_step(cfg), donate_argnums=(0,)).trace(state, batch).lower(
         ).compile({"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
-        (found,) = Path(dump).glob("*after_optimizations-buffer-assignment.txt")
-        hbm_temp = preallocated_temp_bytes(found.read_text()).get(0, 0)
+        hbm_temp = dumped_temp_bytes(dump).get(0, 0)
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=device), (state, batch))
     jax.block_until_ready(compiled(*zeros))
     print(f"{name}: temp_size_in_bytes {compiled.memory_analysis().temp_size_in_bytes}, "

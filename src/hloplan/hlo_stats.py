@@ -10,8 +10,8 @@ Entry points:
 
 * `collective_stats(hlo_text, num_devices=..., mesh_axes=...)` -> `CollectiveStats`
 * `memory_stats(compiled)` -> dict of `compiled.memory_analysis()` byte counts
-* `preallocated_temp_bytes(text)`, `live_range_peak(text)`: XLA's buffer-assignment and
-  live-range dumps
+* `preallocated_temp_bytes(text)` (`dumped_temp_bytes(dir)`), `live_range_peak(text)`: XLA's
+  buffer-assignment and live-range dumps
 * `parse_replica_groups(text, num_devices=...)` and `shape_bytes(shape)` are exposed for reuse.
 
 Device ids in replica groups are the SPMD partition ids, i.e. positions in the mesh's row-major
@@ -1546,6 +1546,15 @@ def preallocated_temp_bytes(buffer_assignment_text: str) -> dict[int, int]:
         color = int(found.group(2) or 0)
         out[color] = out.get(color, 0) + int(found.group(1))
     return out
+
+
+def dumped_temp_bytes(dump_dir) -> dict[int, int]:
+    """preallocated_temp_bytes of the one compile dumped into `dump_dir` (its
+    `*after_optimizations-buffer-assignment.txt`)."""
+    from pathlib import Path
+
+    (found,) = Path(dump_dir).glob("*after_optimizations-buffer-assignment.txt")
+    return preallocated_temp_bytes(found.read_text())
 
 
 def live_range_peak(live_range_text: str) -> int | None:
