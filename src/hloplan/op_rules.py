@@ -586,13 +586,20 @@ def fused_values(graph: Graph, folded: set[int] | None = None,
         from_matmul = matmul_fusion and producer.name in MATMULS
         if not (fusible_producer(producer.name) or (from_matmul and len(set(value.users)) == 1)):
             continue
-        if all((fusible_consumer(graph.ops[u].name)
-                or (matmul_fusion and not from_matmul and graph.ops[u].name in MATMULS))
-               and u not in folded
-               and (graph.ops[u].parent, graph.ops[u].region) == (producer.parent, producer.region)
-               for u in value.users):
+        if _readers_fuse(graph, value, producer, folded, matmul_fusion and not from_matmul):
             fused.add(value.id)
     return fused
+
+
+def _readers_fuse(graph: Graph, value, producer: Op, folded: set[int],
+                  matmul_readers: bool) -> bool:
+    """Whether every reader of `value` can take it inside its kernel: a fusible op (or, with
+    `matmul_readers`, a matmul) of the producer's region, not a transpose folded into dots."""
+    return all((fusible_consumer(graph.ops[u].name)
+                or (matmul_readers and graph.ops[u].name in MATMULS))
+               and u not in folded
+               and (graph.ops[u].parent, graph.ops[u].region) == (producer.parent, producer.region)
+               for u in value.users)
 
 
 def output_fused_values(graph: Graph, folded: set[int] | None = None,
@@ -613,11 +620,7 @@ def output_fused_values(graph: Graph, folded: set[int] | None = None,
         producer = graph.ops[value.producer]
         if not fusible_producer(producer.name):
             continue
-        if all((fusible_consumer(graph.ops[u].name)
-                or (matmul_fusion and graph.ops[u].name in MATMULS))
-               and u not in folded
-               and (graph.ops[u].parent, graph.ops[u].region) == (producer.parent, producer.region)
-               for u in value.users):
+        if _readers_fuse(graph, value, producer, folded, matmul_fusion):
             kept.add(value_id)
     return kept
 
