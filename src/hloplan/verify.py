@@ -16,8 +16,9 @@ loader runs it) read back:
 The compile runs in a child process, so the caller's jax (devices, backend) is left alone:
 
 - for a TPU device model, with libtpu installed (`pip install "hloplan[tpu]"`), by XLA's TPU
-  compiler for the matching TPU topology, deviceless (tpu.py); the allocation is libtpu's own
-  peak (`peak_memory_in_bytes`);
+  compiler for the matching TPU topology, deviceless (tpu.py); the allocation is what libtpu's
+  runtime reserves (arguments + results - aliased + the temporaries of the buffer assignment
+  the compile dumps; compiled_peak);
 - otherwise on simulated CPU devices (XLA_FLAGS --xla_force_host_platform_device_count), so any
   machine can check a plan for any mesh. For a GPU or TPU target that makes the check a proxy,
   on the safe side where the two compilers differ in what we have measured: XLA's CPU pipeline
@@ -105,11 +106,37 @@ def resolve_target(model, devices: int, compiler: str = "auto",
 
 def compiled_peak(memory: dict, compiler: str) -> int:
     """A compiled program's allocation per device: arguments + results + temporaries - aliased
-    (memory_stats); on TPU the larger of that and libtpu's own peak (`peak_memory_in_bytes`,
-    which counts what libtpu keeps outside its temporary allocation too)."""
+    (memory_stats). On TPU, what libtpu's runtime reserves (`reserved_bytes`, with_reserved)
+    where the compile's buffer assignment was read, else the larger of the first figure and
+    libtpu's own peak (`peak_memory_in_bytes`)."""
+    if compiler == "tpu" and memory.get("reserved_bytes"):
+        return int(memory["reserved_bytes"])
     if compiler == "tpu" and memory.get("xla_peak_bytes"):
         return int(max(memory["xla_peak_bytes"], memory["peak_bytes"] or 0))
     return int(memory["peak_bytes"])
+
+
+def with_reserved(memory: dict, dump_dir) -> dict:
+    """memory_stats plus `reserved_bytes`: arguments + results - aliased + the HBM
+    temporaries of the buffer assignment libtpu dumped into `dump_dir`
+    (hlo_stats.dumped_temp_bytes). That is what the runtime reserves for a step on a v5e chip
+    (benchmarks/tpu_reserved.py); `temp_size_in_bytes` counts 11 to 237 MB more on the
+    benchmark programs (docs/tpu.md, Memory on TPU)."""
+    from hloplan.hlo_stats import dumped_temp_bytes
+
+    parts = [memory.get("argument_bytes"), memory.get("output_bytes")]
+    try:
+        temps = dumped_temp_bytes(dump_dir).get(0, 0)
+    except ValueError:  # no buffer assignment dumped, or several
+        return memory
+    if any(p is None for p in parts):
+        return memory
+    return {**memory, "reserved_bytes": sum(parts) - (memory.get("alias_bytes") or 0) + temps}
+
+
+def _dump_options(dump_dir) -> dict:
+    """compiler_options dumping one compile's optimized HLO and buffer assignment."""
+    return {"xla_dump_to": str(dump_dir), "xla_dump_hlo_as_text": True}
 
 
 def _abstract_call(exported, shardings):
@@ -154,8 +181,15 @@ def measure_plan_dir(plan_dir: str | os.PathLike, devices=None, compiler: str = 
     measured: dict = {}
     info: dict = {}
 
-    def record(name, compiled, mesh):
-        memory = memory_stats(compiled)
+    def record(name, compile_, mesh):
+        # On TPU the compile dumps its buffer assignment: what the runtime reserves.
+        if compiler == "tpu":
+            with tempfile.TemporaryDirectory(prefix="hloplan-dump-") as dump:
+                compiled = compile_(_dump_options(dump))
+                memory = with_reserved(memory_stats(compiled), dump)
+        else:
+            compiled = compile_(None)
+            memory = memory_stats(compiled)
         measured[name] = compiled_peak(memory, compiler)
         if details:
             cost = compiled.cost_analysis()
@@ -179,12 +213,13 @@ def measure_plan_dir(plan_dir: str | os.PathLike, devices=None, compiler: str = 
         runner = load(plan_dir, devices=devices)
         for task in runner.tasks:
             args = _abstract_call(task["exported"], task["in_shardings"])
-            record(task["name"], task["call"].lower(*args).compile(),
+            lowered = task["call"].lower(*args)
+            record(task["name"], lambda opts, lowered=lowered: lowered.compile(opts),
                    runner.meshes[task["stage"]])
     else:
         # Donating what the export donates, as the loader runs it.
         runner = Runner(plan_dir, devices=devices)
-        record("program", runner.compile_abstract(), runner.mesh)
+        record("program", runner.compile_abstract, runner.mesh)
     return {"programs": measured, "details": info} if details else measured
 
 
@@ -326,6 +361,9 @@ def format_verify_report(report: dict) -> str:
         lines.append(f"{name}: peak per device predicted {format_bytes(pred['peak_bytes'])}, "
                      f"compiled {format_bytes(comp['peak_bytes'])}{ratio}")
         memory = comp["memory"]
+        if memory.get("reserved_bytes"):
+            lines.append("  (what libtpu's runtime reserves: arguments + results - aliased + "
+                         "the buffer assignment's temporaries)")
         if memory.get("xla_peak_bytes") and memory.get("peak_bytes") is not None and \
                 memory["xla_peak_bytes"] != memory["peak_bytes"]:
             lines.append(f"  (XLA's peak_memory_in_bytes {format_bytes(memory['xla_peak_bytes'])}"
