@@ -1,5 +1,6 @@
-"""Reduce-scatters as libtpu (0.0.42, v5e and v6e) merges them: with the step's others on most
-slices, but none on 4x8, nor those over part of v5e:4x4 ([combiner] reduce-scatter-apart).
+"""Reduce-scatters as libtpu (0.0.42, v5e, v6e and v5p) merges them: with the step's others on
+most slices, but none on 4x8 (v5e, v6e) or v5p:2x2x1, nor those over part of v5e:4x4
+([combiner] reduce-scatter-apart).
 The device model's rule, the planner's pricing of it, and libtpu itself where it is installed."""
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ def test_slices_where_libtpu_merges_no_reduce_scatter() -> None:
     v6e = load_device_model("tpu-v6e")
     assert v6e.reduce_scatter_apart(32, 32) and not v6e.reduce_scatter_apart(8, 8)
     assert not v6e.reduce_scatter_apart(64, 64)
-    for name in ("h100", "cpu", "tpu-v5p"):
+    v5p = load_device_model("tpu-v5p")
+    assert v5p.reduce_scatter_apart(4, 4) and not v5p.reduce_scatter_apart(8, 8)
+    assert not v5p.reduce_scatter_apart(32, 8)
+    for name in ("h100", "cpu"):
         model = load_device_model(name)
         assert not model.reduce_scatter_apart(32, 32)
 
@@ -82,7 +86,9 @@ from hloplan.tpu import parse_topology, topology_devices
 out = []
 for topology, rows, count in json.loads(sys.argv[1]):
     top = parse_topology(topology)
-    mesh = Mesh(np.array(topology_devices(top)).reshape(top.shape), ("x", "y"))
+    devices = np.array(topology_devices(top))
+    lead = int(np.prod(top.shape[:-1]))  # v5p's three dims as two mesh axes
+    mesh = Mesh(devices.reshape(lead, devices.size // lead), ("x", "y"))
     batch = NamedSharding(mesh, P(("x", "y")))
     scattered = NamedSharding(mesh, P(("x", "y")))
     args = ([jax.ShapeDtypeStruct((64 * top.chips, rows), jnp.float32)] * count,
@@ -102,11 +108,12 @@ def test_reduce_scatters_as_libtpu_compiles_them():
     from hloplan.tpu import child_env
 
     cases = [("v5e:2x4", 256, 3), ("v5e:4x8", 256, 3), ("v5e:4x4", 256, 3),
-             ("v6e:2x4", 256, 3), ("v6e:4x8", 256, 3)]
+             ("v6e:2x4", 256, 3), ("v6e:4x8", 256, 3), ("v5p:2x2x1", 256, 3),
+             ("v5p:2x2x2", 256, 3)]
     done = subprocess.run([sys.executable, "-c", _LIBTPU_SCATTERS, json.dumps(cases)],
                           env=child_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    merged_2x4, apart_4x8, whole_4x4, v6e_2x4, v6e_4x8 = json.loads(
+    merged_2x4, apart_4x8, whole_4x4, v6e_2x4, v6e_4x8, v5p_4, v5p_8 = json.loads(
         done.stdout.strip().splitlines()[-1])
     v5e, v6e = load_device_model("tpu-v5e"), load_device_model("tpu-v6e")
     # Three all-reduce-scatters over every chip: one merged kernel on v5e:2x4, three on 4x8,
@@ -117,6 +124,10 @@ def test_reduce_scatters_as_libtpu_compiles_them():
     # v6e the same on 2x4 and 4x8.
     assert v6e_2x4 == {"kernels": 1, "merged": 1} and not v6e.reduce_scatter_apart(8, 8)
     assert v6e_4x8 == {"kernels": 3, "merged": 0} and v6e.reduce_scatter_apart(32, 32)
+    # v5p: three apart on the 4-chip 2x2x1, one merged all-reduce on 2x2x2.
+    v5p = load_device_model("tpu-v5p")
+    assert v5p_4 == {"kernels": 3, "merged": 0} and v5p.reduce_scatter_apart(4, 4)
+    assert v5p_8["kernels"] == 0 and not v5p.reduce_scatter_apart(8, 8)
 
 
 def test_calibrate_keeps_the_reduce_scatter_rules(tmp_path) -> None:
