@@ -144,7 +144,8 @@ def _reserved(memory: dict, dump: Path) -> dict:
             "reserved_bytes": (memory["argument_bytes"] + memory["output_bytes"] + hbm_temp
                                - (memory["alias_bytes"] or 0)),
             "live_peak": peak and {"bytes": peak.bytes, "time": peak.time, "largest": [
-                [b.names[0], b.bytes, b.kind.split(",")[0]] for b in peak.buffers[:LARGEST]]}}
+                [b.names[0], b.bytes, b.kind.split(",")[0].rstrip(":")]
+                for b in peak.buffers[:LARGEST]]}}
 
 
 def run_case(case: str) -> dict:
