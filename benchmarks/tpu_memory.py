@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/tpu_memory.py                         # every case, ~15 min
     .venv/bin/python benchmarks/tpu_memory.py --cases gpt:v5e:2x4     # one case
     .venv/bin/python benchmarks/tpu_memory.py --llama8b 32            # the Llama-8B-class step
+    .venv/bin/python benchmarks/tpu_memory.py --llama8b 2 --hand '' --dump DIR  # hloplan's only
 
 Needs libtpu (`pip install -e ".[tpu]"`). Each case is a train step at a size where its state
 and activations are a meaningful part of a v5e chip's 16 GiB (hundreds of MB to GB per
@@ -13,7 +14,8 @@ topology's mesh, and compiled by libtpu for the topology with the plan's own loa
 - compiled: libtpu's figures, arguments + results + temporaries - aliased (`peak_bytes`,
   from `memory_analysis`), what its runtime reserves (`reserved_bytes`: the same with the HBM
   temporaries of the buffer assignment libtpu dumps, which `temp_size_in_bytes` can exceed)
-  and `peak_memory_in_bytes` (`xla_peak_bytes`);
+  and `peak_memory_in_bytes` (`xla_peak_bytes`), with where libtpu's peak is and its largest
+  buffers (`memory.live_peak`, hlo_stats.live_peak);
 - the ratios predicted / compiled of the three (`ratio`, `ratio_reserved`, `ratio_xla`);
 - `without_buffers`: the same program planned with tpu-v5e less its `[buffers]` table (the
   rules XLA's CPU compiler follows), and whether that picks the same plan.
