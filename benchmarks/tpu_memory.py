@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/tpu_memory.py                         # every case, ~15 min
     .venv/bin/python benchmarks/tpu_memory.py --cases gpt:v5e:2x4     # one case
     .venv/bin/python benchmarks/tpu_memory.py --llama8b 32            # the Llama-8B-class step
+    .venv/bin/python benchmarks/tpu_memory.py --llama8b 2 --hand '' --dump DIR  # hloplan's only
 
 Needs libtpu (`pip install -e ".[tpu]"`). Each case is a train step at a size where its state
 and activations are a meaningful part of a v5e chip's 16 GiB (hundreds of MB to GB per
@@ -13,7 +14,8 @@ topology's mesh, and compiled by libtpu for the topology with the plan's own loa
 - compiled: libtpu's figures, arguments + results + temporaries - aliased (`peak_bytes`,
   from `memory_analysis`), what its runtime reserves (`reserved_bytes`: the same with the HBM
   temporaries of the buffer assignment libtpu dumps, which `temp_size_in_bytes` can exceed)
-  and `peak_memory_in_bytes` (`xla_peak_bytes`);
+  and `peak_memory_in_bytes` (`xla_peak_bytes`), with where libtpu's peak is and its largest
+  buffers (`memory.live_peak`, hlo_stats.live_peak);
 - the ratios predicted / compiled of the three (`ratio`, `ratio_reserved`, `ratio_xla`);
 - `without_buffers`: the same program planned with tpu-v5e less its `[buffers]` table (the
   rules XLA's CPU compiler follows), and whether that picks the same plan.
@@ -52,6 +54,7 @@ sys.path.insert(0, str(ROOT / "examples" / "third_party"))
 
 RESULTS = HERE / "tpu_memory_results.json"
 DEVICE = "tpu-v5e"
+LARGEST = 12  # buffers listed from libtpu's peak
 # model:topology, or corpus program:topology (examples/third_party/corpus.py)
 DEFAULT_CASES = ["gpt:v5e:2x4", "llama:v5e:2x4", "bert:v5e:2x4", "mlp:v5e:2x4", "moe:v5e:2x4",
                  "gpt:v5e:4x8", "llama:v5e:4x8", "gpt:v5e:16x16", "llama:v5e:16x16",
@@ -129,17 +132,22 @@ def _compile_plan(result, devices, dump: Path | None = None):
 
 def _reserved(memory: dict, dump: Path) -> dict:
     """What libtpu's runtime reserves for the program: arguments + results - aliased + the
-    HBM temporaries of its buffer assignment (hlo_stats.preallocated_temp_bytes, color 0).
+    HBM temporaries of its buffer assignment (hlo_stats.preallocated_temp_bytes, color 0),
+    and the largest buffers live at libtpu's peak (hlo_stats.live_peak).
     `memory_analysis`'s temp bytes can exceed that allocation (by 141 MB on the MLP on
     v5e:2x4) with no allocation of the dump holding the difference; on a v5e chip the
     runtime's `bytes_reserved` after a run is the allocation, not the temp bytes."""
-    from hloplan.hlo_stats import dumped_temp_bytes
+    from hloplan.hlo_stats import dumped_live_peak, dumped_temp_bytes
 
     temps = dumped_temp_bytes(dump)  # one compile per dump
     hbm_temp = temps.get(0, 0)
+    peak = dumped_live_peak(dump)  # what peak_memory_in_bytes counts, buffer by buffer
     return {"hbm_temp_bytes": hbm_temp, "vmem_temp_bytes": temps.get(1, 0),
             "reserved_bytes": (memory["argument_bytes"] + memory["output_bytes"] + hbm_temp
-                               - (memory["alias_bytes"] or 0))}
+                               - (memory["alias_bytes"] or 0)),
+            "live_peak": peak and {"bytes": peak.bytes, "time": peak.time, "largest": [
+                [b.names[0], b.bytes, b.kind.split(",")[0].rstrip(":")]
+                for b in peak.buffers[:LARGEST]]}}
 
 
 def run_case(case: str) -> dict:
@@ -177,9 +185,10 @@ def run_case(case: str) -> dict:
 
 
 def run_llama8b(layers: int, topology_name: str = "v5e:16x16",
-                hand: tuple[str, ...] = ("fsdp", "fsdp_tp")) -> dict:
+                hand: tuple[str, ...] = ("fsdp", "fsdp_tp"), dump: Path | None = None) -> dict:
     """The Llama-8B-class step (module docstring): hloplan's plan and the hand plans, each
-    compiled by libtpu and scored by benchmarks/tpu.py's formula."""
+    compiled by libtpu and scored by benchmarks/tpu.py's formula. hloplan's compile is dumped
+    (into `dump` if given, kept there) for what libtpu reserves (`_reserved`)."""
     import hand_plans
     import jax
     import models
@@ -200,16 +209,22 @@ def run_llama8b(layers: int, topology_name: str = "v5e:16x16",
     est = result.plan["estimate"]
     print(f"llama8b ({layers} layers): planned in {out['plan_s']:.1f} s, predicted peak "
           f"{est['peak_memory_bytes'] / 2**30:.2f} GiB", flush=True)
-    compiled, compile_s = _compile_plan(result, devices)
-    ours = formula(compiled, mesh_axes, comm)
+    with tempfile.TemporaryDirectory() as tmp:
+        dump_dir = dump or Path(tmp)
+        compiled, compile_s = _compile_plan(result, devices, dump_dir)
+        ours = formula(compiled, mesh_axes, comm)
+        ours["memory"].update(_reserved(ours["memory"], dump_dir))
     ours["compile_s"] = compile_s
     ours["predicted"] = predicted_collectives(est)
     ours["peak_ratio"] = est["peak_memory_bytes"] / ours["memory"]["peak_bytes"]
     ours["peak_ratio_xla"] = est["peak_memory_bytes"] / ours["memory"]["xla_peak_bytes"]
+    ours["peak_ratio_reserved"] = est["peak_memory_bytes"] / ours["memory"]["reserved_bytes"]
     ours["peak_after"] = est["peak"]["after"]
     out["hloplan"] = ours
     print(f"  hloplan: compiled in {compile_s:.0f} s, libtpu peak "
-          f"{ours['peak_bytes'] / 2**30:.2f} GiB, step {ours['step_s'] * 1e3:.1f} ms", flush=True)
+          f"{ours['peak_bytes'] / 2**30:.2f} GiB (reserved "
+          f"{ours['memory']['reserved_bytes'] / 2**30:.2f}; peak_memory_in_bytes "
+          f"{ours['memory']['xla_peak_bytes'] / 2**30:.2f}), step {ours['step_s'] * 1e3:.1f} ms", flush=True)
     for plan in hand_plans.plans_for("llama", shape):
         if plan.name not in hand:
             continue
@@ -243,6 +258,10 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(DEFAULT_CASES))
     parser.add_argument("--llama8b", type=int, metavar="LAYERS",
                         help="run the Llama-8B-class case with this many layers instead")
+    parser.add_argument("--hand", default="fsdp,fsdp_tp",
+                        help="--llama8b: the hand plans to compile too (comma-separated; '' none)")
+    parser.add_argument("--dump", metavar="DIR",
+                        help="--llama8b: keep libtpu's dump of hloplan's compile in DIR")
     parser.add_argument("--output", default=str(RESULTS))
     args = parser.parse_args()
     path = Path(args.output)
@@ -250,7 +269,8 @@ def main() -> None:
     if args.llama8b:
         started = time.perf_counter()
         try:
-            row = run_llama8b(args.llama8b)
+            row = run_llama8b(args.llama8b, hand=tuple(filter(None, args.hand.split(","))),
+                              dump=Path(args.dump) if args.dump else None)
         except Exception:
             row = {"error": traceback.format_exc().strip().splitlines()[-1]}
             print(f"llama8b: ERROR {row['error']}", flush=True)

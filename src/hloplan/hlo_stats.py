@@ -1569,3 +1569,97 @@ def live_range_peak(live_range_text: str) -> int | None:
     section = live_range_text.partition("(peak):")[2]
     sums = re.findall(r"\(cumulative: (\d+) bytes\)", section)
     return int(sums[-1]) if sums else None
+
+
+@dataclass(frozen=True)
+class LiveBuffer:
+    """One buffer of the default memory live at a program point of XLA's dumped schedule:
+    `names` are the HLO values that share its bytes (aliases: a while loop's carried value,
+    an async op's start and done), `start` and `end` the schedule positions between which one
+    of them is live, `kind` its allocation's ("parameter 3, ...", "preallocated-temp", ...)."""
+
+    names: tuple[str, ...]
+    bytes: int
+    start: int
+    end: int
+    kind: str
+
+
+@dataclass(frozen=True)
+class LivePeak:
+    bytes: int
+    time: int  # the position in the live-range dump's InstructionSequence
+    buffers: tuple[LiveBuffer, ...]  # largest first
+
+
+def live_peak(live_range_text: str, buffer_assignment_text: str) -> LivePeak | None:
+    """The point of XLA's schedule where the most bytes of the default memory (HBM on TPU)
+    are live, and the buffers live there, from the `*after_optimizations-live-range.txt` and
+    `*after_optimizations-buffer-assignment.txt` it dumps (`xla_dump_to`,
+    `xla_dump_hlo_as_text`).
+
+    A buffer is a slice (allocation, offset, size) of the buffer assignment, live over the
+    union of the live ranges of the values placed in it, ends included: an op's operands and
+    its result are live together. Counted once per slice, values that alias (a loop's carried
+    tuple element and the async collective reading it) are not counted twice, unlike the
+    dump's own "(peak)" section, which counts each value. On libtpu's compiles this is
+    `memory_analysis().peak_memory_in_bytes` (tested on TPU; within 0.5 MB on the
+    Llama-8B-class step)."""
+    sizes: dict[str, tuple[int, int, int, str]] = {}  # value -> allocation, offset, size, kind
+    allocation: tuple[int, str] | None = None
+    for line in buffer_assignment_text.splitlines():
+        found = re.match(r"allocation (\d+): size \d+,(.*)$", line)
+        if found:
+            kind = found.group(2).strip()
+            other = re.match(r"color (\d+)", kind)  # on-chip memories: not the default one
+            allocation = None if (other and other.group(1) != "0") or kind.startswith(
+                "thread-local") else (int(found.group(1)), kind)
+            continue
+        found = re.match(r"\s*value: <\d+ (\S+)(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\)",
+                         line)
+        if found and allocation:
+            sizes[found.group(1).removesuffix("{}")] = (
+                allocation[0], int(found.group(3)), int(found.group(2)), allocation[1])
+    section = live_range_text.partition("BufferLiveRange:")[2].partition("Live ranges at")[0]
+    slices: dict[tuple[int, int, int], list[tuple[int, int, str]]] = {}
+    for found in re.finditer(r"^\s+(\S+):(\d+)-(\d+)$", section, re.M):
+        name = found.group(1).removesuffix("{}")
+        if name in sizes:
+            index, offset, size, _ = sizes[name]
+            slices.setdefault((index, offset, size), []).append(
+                (int(found.group(2)), int(found.group(3)), name))
+    kinds = {(index, offset, size): kind for index, offset, size, kind in sizes.values()}
+    buffers = []
+    for key, ranges in slices.items():  # the values of one slice, merged where they overlap
+        ranges.sort()
+        start, end, names = ranges[0][0], ranges[0][1], [ranges[0][2]]
+        for begin, finish, name in ranges[1:]:
+            if begin <= end:
+                end, names = max(end, finish), names + [name]
+            else:
+                buffers.append(LiveBuffer(tuple(names), key[2], start, end, kinds[key]))
+                start, end, names = begin, finish, [name]
+        buffers.append(LiveBuffer(tuple(names), key[2], start, end, kinds[key]))
+    if not buffers:
+        return None
+    change: dict[int, int] = {}
+    for buffer in buffers:
+        change[buffer.start] = change.get(buffer.start, 0) + buffer.bytes
+        change[buffer.end + 1] = change.get(buffer.end + 1, 0) - buffer.bytes
+    live, best, when = 0, -1, 0
+    for time in sorted(change):
+        live += change[time]
+        if live > best:
+            best, when = live, time
+    held = sorted((b for b in buffers if b.start <= when <= b.end),
+                  key=lambda b: (-b.bytes, b.names))
+    return LivePeak(best, when, tuple(held))
+
+
+def dumped_live_peak(dump_dir) -> LivePeak | None:
+    """live_peak of the one compile dumped into `dump_dir`."""
+    from pathlib import Path
+
+    (ranges,) = Path(dump_dir).glob("*after_optimizations-live-range.txt")
+    (assignment,) = Path(dump_dir).glob("*after_optimizations-buffer-assignment.txt")
+    return live_peak(ranges.read_text(), assignment.read_text())

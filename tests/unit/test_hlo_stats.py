@@ -25,8 +25,10 @@ from hloplan.hlo_stats import (  # noqa: E402
     CollectiveStats,
     collective_stats,
     compiled_kernels,
+    dumped_live_peak,
     dumped_temp_bytes,
     kernel_stats,
+    live_peak,
     live_range_peak,
     memory_stats,
     parse_replica_groups,
@@ -903,6 +905,47 @@ def test_live_range_peak_reads_the_dumped_peak():
     assert live_range_peak("HloLiveRange (max 0):\n") is None
 
 
+def test_live_peak_counts_each_buffer_once_ends_included():
+    """An op's operand and result are live together (b ends where c starts); two values in one
+    slice of the allocation (a loop's carried value and the async op reading it, d and e,
+    touching at 5) are one buffer; on-chip (color 1) and thread-local bytes are not counted."""
+    assignment = """BufferAssignment:
+allocation 0: size 512, thread-local:
+ value: <1 tl @0> (size=512,offset=0): f32[]
+allocation 1: size 1024, parameter 0, shape |f32[256]| at ShapeIndex {}:
+ value: <2 param.0 @0> (size=1024,offset=0): f32[256]
+allocation 2: size 7000, preallocated-temp:
+ value: <3 b @0> (size=2000,offset=0): f32[500]
+ value: <4 c @0> (size=3000,offset=2000): f32[750]
+ value: <5 while.1{2} (phi) @0> (size=4000,offset=3000): f32[1000]
+ value: <6 e @0> (size=4000,offset=3000): f32[1000]
+allocation 3: size 9000, color 1, preallocated-temp:
+ value: <7 v @1> (size=9000,offset=0): f32[2250]
+"""
+    ranges = """HloLiveRange (max 9):
+  InstructionSequence:
+    0:param.0
+  BufferLiveRange:
+    tl{}:0-9
+    param.0{}:0-9
+    b{}:1-3
+    c{}:3-4
+    while.1{2}:2-5
+    e{}:5-8
+    v{}:0-9
+  Live ranges at 5 (peak):
+    while.1{2}: 4000 bytes (cumulative: 4000 bytes)
+    e{}: 4000 bytes (cumulative: 8000 bytes)
+"""
+    peak = live_peak(ranges, assignment)
+    assert (peak.bytes, peak.time) == (1024 + 2000 + 3000 + 4000, 3)
+    assert [(b.names, b.bytes) for b in peak.buffers] == [
+        (("while.1{2}", "e"), 4000), (("c",), 3000), (("b",), 2000), (("param.0",), 1024)]
+    assert peak.buffers[0].start == 2 and peak.buffers[0].end == 8
+    assert peak.buffers[-1].kind.startswith("parameter 0")
+    assert live_peak(ranges, "BufferAssignment:\n") is None
+
+
 def test_preallocated_temp_bytes_by_memory_space():
     """libtpu's buffer assignment: parameters and constants are not temporaries; the default
     memory's temporaries (HBM) and each other color's (1: VMEM) are counted apart."""
@@ -953,6 +996,23 @@ def test_live_range_peak_of_a_compiled_program_is_within_its_allocation(tmp_path
     peak = live_range_peak(dump.read_text())
     allocation = memory_stats(compiled)["peak_bytes"]
     assert x.nbytes + 2 * x.nbytes <= peak <= allocation
+
+
+def test_live_peak_of_a_compiled_program(tmp_path):
+    """The CPU compiler's dump: the argument and the two temporaries a and b, live at once,
+    are in live_peak's buffers; its peak is within memory_analysis's allocation."""
+
+    def f(x):
+        a = jnp.sin(x) @ x
+        b = jnp.concatenate([jnp.cos(a), a], axis=0) @ x
+        return b.sum() + a.sum()
+
+    x = jnp.ones((512, 512))
+    compiled = jax.jit(f, compiler_options={"xla_dump_to": str(tmp_path),
+                                            "xla_dump_hlo_as_text": True}).lower(x).compile()
+    peak = dumped_live_peak(tmp_path)
+    assert x.nbytes + 3 * x.nbytes <= peak.bytes <= memory_stats(compiled)["peak_bytes"]
+    assert {b.bytes for b in peak.buffers} >= {x.nbytes, 2 * x.nbytes}
 
 
 # XLA's TPU compiler writes dots as convolutions: a weight gradient contracts its tokens as

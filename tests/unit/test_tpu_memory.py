@@ -189,3 +189,46 @@ def test_slicing_a_value_never_written_out_prices_making_it_whole() -> None:
                 elif a.results[0] == b.operands[position]:
                     assert edge.costs[i][j] == 0
     assert sliced
+
+
+_LIBTPU_PEAK = """
+import json, sys, tempfile
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from hloplan.hlo_stats import dumped_live_peak, memory_stats
+from hloplan.tpu import parse_topology, topology_devices
+
+mesh = Mesh(np.array(topology_devices(parse_topology("v5e:2x4"))).reshape(2, 4), ("x", "y"))
+
+def step(w, x):  # a matmul, a softmax over 32,768 columns and its gradient
+    def loss(w):
+        return jax.nn.log_softmax(jnp.tanh(x) @ w).mean()
+    return w - 0.1 * jax.grad(loss)(w)
+
+s = jax.ShapeDtypeStruct
+w = s((512, 32768), jnp.float32, sharding=NamedSharding(mesh, P(None, "y")))
+x = s((8192, 512), jnp.float32, sharding=NamedSharding(mesh, P("x", None)))
+with tempfile.TemporaryDirectory() as dump:
+    compiled = jax.jit(step, donate_argnums=(0,)).lower(w, x).compile(
+        {"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
+    peak = dumped_live_peak(dump)
+    print(json.dumps([peak.bytes, memory_stats(compiled)["xla_peak_bytes"]]))
+"""
+
+
+@needs_libtpu
+def test_live_peak_is_libtpus_peak_memory() -> None:
+    """hlo_stats.live_peak on libtpu's dump (deviceless v5e:2x4 compile) gives
+    memory_analysis's peak_memory_in_bytes: the bytes of the buffers live at its peak, ends
+    included, each slice of an allocation once."""
+    import subprocess
+    import sys
+
+    from hloplan.tpu import child_env
+
+    done = subprocess.run([sys.executable, "-c", _LIBTPU_PEAK], env=child_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ours, libtpu = json.loads(done.stdout.strip().splitlines()[-1])
+    assert libtpu > 64 * 2**20  # the f32 logits: 8192 / 2 x 32768 / 4 per device
+    assert abs(ours - libtpu) <= 0.002 * libtpu, (ours, libtpu)
