@@ -49,6 +49,9 @@ ALL_REDUCE = "all-reduce"
 ALL_GATHER = "all-gather"
 REDUCE_SCATTER = "reduce-scatter"
 ALL_TO_ALL = "all-to-all"
+# Not a priced kind of `collective` (no ring, no combiner): reshards list it, priced as one
+# send of each device's shard.
+COLLECTIVE_PERMUTE = "collective-permute"
 COLLECTIVE_KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
 _KIND_SET = frozenset(COLLECTIVE_KINDS)
 
@@ -341,6 +344,7 @@ class CommModel:
         src_s = self._check_sharding(src, rank, "source")
         dst_s = self._check_sharding(dst, rank, "destination")
         dst_dim = {axis: d for d, axes in enumerate(dst_s) for axis in axes}
+        src_dim = {axis: d for d, axes in enumerate(src_s) for axis in axes}
 
         current = [list(axes) for axes in src_s]
         leaving: list[list[int]] = []
@@ -376,6 +380,11 @@ class CommModel:
                     and staying == [a for a in dst_s[d] if a in staying]
                     and all(a in dst_dim and dst_dim[a] not in gathered_into for a in moving)):
                 leaving[d] = moving
+            # Axes that only change order on their dim are not gathered: XLA's partitioner
+            # sends each device's shard to its new place (one collective-permute, step 4).
+            elif (staying and not moving and all(a not in src_dim for a in arriving)
+                    and d not in gathered_into and d not in gathered_from):
+                leaving[d] = []
 
         def size() -> int:
             return local_bytes(shape, itemsize, current, self.mesh)
@@ -426,7 +435,20 @@ class CommModel:
                 record(ALL_TO_ALL, size(), moved)
                 current[d] = [a for a in current[d] if a not in moved]
                 current[target].extend(moved)
-        # 3. slices: free.
+        # 3. slices: free where each device's block holds its new shard: the axes kept on a
+        # dim come first in its new order, the sliced ones after them. 4. Elsewhere (an axis
+        # sliced in ahead of a kept one, [-, y] -> [-, (x, y)]; kept axes reordered,
+        # [-, (y, x)] -> [-, (x, y)]) XLA's partitioner (CPU and libtpu v5e:2x4) slices the
+        # layout whose order that allows and sends each device's shard to its new device: one
+        # collective-permute of the new shard over the dim's axes.
+        for d in range(rank):
+            kept = [a for a in current[d] if a in src_s[d]]
+            sliced = [a for a in dst_s[d] if a not in current[d]]
+            if [a for a in dst_s[d] if a in kept or a in sliced] != kept + sliced:
+                nbytes = local_bytes(shape, itemsize, dst_s, self.mesh)
+                group = self.group(dst_s[d])
+                seconds += nbytes / group.bandwidth + group.latency + self.model.collective_overhead
+                steps.append((COLLECTIVE_PERMUTE, tuple(sorted(group.axes)), float(nbytes)))
         if via and via[-1] == dst_s:
             via.pop()
         return ReshardCost(seconds, tuple(steps), tuple(via))

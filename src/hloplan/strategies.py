@@ -153,7 +153,14 @@ def enumerate_strategies(rule: OpRule, operand_types: list[TensorType | None],
 def _scatter_variants(results: list[Spec], reduced: tuple[int, ...],
                       result_types: list[TensorType], mesh: MeshSpec) -> list[tuple[Spec, ...]]:
     """Reduce-scatter forms of a partial-sum strategy: the one result keeps the shard of one of
-    its dims over all the reduced axes (Alpa's "RS" strategies; ZeRO-2 gradients)."""
+    its dims over all the reduced axes (Alpa's "RS" strategies; ZeRO-2 gradients). Where no
+    unsharded dim divides, onto a dim already sharded: the reduced axes split each device's
+    block further, after its axes (a [-, y] result reduce-scattered over x is [-, (y, x)],
+    whatever the mesh order). libtpu compiles an all-reduce whose reader slices it so as that
+    reduce-scatter, followed by a collective-permute where the reader wants [-, (x, y)]
+    (hf_gpt2's tied-embedding gradient on v5e:2x4: the 50,257-row vocabulary takes no axis).
+    Only there: elsewhere such a form costs what the unsharded dim's does, and the ties it
+    adds change plans for nothing."""
     if not reduced or len(results) != 1:
         return []
     spec, type_ = results[0], result_types[0]
@@ -164,6 +171,15 @@ def _scatter_variants(results: list[Spec], reduced: tuple[int, ...],
     for dim, (size, axes) in enumerate(zip(type_.shape, spec)):
         if not axes and size % split == 0:
             out.append((tuple(tuple(reduced) if d == dim else a for d, a in enumerate(spec)),))
+    if out:
+        return out
+    for dim, (size, axes) in enumerate(zip(type_.shape, spec)):
+        shards = split
+        for axis in axes:
+            shards *= mesh.axis_sizes[axis]
+        if axes and size % shards == 0:
+            out.append((tuple(a + tuple(reduced) if d == dim else a
+                              for d, a in enumerate(spec)),))
     return out
 
 

@@ -540,8 +540,23 @@ def test_reshard_keeps_an_axis_that_stays_in_order(comm: CommModel) -> None:
     # sliced: one all-gather over both axes to the full 8 MiB.
     cost = comm.reshard((16, 256, 512), 4, ((), (), (0, 1)), ((0,), (1,), ()))
     assert cost.collectives == (("all-gather", (0, 1), 7 / 8 * 8 * 2**20),)
-    # Reordered on the dim: gathered as before.
-    assert comm.reshard(SHAPE, 4, ((0, 1), ()), ((1, 0), ())).collectives[0][0] == "all-gather"
+
+
+def test_reshard_reorder_on_a_dim_is_a_collective_permute(comm: CommModel) -> None:
+    # Compiled for (512, 2048) f32 on x=2, y=4 by XLA's CPU partitioner and by libtpu for
+    # v5e:2x4: each is one collective-permute over (x, y) of the new 512 KiB shard.
+    shard = 512 * 2048 * 4 / 8
+    permute = (("collective-permute", (0, 1), shard),)
+    # Reordered on the dim: each device's shard goes to the device that holds it now.
+    assert comm.reshard((512, 2048), 4, ((), (0, 1)), ((), (1, 0))).collectives == permute
+    # Sliced in ahead of the kept axis: the block holds the [-, (y, x)] shard, not this one.
+    cost = comm.reshard((512, 2048), 4, ((), (1,)), ((), (0, 1)))
+    assert cost.collectives == permute
+    assert cost.seconds == pytest.approx(shard / 1e11 + 1e-6)  # one step: one latency
+    # Sliced in behind it, or the reordered minor axis gathered off: no permute.
+    assert comm.reshard((512, 2048), 4, ((), (1,)), ((), (1, 0))).collectives == ()
+    assert [kind for kind, _, _ in comm.reshard((512, 2048), 4, ((), (1, 0)), ((), (1,)))
+            .collectives] == ["all-gather"]
 
 
 def test_reshard_over_the_slow_link() -> None:
