@@ -822,6 +822,23 @@ def normalized_rereads(graph: Graph, fused: set[int],
     return {(i, k) for i, k in rereads if after_reduction(graph.ops[i].operands[k])}
 
 
+def normalized_reads(graph: Graph, fused: set[int]) -> set[tuple[int, int]]:
+    """(op index, operand position) of every matmul operand that its kernel recomputes from a
+    reduction's result (normalized_rereads over all fused matmul operands, first readers
+    included): a softmax, its gradient, attention probabilities, a normalization's output."""
+    reads = {(op.index, k) for op in graph.ops if op.name in MATMULS
+             for k, value_id in enumerate(op.operands) if value_id in fused}
+    return normalized_rereads(graph, fused, reads)
+
+
+def restreamed_reads(op: Op, normalized: set[tuple[int, int]]) -> tuple[bool, ...] | None:
+    """Per operand of `op`: whether it is recomputed from a reduction's result
+    (normalized_reads), which the kernel recomputes again for each output tile it makes
+    (strategies.restream_passes prices the tiles). None where no operand is such."""
+    flags = tuple((op.index, k) in normalized for k in range(len(op.operands)))
+    return flags if any(flags) else None
+
+
 def serial_reads(op: Op, rereads: set[tuple[int, int]]) -> tuple[bool, ...] | None:
     """Per operand of `op`: whether its kernel reads it apart from its compute. The planner
     passes the normalized rereads (normalized_rereads): a softmax a matmul recomputes in its
