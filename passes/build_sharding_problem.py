@@ -28,13 +28,13 @@ from hloplan.op_rules import (
     hbm_traffic,
     matmul_kernels,
     matmul_rereads,
-    normalized_reads,
     normalized_rereads,
     output_fused_values,
     restreamed_reads,
     rule_for,
     serial_reads,
     shared_reads,
+    softmax_reads,
     unmaterialized_values,
 )
 from hloplan.passes.label_batch import state_like_args
@@ -181,9 +181,9 @@ class _ProblemBuilder:
         self.rereads = matmul_rereads(graph, self.fused) if matmul_fusion else set()
         # Of those, the ones read apart from the FLOPs (op_rules.serial_reads).
         self.serial = normalized_rereads(graph, self.fused, self.rereads)
-        # Recomputed from a reduction by any matmul: read again per output tile where the
-        # kernel tiles the other operand's rows (strategies.restream_passes).
-        self.normalized = normalized_reads(graph, self.fused) if matmul_fusion else set()
+        # Softmaxes any matmul recomputes: read again per output tile where the kernel tiles
+        # the other operand's rows (strategies.restream_passes).
+        self.softmaxes = softmax_reads(graph, self.fused) if matmul_fusion else set()
         # Memory counts the values fused among elementwise ops and reductions only: those fused
         # into a matmul's kernel keep their buffers in libtpu's buffer assignment (the matmul
         # fusion is priced as HBM traffic only).
@@ -351,7 +351,7 @@ class _ProblemBuilder:
         hbm = hbm_traffic(self.graph, op, self.fused, self.streamed, self.folded, self.shared,
                           self.rereads, self.kept)
         serial = serial_reads(op, self.serial)  # recomputed operands: read apart from FLOPs
-        restreamed = restreamed_reads(op, self.normalized)
+        restreamed = restreamed_reads(op, self.softmaxes)
         # The signature (rule, types, ...) is hashed once, here; the follower cache and the
         # list ids key on its small id (hashing an OpRule walks all its factors).
         chained = op.index in self.chained

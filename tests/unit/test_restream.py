@@ -11,7 +11,7 @@ import pytest
 from hloplan.cost_models import CommModel, load_device_model
 from hloplan.graph import Graph, TensorType
 from hloplan.mesh import parse_mesh
-from hloplan.op_rules import fused_values, normalized_reads, restreamed_reads, rule_for
+from hloplan.op_rules import fused_values, restreamed_reads, rule_for, softmax_reads
 from hloplan.strategies import enumerate_strategies, restream_passes, row_tiles
 
 TOKENS, VOCAB, WIDTH = 1024, 8192, 2048
@@ -57,10 +57,34 @@ def _softmax_gradient_matmuls():
 def test_every_matmul_reading_a_recomputed_softmax_is_flagged():
     g, weight_grad, act_grad = _softmax_gradient_matmuls()
     fused = fused_values(g, matmul_fusion=True)
-    normalized = normalized_reads(g, fused)
+    normalized = softmax_reads(g, fused)
     assert normalized == {(weight_grad.index, 0), (act_grad.index, 0)}
     assert restreamed_reads(weight_grad, normalized) == (True, False)
     assert restreamed_reads(g.ops[0], normalized) is None
+
+
+def test_a_normalization_or_an_activation_is_no_softmax():
+    """x * rsqrt(mean(x^2)) scales by a reduction without an exponential; exp(x) (an
+    activation's) takes no reduction's result: neither is flagged."""
+    g = Graph()
+    x_t = TensorType((TOKENS, WIDTH), "f32")
+    x = g.add_op("arg", (), [x_t]).results[0]
+    w = g.add_op("arg", (), [TensorType((WIDTH, WIDTH), "f32")]).results[0]
+    g.arguments = [x, w]
+    total = g.add_op("stablehlo.reduce", (x,), [TensorType((TOKENS,), "f32")],
+                     attrs={"dimensions": [1], "combiner": "stablehlo.add"}).results[0]
+    spread = g.add_op("stablehlo.broadcast_in_dim", (total,), [x_t],
+                      attrs={"broadcast_dimensions": [0]}).results[0]
+    scale = g.add_op("stablehlo.rsqrt", (spread,), [x_t]).results[0]
+    normed = g.add_op("stablehlo.multiply", (x, scale), [x_t]).results[0]
+    activated = g.add_op("stablehlo.exponential", (x,), [x_t]).results[0]
+    attrs = {"lhs_batch": [], "rhs_batch": [], "lhs_contracting": [1], "rhs_contracting": [0]}
+    first = g.add_op("stablehlo.dot_general", (normed, w), [x_t], attrs=attrs)
+    second = g.add_op("stablehlo.dot_general", (activated, w), [x_t], attrs=attrs)
+    g.outputs = [first.results[0], second.results[0]]
+    fused = fused_values(g, matmul_fusion=True)
+    assert normed in fused and activated in fused
+    assert softmax_reads(g, fused) == set()
 
 
 def _passes(g, op, model, mesh="1"):
