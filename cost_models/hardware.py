@@ -45,9 +45,9 @@ Schema (all fields required unless marked optional)::
     buffer_overhead = 3.7e-6     # optional: seconds each argument or result buffer adds to a
                                  # program call (host-side handling at dispatch)
     matmul_row_tile = 768        # optional: the widest output tile (elements, whole 128s) of
-                                 # the compiler's matmul kernels; a kernel recomputing an operand
-                                 # apart from its FLOPs reads it once per tile of the other
-                                 # operand's dims (strategies.serial_passes); unset: once
+                                 # the compiler's matmul kernels; a kernel recomputing a softmax
+                                 # reads it once per tile of the other operand's rows
+                                 # (strategies.restream_passes); unset: once
     [calibration]                # optional, free-form: what `hloplan calibrate` measured
     matmul_f32_large = 1.5e14    # (recorded for people and benchmarks; the planner ignores it)
 
@@ -266,7 +266,7 @@ class DeviceModel:
     conv: dict[str, Any] = field(default_factory=dict, hash=False)
     # Seconds each argument or result buffer of a program call adds to it (dispatch).
     buffer_overhead: float = 0.0
-    # The widest output tile of the compiler's matmul kernels (strategies.serial_passes);
+    # The widest output tile of the compiler's matmul kernels (strategies.restream_passes);
     # None: a recomputed operand is read once.
     matmul_row_tile: int | None = None
 

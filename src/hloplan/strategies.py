@@ -199,8 +199,9 @@ def local_matmul_dims(rule: OpRule, factor_axes, mesh: MeshSpec) -> list[tuple]:
 def row_tiles(size: float, max_tile: int) -> int:
     """How many output tiles libtpu's matmul kernel splits a dim of `size` into: the largest
     tile of whole 128-wide vector lanes, at most `max_tile`, that divides the dim padded to 128
-    (libtpu 0.0.42 on v5e, the vocabulary weight gradients' output windows: 2048 rows in 4 tiles
-    of 512, 1536 in 2 of 768, 1024 in 2 of 512)."""
+    (with 768, the output windows of the benchmark language models' vocabulary weight
+    gradients on v5e, libtpu 0.0.42: 2048 rows in 4 tiles of 512, 1536 in 2 of 768, 1024 in 2
+    of 512; libtpu's own choice depends on the kernel's fused work too, docs/tpu.md)."""
     lanes = max(1, math.ceil(size / 128))
     per_tile = max(1, max_tile // 128)
     return lanes // max(d for d in range(1, min(per_tile, lanes) + 1) if lanes % d == 0)
@@ -217,8 +218,9 @@ def restream_passes(rule: OpRule, k: int, factor_axes, mesh: MeshSpec,
     takes its FLOPs' time plus the logits' read once per tile of d: llama's 2048 in 4 tiles of
     512 (15.9 ms: 6.1 ms of FLOPs, 4 x 1.7 of logits, 2.6 of other traffic), gpt's 1536 in 2
     of 768 (16.1 ms: 7.1, 2 x 2.6, 3.0); the activation gradient, which contracts the logits'
-    last dim (the vocabulary), reads them once. 1 otherwise, without a tile size, and for
-    convolutions."""
+    last dim (the vocabulary), reads them once. (The corpus programs' weight gradients at
+    d = 1024, which libtpu tiles whole, read them once: docs/tpu.md.) 1 otherwise, without
+    a tile size, and for convolutions."""
     if (rule.matmul is None or max_tile is None or len(operand_bytes) != 2
             or rule.operands[k] is None or rule.operands[1 - k] is None
             or operand_bytes[k] < 2 * operand_bytes[1 - k]):
