@@ -44,6 +44,10 @@ Schema (all fields required unless marked optional)::
                                  # pixels, in features x taps, out features; calibrate writes it)
     buffer_overhead = 3.7e-6     # optional: seconds each argument or result buffer adds to a
                                  # program call (host-side handling at dispatch)
+    matmul_row_tile = 768        # optional: the widest output tile (elements, whole 128s) of
+                                 # the compiler's matmul kernels; a kernel recomputing a softmax
+                                 # reads it once per tile of the other operand's rows
+                                 # (strategies.restream_passes); unset: once
     [calibration]                # optional, free-form: what `hloplan calibrate` measured
     matmul_f32_large = 1.5e14    # (recorded for people and benchmarks; the planner ignores it)
 
@@ -134,6 +138,7 @@ _TOP_FIELDS = {
     "matmul",
     "conv",
     "buffer_overhead",
+    "matmul_row_tile",
 }
 _COMBINER_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 # XLA's GPU pipeline merges all-reduces and reduce-scatters up to 30 MiB
@@ -261,6 +266,9 @@ class DeviceModel:
     conv: dict[str, Any] = field(default_factory=dict, hash=False)
     # Seconds each argument or result buffer of a program call adds to it (dispatch).
     buffer_overhead: float = 0.0
+    # The widest output tile of the compiler's matmul kernels (strategies.restream_passes);
+    # None: a recomputed operand is read once.
+    matmul_row_tile: int | None = None
 
     def unmerged_reduce_scatters_on(self, devices: int) -> str | None:
         """Which reduce-scatters libtpu leaves unmerged on the slice a mesh of `devices`
@@ -442,6 +450,10 @@ def _parse_model(data: dict[str, Any], source: str) -> DeviceModel:
     conv = _parse_conv(data.get("conv"), source)
     buffer_overhead = _number(data.get("buffer_overhead", 0.0), source, "buffer_overhead",
                               positive=False)
+    row_tile = data.get("matmul_row_tile")
+    if row_tile is not None and (isinstance(row_tile, bool) or not isinstance(row_tile, int)
+                                 or row_tile < 128 or row_tile % 128):
+        raise _fail(source, "field 'matmul_row_tile' must be a positive multiple of 128")
 
     levels_data = _require(data, "interconnect", source)
     if not isinstance(levels_data, list) or not levels_data:
@@ -504,6 +516,7 @@ def _parse_model(data: dict[str, Any], source: str) -> DeviceModel:
         matmul=matmul,
         conv=conv,
         buffer_overhead=buffer_overhead,
+        matmul_row_tile=row_tile,
     )
 
 

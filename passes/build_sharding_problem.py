@@ -30,9 +30,11 @@ from hloplan.op_rules import (
     matmul_rereads,
     normalized_rereads,
     output_fused_values,
+    restreamed_reads,
     rule_for,
     serial_reads,
     shared_reads,
+    softmax_reads,
     unmaterialized_values,
 )
 from hloplan.passes.label_batch import state_like_args
@@ -179,6 +181,9 @@ class _ProblemBuilder:
         self.rereads = matmul_rereads(graph, self.fused) if matmul_fusion else set()
         # Of those, the ones read apart from the FLOPs (op_rules.serial_reads).
         self.serial = normalized_rereads(graph, self.fused, self.rereads)
+        # Softmaxes any matmul recomputes: read again per output tile where the kernel tiles
+        # the other operand's rows (strategies.restream_passes).
+        self.softmaxes = softmax_reads(graph, self.fused) if matmul_fusion else set()
         # Memory counts the values fused among elementwise ops and reductions only: those fused
         # into a matmul's kernel keep their buffers in libtpu's buffer assignment (the matmul
         # fusion is priced as HBM traffic only).
@@ -346,19 +351,20 @@ class _ProblemBuilder:
         hbm = hbm_traffic(self.graph, op, self.fused, self.streamed, self.folded, self.shared,
                           self.rereads, self.kept)
         serial = serial_reads(op, self.serial)  # recomputed operands: read apart from FLOPs
+        restreamed = restreamed_reads(op, self.softmaxes)
         # The signature (rule, types, ...) is hashed once, here; the follower cache and the
         # list ids key on its small id (hashing an OpRule walks all its factors).
         chained = op.index in self.chained
         overlap = op.index in self.overlapped
         own_key = (rule, operand_types, result_types, op.multiplier, dtype, hbm, serial, chained,
-                   overlap)
+                   overlap, restreamed)
         own_id = self.own_ids.get(own_key)
         if own_id is None:
             own_id = self.own_ids[own_key] = len(self.own_ids)
             self.own_lists.append(enumerate_strategies(
                 rule, list(operand_types), list(result_types), self.mesh,
                 self.unmerged if chained else self.comm, op.multiplier, dtype, hbm=hbm,
-                serial=serial, overlap=overlap))
+                serial=serial, overlap=overlap, restreamed=restreamed))
         own = self.own_lists[own_id]
         leader = self._leader_operand(op, rule) if self.follow else None
         if leader is None:

@@ -822,6 +822,48 @@ def normalized_rereads(graph: Graph, fused: set[int],
     return {(i, k) for i, k in rereads if after_reduction(graph.ops[i].operands[k])}
 
 
+def softmax_reads(graph: Graph, fused: set[int]) -> set[tuple[int, int]]:
+    """(op index, operand position) of every matmul operand that its kernel recomputes as a
+    softmax or its gradient: made, through fused ops, from an exponential of a value shifted
+    by a reduction's result (exp(x - max), exp(x - logsumexp)). A normalization's output,
+    which scales its input by a reduction, and an activation's exponential (SiLU, GELU) are
+    not."""
+    reads = {(op.index, k) for op in graph.ops if op.name in MATMULS
+             for k, value_id in enumerate(op.operands) if value_id in fused}
+    reduced: dict[int, bool] = {}
+    softmax: dict[int, bool] = {}
+
+    def after_reduction(value_id: int) -> bool:
+        if value_id not in reduced:
+            reduced[value_id] = False
+            producer = graph.ops[graph.values[value_id].producer]
+            reduced[value_id] = producer.name == "stablehlo.reduce" or (
+                value_id in fused and producer.name not in MATMULS
+                and any(after_reduction(v) for v in producer.operands))
+        return reduced[value_id]
+
+    def from_softmax(value_id: int) -> bool:
+        if value_id not in softmax:
+            softmax[value_id] = False
+            producer = graph.ops[graph.values[value_id].producer]
+            # The kernel's own prologue: back through fused elementwise ops, not past a matmul.
+            softmax[value_id] = producer.name not in MATMULS and (
+                (producer.name == "stablehlo.exponential"
+                 and any(after_reduction(v) for v in producer.operands))
+                or any(from_softmax(v) for v in producer.operands if v in fused))
+        return softmax[value_id]
+
+    return {(i, k) for i, k in reads if from_softmax(graph.ops[i].operands[k])}
+
+
+def restreamed_reads(op: Op, softmaxes: set[tuple[int, int]]) -> tuple[bool, ...] | None:
+    """Per operand of `op`: whether it is a softmax the kernel recomputes (softmax_reads),
+    which it recomputes again for each output tile it makes (strategies.restream_passes
+    prices the tiles). None where no operand is such."""
+    flags = tuple((op.index, k) in softmaxes for k in range(len(op.operands)))
+    return flags if any(flags) else None
+
+
 def serial_reads(op: Op, rereads: set[tuple[int, int]]) -> tuple[bool, ...] | None:
     """Per operand of `op`: whether its kernel reads it apart from its compute. The planner
     passes the normalized rereads (normalized_rereads): a softmax a matmul recomputes in its

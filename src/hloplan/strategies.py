@@ -8,6 +8,7 @@ and per-device output bytes.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 from hloplan.cost_models import CommModel
@@ -97,11 +98,14 @@ def enumerate_strategies(rule: OpRule, operand_types: list[TensorType | None],
                          multiplier: float = 1.0, flops_dtype: str = "f32",
                          hbm: tuple[tuple[bool, ...], tuple[bool, ...]] | None = None,
                          serial: tuple[bool, ...] | None = None, overlap: bool = False,
+                         restreamed: tuple[bool, ...] | None = None,
                          ) -> list[OpStrategy]:
     """All legal strategies of an op, in a deterministic order (replicated first). `hbm`: per
     operand and per result, whether it goes through HBM (False: fused into a neighbour's
     kernel, op_rules.hbm_traffic); default: all do. `serial`: per operand, whether its read
-    adds to the op's time rather than overlapping its FLOPs (op_rules.serial_reads). `overlap`:
+    adds to the op's time rather than overlapping its FLOPs (op_rules.serial_reads).
+    `restreamed`: per operand, whether it is a recomputed softmax the kernel reads again for
+    each output tile (op_rules.restreamed_reads, restream_passes). `overlap`:
     a matmul whose kernel is HBM-bound with the ops fused into it (build_sharding_problem's
     _overlapped_matmuls): its FLOPs hide under that traffic, so it is priced at its own
     traffic alone."""
@@ -133,7 +137,7 @@ def enumerate_strategies(rule: OpRule, operand_types: list[TensorType | None],
             seen.add(key)
             out.append(_price(rule, tuple(results), operands, reduced, factor_axes, operand_types,
                               result_types, mesh, comm, multiplier, flops_dtype, hbm=hbm,
-                              serial=serial, overlap=overlap))
+                              serial=serial, overlap=overlap, restreamed=restreamed))
             # A gather's partial sums are all-reduced: given a result layout that
             # reduce-scatters them, XLA's partitioner all-gathers the table instead (v5e:2x4,
             # table [x, -], indices [y, -], result [y, x, -]).
@@ -146,7 +150,7 @@ def enumerate_strategies(rule: OpRule, operand_types: list[TensorType | None],
                     out.append(_price(rule, scattered, operands, reduced, factor_axes,
                                       operand_types, result_types, mesh, comm, multiplier,
                                       flops_dtype, scatter=True, hbm=hbm, serial=serial,
-                                      overlap=overlap))
+                                      overlap=overlap, restreamed=restreamed))
     return out
 
 
@@ -206,6 +210,50 @@ def local_matmul_dims(rule: OpRule, factor_axes, mesh: MeshSpec) -> list[tuple]:
             size *= rule.factors[f].size / shards
         dims.append((factors, size))
     return dims
+
+
+def row_tiles(size: float, max_tile: int) -> int:
+    """How many output tiles libtpu's matmul kernel splits a dim of `size` into: the largest
+    tile of whole 128-wide vector lanes, at most `max_tile`, that divides the dim padded to 128
+    (with 768, the output windows of the benchmark language models' vocabulary weight
+    gradients on v5e, libtpu 0.0.42: 2048 rows in 4 tiles of 512, 1536 in 2 of 768, 1024 in 2
+    of 512; libtpu's own choice depends on the kernel's fused work too, docs/tpu.md)."""
+    lanes = max(1, math.ceil(size / 128))
+    per_tile = max(1, max_tile // 128)
+    return lanes // max(d for d in range(1, min(per_tile, lanes) + 1) if lanes % d == 0)
+
+
+def restream_passes(rule: OpRule, k: int, factor_axes, mesh: MeshSpec,
+                    max_tile: int | None, operand_bytes: tuple[float, ...]) -> int:
+    """How many times a matmul's kernel reads its operand `k`, a softmax (or its gradient) it
+    recomputes in its prologue (op_rules.restreamed_reads). Where the matmul contracts that
+    operand's leading dims (a weight gradient: the tokens) and it is the larger of the two,
+    the kernel tiles the output along the other operand's free dims (row_tiles) and
+    recomputes the operand for each tile. On a v5e chip a language model's vocabulary weight
+    gradient, [d, vocab] from the tokens' activations and the softmax gradient of the logits,
+    takes its FLOPs' time plus the logits' read once per tile of d: llama's 2048 in 4 tiles of
+    512 (15.9 ms: 6.1 ms of FLOPs, 4 x 1.7 of logits, 2.6 of other traffic), gpt's 1536 in 2
+    of 768 (16.1 ms: 7.1, 2 x 2.6, 3.0); the activation gradient, which contracts the logits'
+    last dim (the vocabulary), reads them once. (The corpus programs' weight gradients at
+    d = 1024, which libtpu tiles whole, read them once: docs/tpu.md.) 1 otherwise, without
+    a tile size, and for convolutions."""
+    if (rule.matmul is None or max_tile is None or len(operand_bytes) != 2
+            or rule.operands[k] is None or rule.operands[1 - k] is None
+            or operand_bytes[k] < 2 * operand_bytes[1 - k]):
+        return 1
+    contracted = set(rule.matmul[1][0])
+    if not rule.operands[k] or set(rule.operands[k][-1]) & contracted:
+        return 1
+    own = {f for dims in rule.operands[k] for f in dims}
+    size = 1.0
+    for dims in rule.operands[1 - k]:
+        for f in dims:
+            if f not in own:
+                shards = 1
+                for axis in factor_axes[f]:
+                    shards *= mesh.axis_sizes[axis]
+                size *= rule.factors[f].size / shards
+    return row_tiles(size, max_tile)
 
 
 def _matmul_time(rule: OpRule, factor_axes, mesh: MeshSpec, comm: CommModel, moved: float,
@@ -329,7 +377,8 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
            mesh: MeshSpec, comm: CommModel, multiplier: float, flops_dtype: str,
            scatter: bool = False,
            hbm: tuple[tuple[bool, ...], tuple[bool, ...]] | None = None,
-           serial: tuple[bool, ...] | None = None, overlap: bool = False) -> OpStrategy:
+           serial: tuple[bool, ...] | None = None, overlap: bool = False,
+           restreamed: tuple[bool, ...] | None = None) -> OpStrategy:
     """Costs of one strategy; `scatter`: the partial sums are reduce-scattered into `results`
     (whose dims carry the reduced axes) instead of all-reduced."""
     split = 1
@@ -346,10 +395,17 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
                                                 (True,) * len(results))
     moved = sum(b for b, written in zip(computed_bytes, writes) if written)
     serial_bytes = 0.0  # read apart from the FLOPs: added to the roofline, not under its max
+    local = tuple(0.0 if t is None or s is None else local_bytes(t, s, mesh)
+                  for t, s in zip(operand_types, operands))
     for k, (t, s, read) in enumerate(zip(operand_types, operands, reads)):
+        if restreamed is not None and restreamed[k] and t is not None and s is not None:
+            # The reads past the first (one per further output tile) wait on the recompute;
+            # the first is the operand's own read, or its fused producers' (not fused: read).
+            serial_bytes += local[k] * (restream_passes(
+                rule, k, factor_axes, mesh, comm.model.matmul_row_tile, local) - 1)
         if t is not None and s is not None and read:
             if serial is not None and serial[k]:
-                serial_bytes += local_bytes(t, s, mesh)
+                serial_bytes += local[k]
             else:
                 moved += local_bytes(t, s, mesh)
     if rule.indexed and comm.model.platform == "tpu":
