@@ -49,6 +49,7 @@ ALL_REDUCE = "all-reduce"
 ALL_GATHER = "all-gather"
 REDUCE_SCATTER = "reduce-scatter"
 ALL_TO_ALL = "all-to-all"
+COLLECTIVE_PERMUTE = "collective-permute"
 COLLECTIVE_KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
 _KIND_SET = frozenset(COLLECTIVE_KINDS)
 
@@ -364,9 +365,12 @@ class CommModel:
                          if len({dst_dim[a] for a in leaving[d]
                                  if dst_dim.get(a, d) != d}) > 1}
         # Axes that stay on their dim while others leave it or arrive at it by all-to-all need
-        # no gather when they keep their order: XLA's partitioner moves the others and
-        # renumbers the devices (v5e:2x4, one all-to-all over x each: [-, -, (x, y)] ->
-        # [x, -, y], [(x, y), -] -> [y, x], [x, -, y] -> [-, -, (x, y)]).
+        # no gather when they keep their order: XLA's partitioner moves the others by one
+        # all-to-all among the devices that hold each new shard's parts, then puts the shards
+        # on the devices the destination names by a collective-permute of the whole local
+        # tensor (libtpu and the CPU compiler on 2x4: [-, -, (x, y)] -> [x, -, y],
+        # [(x, y), -] -> [y, x], [x, -, y] -> [-, -, (x, y)]).
+        renumbered: list[list[int]] = []
         for d in range(rank):
             staying = [a for a in leaving[d] if dst_dim.get(a) == d]
             moving = [a for a in leaving[d] if a not in staying]
@@ -376,6 +380,7 @@ class CommModel:
                     and staying == [a for a in dst_s[d] if a in staying]
                     and all(a in dst_dim and dst_dim[a] not in gathered_into for a in moving)):
                 leaving[d] = moving
+                renumbered.append(sorted({*staying, *moving, *arriving}))
 
         def size() -> int:
             return local_bytes(shape, itemsize, current, self.mesh)
@@ -426,6 +431,13 @@ class CommModel:
                 record(ALL_TO_ALL, size(), moved)
                 current[d] = [a for a in current[d] if a not in moved]
                 current[target].extend(moved)
+        # The collective-permutes that put renumbered shards in place (a permute sends the
+        # whole local tensor once, one hop).
+        for axes in renumbered:
+            group = self.group(axes)
+            if group.size > 1:
+                seconds += size() / group.bandwidth + group.latency
+                steps.append((COLLECTIVE_PERMUTE, tuple(axes), float(size())))
         # 3. slices: free.
         if via and via[-1] == dst_s:
             via.pop()
