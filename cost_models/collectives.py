@@ -371,6 +371,7 @@ class CommModel:
         # tensor (libtpu and the CPU compiler on 2x4: [-, -, (x, y)] -> [x, -, y],
         # [(x, y), -] -> [y, x], [x, -, y] -> [-, -, (x, y)]).
         renumbered: list[list[int]] = []
+        renumbered_dims: set[int] = set()
         for d in range(rank):
             staying = [a for a in leaving[d] if dst_dim.get(a) == d]
             moving = [a for a in leaving[d] if a not in staying]
@@ -381,6 +382,7 @@ class CommModel:
                     and all(a in dst_dim and dst_dim[a] not in gathered_into for a in moving)):
                 leaving[d] = moving
                 renumbered.append(sorted({*staying, *moving, *arriving}))
+                renumbered_dims.add(d)
 
         def size() -> int:
             return local_bytes(shape, itemsize, current, self.mesh)
@@ -388,12 +390,12 @@ class CommModel:
         steps: list[tuple[str, Axes, float]] = []
         seconds = 0.0
 
-        def record(kind: str, nbytes: float, axes: Axes) -> None:
+        def record(kind: str, nbytes: float, axes: Axes, label: Axes | None = None) -> None:
             nonlocal seconds
             sent = self.bytes_sent(kind, nbytes, axes)
             if sent > 0:
                 seconds += self.collective(kind, nbytes, axes)
-                steps.append((kind, axes, sent))
+                steps.append((kind, axes if label is None else label, sent))
 
         # 1. all-gathers, the last dim first (tests/unit/test_hlo_stats.py checks XLA's order),
         # or all in one (one_gather)
@@ -428,7 +430,8 @@ class CommModel:
                               and d not in gathered_from})
             for target in targets:
                 moved = tuple(a for a in leaving[d] if dst_dim.get(a) == target)
-                record(ALL_TO_ALL, size(), moved)
+                record(ALL_TO_ALL, size(), moved, self._minor_factor(current[d], moved)
+                       if d in renumbered_dims else None)
                 current[d] = [a for a in current[d] if a not in moved]
                 current[target].extend(moved)
         # The collective-permutes that put renumbered shards in place (a permute sends the
@@ -442,6 +445,19 @@ class CommModel:
         if via and via[-1] == dst_s:
             via.pop()
         return ReshardCost(seconds, tuple(steps), tuple(via))
+
+    def _minor_factor(self, axes: Sequence[int], moved: Axes) -> Axes:
+        """The mesh axes an all-to-all that renumbers devices, moving `moved` out of a dim split
+        over `axes` while others stay, travels on: XLA exchanges among the devices of the dim's
+        minor-most factor of the moved size (a part of y when x leaves (x, y), libtpu and CPU
+        on 2x4). Its bytes and group size are the moved axes'."""
+        need = math.prod(self.mesh.axis_sizes[a] for a in moved)
+        spanned: list[int] = []
+        for axis in reversed(axes):
+            if math.prod(self.mesh.axis_sizes[a] for a in spanned) >= need:
+                break
+            spanned.append(axis)
+        return tuple(sorted(spanned))  # mesh order, as hlo_stats lists a group's axes
 
     def _gather_stages(self, shape: Sequence[int], itemsize: int, current: list[list[int]],
                        d: int, gathered: Axes, staged: bool) -> list[int] | None:

@@ -307,9 +307,12 @@ def test_all_to_all_over_parts_of_one_axis_counts_for_that_axis() -> None:
     assert a2a.axes == ("y",) and a2a.group_size == 2
     assert a2a.bytes_sent == pytest.approx(2 * 128 * 2 * 1024 * 4 / 2)
     assert cp.axes == ("x", "y")
-    # Parts of two axes, or groups that leave devices out, stay unmapped.
-    groups = np.array([[0, 5], [1, 4], [2, 7], [3, 6]])
-    assert _axes_of_groups(groups, (("x", 2), ("y", 4))) == ()
+    # Parts of two axes count for both; groups that leave devices out stay unmapped.
+    groups = np.array([[0, 1, 4, 5], [2, 3, 6, 7]])
+    assert _axes_of_groups(groups, (("x", 2), ("y", 4))) == ("x", "y")
+    assert _axes_of_groups(np.array([[0, 5], [1, 4], [2, 7], [3, 6]]),
+                           (("x", 2), ("y", 4))) == ("x", "y")
+    assert _axes_of_groups(np.array([[0, 1, 2], [3, 4, 5]]), (("x", 2), ("y", 4))) == ()
     assert _axes_of_groups(np.array([[0, 1]]), (("x", 2), ("y", 4))) == ()
     assert _axes_of_groups(np.array([[0, 1], [2, 3]]), (("x", 2), ("y", 4))) == ()
 
@@ -883,8 +886,8 @@ def test_reshard_model_matches_compiled_collectives(mesh, src, dst) -> None:
 def test_reshard_that_renumbers_devices_sends_an_all_to_all_and_a_permute(mesh) -> None:
     """[(data, model), -, -] -> [model, -, data]: XLA exchanges halves among the device pairs
     that hold each new shard's parts (halves of "model"), then permutes the shards into the
-    destination's device order; the model prices both (its all-to-all over "data", the
-    axis that moves, with the same group size and bytes)."""
+    destination's device order; the model prices both, the all-to-all over "model" with
+    the moved axis's ("data") group size."""
     from hloplan.cost_models import CommModel, load_device_model
     from hloplan.mesh import parse_mesh
 
@@ -896,8 +899,7 @@ def test_reshard_that_renumbers_devices_sends_an_all_to_all_and_a_permute(mesh) 
     assert (cp.kind, cp.axes) == ("collective-permute", ("data", "model"))
     comm = CommModel(load_device_model("h100"), parse_mesh("data=2,model=4"), hosts=2)
     cost = comm.reshard(shape, 4, _axes_of(src, 3), _axes_of(dst, 3))
-    assert [(kind, sent) for kind, _, sent in cost.collectives] == [
-        ("all-to-all", a2a.bytes_sent), ("collective-permute", cp.bytes_sent)]
+    assert cost.collectives == ((a2a.kind, (1,), a2a.bytes_sent), (cp.kind, (0, 1), cp.bytes_sent))
 
 
 @pytest.mark.parametrize(
