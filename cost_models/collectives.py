@@ -368,18 +368,27 @@ class CommModel:
                          if len({dst_dim[a] for a in leaving[d]
                                  if dst_dim.get(a, d) != d}) > 1}
         # Axes that stay on their dim while others leave it or arrive at it by all-to-all need
-        # no gather when they keep their order: XLA's partitioner moves the others and
-        # renumbers the devices (v5e:2x4, one all-to-all over x each: [-, -, (x, y)] ->
-        # [x, -, y], [(x, y), -] -> [y, x], [x, -, y] -> [-, -, (x, y)]).
+        # no gather when they keep their order: XLA's partitioner moves the others by one
+        # all-to-all among the devices that hold each new shard's parts, then puts the shards
+        # on the devices the destination names by a collective-permute of the whole local
+        # tensor (libtpu and the CPU compiler on 2x4: [-, -, (x, y)] -> [x, -, y],
+        # [(x, y), -] -> [y, x], [x, -, y] -> [-, -, (x, y)]).
+        renumbered: list[list[int]] = []
+        renumbered_dims: set[int] = set()
         for d in range(rank):
             staying = [a for a in leaving[d] if dst_dim.get(a) == d]
             moving = [a for a in leaving[d] if a not in staying]
             arriving = [a for a in dst_s[d] if a not in src_s[d]]
-            if (staying and (moving or arriving) and d not in gathered_into
+            # (an axis that arrives by a slice, from no dim, needs no all-to-all: step 4)
+            if (staying and (moving or any(a in src_dim for a in arriving))
+                    and d not in gathered_into
                     and d not in gathered_from
                     and staying == [a for a in dst_s[d] if a in staying]
                     and all(a in dst_dim and dst_dim[a] not in gathered_into for a in moving)):
                 leaving[d] = moving
+                renumbered.append(sorted({*staying, *moving,
+                                          *(a for a in arriving if a in src_dim)}))
+                renumbered_dims.add(d)
             # Axes that only change order on their dim are not gathered: XLA's partitioner
             # sends each device's shard to its new place (one collective-permute, step 4).
             elif (staying and not moving and all(a not in src_dim for a in arriving)
@@ -392,12 +401,12 @@ class CommModel:
         steps: list[tuple[str, Axes, float]] = []
         seconds = 0.0
 
-        def record(kind: str, nbytes: float, axes: Axes) -> None:
+        def record(kind: str, nbytes: float, axes: Axes, label: Axes | None = None) -> None:
             nonlocal seconds
             sent = self.bytes_sent(kind, nbytes, axes)
             if sent > 0:
                 seconds += self.collective(kind, nbytes, axes)
-                steps.append((kind, axes, sent))
+                steps.append((kind, axes if label is None else label, sent))
 
         # 1. all-gathers, the last dim first (tests/unit/test_hlo_stats.py checks XLA's order),
         # or all in one (one_gather)
@@ -432,9 +441,17 @@ class CommModel:
                               and d not in gathered_from})
             for target in targets:
                 moved = tuple(a for a in leaving[d] if dst_dim.get(a) == target)
-                record(ALL_TO_ALL, size(), moved)
+                record(ALL_TO_ALL, size(), moved, self._minor_factor(current[d], moved)
+                       if d in renumbered_dims else None)
                 current[d] = [a for a in current[d] if a not in moved]
                 current[target].extend(moved)
+        # The collective-permutes that put renumbered shards in place (a permute sends the
+        # whole local tensor once, one hop).
+        for axes in renumbered:
+            group = self.group(axes)
+            if group.size > 1:
+                seconds += size() / group.bandwidth + group.latency
+                steps.append((COLLECTIVE_PERMUTE, tuple(axes), float(size())))
         # 3. slices: free where each device's block holds its new shard: the axes kept on a
         # dim come first in its new order, the sliced ones after them. 4. Elsewhere (an axis
         # sliced in ahead of a kept one, [-, y] -> [-, (x, y)]; kept axes reordered,
@@ -452,6 +469,19 @@ class CommModel:
         if via and via[-1] == dst_s:
             via.pop()
         return ReshardCost(seconds, tuple(steps), tuple(via))
+
+    def _minor_factor(self, axes: Sequence[int], moved: Axes) -> Axes:
+        """The mesh axes an all-to-all that renumbers devices, moving `moved` out of a dim split
+        over `axes` while others stay, travels on: XLA exchanges among the devices of the dim's
+        minor-most factor of the moved size (a part of y when x leaves (x, y), libtpu and CPU
+        on 2x4). Its bytes and group size are the moved axes'."""
+        need = math.prod(self.mesh.axis_sizes[a] for a in moved)
+        spanned: list[int] = []
+        for axis in reversed(axes):
+            if math.prod(self.mesh.axis_sizes[a] for a in spanned) >= need:
+                break
+            spanned.append(axis)
+        return tuple(sorted(spanned))  # mesh order, as hlo_stats lists a group's axes
 
     def _gather_stages(self, shape: Sequence[int], itemsize: int, current: list[list[int]],
                        d: int, gathered: Axes, staged: bool) -> list[int] | None:

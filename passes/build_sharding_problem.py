@@ -94,13 +94,29 @@ def resharded_type(type_: TensorType, consumer: Op, model, graph: Graph | None =
 
 def _feeds_matmuls(op: Op, graph: Graph | None, depth: int = 0) -> bool:
     """Whether `op` is a matmul at default precision, or (with `graph`) a transpose or reshape
-    all of whose readers are (a few levels deep)."""
+    all of whose readers are (a few levels deep). A dot_general one of whose operands has only
+    batch and contracting dims (given `graph`) is not: libtpu computes it as a multiply and a
+    reduction in a loop fusion, reading its operands as they are (keras_moe's combine of its
+    experts' outputs, `bsed,bse->bsd`, exchanges them by all-to-all in f32)."""
     if op.name in MATMULS:
-        return all(p == "DEFAULT" for p in _precisions(op))
+        return (all(p == "DEFAULT" for p in _precisions(op))
+                and not (graph is not None and _vector_product(op, graph)))
     if graph is None or depth > 3 or op.name not in ("stablehlo.transpose", "stablehlo.reshape"):
         return False
     users = [graph.ops[u] for r in op.results for u in graph.values[r].users]
     return bool(users) and all(_feeds_matmuls(u, graph, depth + 1) for u in users)
+
+
+def _vector_product(op: Op, graph: Graph) -> bool:
+    """Whether `op` is a dot_general an operand of which has only batch and contracting dims."""
+    if op.name != "stablehlo.dot_general":
+        return False
+    for side, operand in (("lhs", op.operands[0]), ("rhs", op.operands[1])):
+        type_ = graph.type_of(operand)
+        if type_ is not None and type_.rank == (len(op.attrs.get(f"{side}_batch", ()))
+                                                + len(op.attrs.get(f"{side}_contracting", ()))):
+            return True
+    return False
 
 
 def _precisions(op: Op) -> list[str]:
@@ -963,14 +979,15 @@ def matmul_narrowed(graph: Graph, folded: set[int], dtype: str) -> dict[int, flo
     """Ops whose f32 results are read only by matmuls (directly or through transposes folded
     into them), on a compiler that runs f32 matmuls on `dtype` operands: XLA's TPU compiler
     converts such a value to bf16 inside the kernel that makes it and writes it out in bf16
-    (a cross entropy's logit gradients, an MLP's activations kept for the weight gradient).
+    (a cross entropy's logit gradients, an MLP's activations kept for the weight gradient);
+    not for a dot_general it computes as a multiply and a reduction (_vector_product).
     Op index -> the bytes written per byte of the result type."""
     matmuls = ("stablehlo.dot_general", "stablehlo.convolution")
 
     def read_by_matmuls(value_id: int) -> bool:
         users = graph.values[value_id].users
         return bool(users) and all(
-            graph.ops[u].name in matmuls
+            (graph.ops[u].name in matmuls and not _vector_product(graph.ops[u], graph))
             or ((u in folded or graph.ops[u].name in _CONVERT_MOVERS)
                 and read_by_matmuls(graph.ops[u].results[0])) for u in users)
 

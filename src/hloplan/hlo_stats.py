@@ -514,8 +514,13 @@ def _extract_replica_groups(attrs: str) -> str | None:
 
 
 def _axes_of_groups(groups: np.ndarray, mesh_axes: Sequence[tuple[str, int]]) -> tuple[str, ...]:
-    """Mesh axes spanned by every group (major to minor in group order), or () if not a product
-    of whole mesh axes."""
+    """Mesh axes spanned by every group (major to minor in group order); for groups that split
+    the mesh into equal parts of a product of axes, the axes they vary over (mesh order); else ().
+
+    XLA's partitioner moves a dim's shards to another dim when their device orders differ by an
+    all-to-all over parts of axes and a collective-permute (libtpu on v5e:2x4: groups
+    {0,1},{2,3},{4,5},{6,7}, halves of y); such groups travel on those axes' links.
+    """
     sizes = [s for _, s in mesh_axes]
     total = math.prod(sizes)
     if groups.size == 0 or groups.min() < 0 or groups.max() >= total:
@@ -524,6 +529,11 @@ def _axes_of_groups(groups: np.ndarray, mesh_axes: Sequence[tuple[str, int]]) ->
         return ()
     coords = np.stack(np.unravel_index(groups, tuple(sizes)), axis=-1)  # (G, n, ndims)
     varying = [d for d in range(len(sizes)) if (coords[:, :, d] != coords[:, :1, d]).any()]
+    part_of = math.prod(sizes[d] for d in varying)
+    if (part_of > groups.shape[1] and part_of % groups.shape[1] == 0
+            and groups.shape[0] * groups.shape[1] == total
+            and len(np.unique(groups)) == total):
+        return tuple(mesh_axes[d][0] for d in varying)  # parts, covering every device once
     if math.prod(sizes[d] for d in varying) != groups.shape[1]:
         return ()
     # Every group must be the full product of the varying axes (no repeats).

@@ -527,15 +527,19 @@ def test_reshard_gather_then_all_to_all(comm: CommModel) -> None:
 
 def test_reshard_keeps_an_axis_that_stays_in_order(comm: CommModel) -> None:
     # An axis staying on its dim while another leaves it or joins it as the major one is not
-    # gathered: libtpu moves the other by one all-to-all and renumbers the devices (v5e:2x4).
-    # The local tensor is 2 MiB / 8 = 262144 bytes; an all-to-all over data sends half.
-    moved = (("all-to-all", (0,), 131072.0),)
+    # gathered: XLA moves the other by one all-to-all, then puts the shards in the
+    # destination's device order by a collective-permute (libtpu and CPU on 2x4).
+    # The local tensor is 2 MiB / 8 = 262144 bytes; an all-to-all among 2 devices sends half,
+    # the permute all of it. The all-to-all's pairs are halves of model where data leaves
+    # (data, model): the dim's minor-most factor of data's size.
+    def moved(axes):
+        return (("all-to-all", axes, 131072.0), ("collective-permute", (0, 1), 262144.0))
     # ((data, model), -) -> ((model), (data)): data leaves dim 0, model stays.
-    assert comm.reshard(SHAPE, 4, ((0, 1), ()), ((1,), (0,))).collectives == moved
+    assert comm.reshard(SHAPE, 4, ((0, 1), ()), ((1,), (0,))).collectives == moved((1,))
     # ((data), (model)) -> (-, (data, model)): data joins dim 1 ahead of model.
-    assert comm.reshard(SHAPE, 4, ((0,), (1,)), ((), (0, 1))).collectives == moved
+    assert comm.reshard(SHAPE, 4, ((0,), (1,)), ((), (0, 1))).collectives == moved((0,))
     # (-, (data, model)) -> ((data), (model)).
-    assert comm.reshard(SHAPE, 4, ((), (0, 1)), ((0,), (1,))).collectives == moved
+    assert comm.reshard(SHAPE, 4, ((), (0, 1)), ((0,), (1,))).collectives == moved((1,))
     # Leaving one dim for two: all-gathered there (libtpu, [-, -, (x, y)] -> [x, y, -]), then
     # sliced: one all-gather over both axes to the full 8 MiB.
     cost = comm.reshard((16, 256, 512), 4, ((), (), (0, 1)), ((0,), (1,), ()))

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from hloplan.hlo_stats import (  # noqa: E402
     CollectiveStats,
+    _axes_of_groups,
     collective_stats,
     compiled_kernels,
     dumped_live_peak,
@@ -284,8 +285,38 @@ def test_loop_trip_count_from_backend_config() -> None:
     text = _loop_module(_COND_LT, ', backend_config={"known_trip_count":{"n":"4"}}')
     (op,) = collective_stats(text, mesh_axes=MESH_AXES).ops
     assert op.trip_count == 4 and op.trip_count_known
-    # [4,2]<=[8] pairs {0,1},{2,3},...: half of "model", not a whole mesh axis.
-    assert op.group_size == 2 and op.axes == ()
+    # [4,2]<=[8] pairs {0,1},{2,3},...: halves of "model", on its links.
+    assert op.group_size == 2 and op.axes == ("model",)
+
+
+# libtpu (v5e:2x4, hf_llama's final norm gradient): an all-to-all over halves of y, then a
+# collective-permute that puts the shards in the mesh's device order.
+_HALF_AXIS_ALL_TO_ALL = """\
+HloModule m, num_partitions=8
+
+ENTRY %main (p: f32[1,2,128,2,1024]) -> f32[1,4,128,1024] {
+  %copy.242 = f32[1,2,128,2,1024]{4,2,1,0,3:T(8,128)S(1)} parameter(0)
+  %all-to-all.4 = f32[1,2,128,2,1024]{4,2,1,0,3:T(8,128)S(1)} all-to-all(%copy.242), channel_id=54, replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=1,'axis_3'=2] {'axis_3'}, dimensions={3}
+  %bitcast.890 = f32[1,4,128,1024]{3,2,1,0:T(8,128)S(1)} bitcast(%all-to-all.4)
+  ROOT %cp = f32[1,4,128,1024]{3,2,1,0:T(8,128)S(1)} collective-permute(%bitcast.890), channel_id=55, source_target_pairs={{0,0},{1,4},{2,1},{3,5},{4,2},{5,6},{6,3},{7,7}}
+}
+"""
+
+
+def test_all_to_all_over_parts_of_one_axis_counts_for_that_axis() -> None:
+    a2a, cp = collective_stats(_HALF_AXIS_ALL_TO_ALL, mesh_axes=(("x", 2), ("y", 4))).ops
+    assert a2a.replica_groups == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert a2a.axes == ("y",) and a2a.group_size == 2
+    assert a2a.bytes_sent == pytest.approx(2 * 128 * 2 * 1024 * 4 / 2)
+    assert cp.axes == ("x", "y")
+    # Parts of two axes count for both; groups that leave devices out stay unmapped.
+    groups = np.array([[0, 1, 4, 5], [2, 3, 6, 7]])
+    assert _axes_of_groups(groups, (("x", 2), ("y", 4))) == ("x", "y")
+    assert _axes_of_groups(np.array([[0, 5], [1, 4], [2, 7], [3, 6]]),
+                           (("x", 2), ("y", 4))) == ("x", "y")
+    assert _axes_of_groups(np.array([[0, 1, 2], [3, 4, 5]]), (("x", 2), ("y", 4))) == ()
+    assert _axes_of_groups(np.array([[0, 1]]), (("x", 2), ("y", 4))) == ()
+    assert _axes_of_groups(np.array([[0, 1], [2, 3]]), (("x", 2), ("y", 4))) == ()
 
 
 def test_loop_trip_count_from_condition() -> None:
@@ -830,6 +861,9 @@ def test_kernel_roofline_of_a_real_program() -> None:
         # From one dim: an all-to-all.
         ((("data", "model"), None), (None, ("data", "model"))),
         (("data", "model", None), ("data", None, "model")),
+        # "model" stays on its dim while "data" joins it in front: an all-to-all, then a
+        # collective-permute that puts the shards in the destination's device order.
+        (("data", None, "model"), (None, None, ("data", "model"))),
     ],
 )
 def test_reshard_model_matches_compiled_collectives(mesh, src, dst) -> None:
@@ -849,6 +883,25 @@ def test_reshard_model_matches_compiled_collectives(mesh, src, dst) -> None:
     predicted = [(kind, tuple(("data", "model")[a] for a in axes), sent)
                  for kind, axes, sent in cost.collectives]
     assert predicted == realised
+
+
+def test_reshard_that_renumbers_devices_sends_an_all_to_all_and_a_permute(mesh) -> None:
+    """[(data, model), -, -] -> [model, -, data]: XLA exchanges halves among the device pairs
+    that hold each new shard's parts (halves of "model"), then permutes the shards into the
+    destination's device order; the model prices both, the all-to-all over "model" with
+    the moved axis's ("data") group size."""
+    from hloplan.cost_models import CommModel, load_device_model
+    from hloplan.mesh import parse_mesh
+
+    shape, src, dst = (8, 16, 32), (("data", "model"), None, None), ("model", None, "data")
+    compiled = jax.jit(lambda a: a * 2, out_shardings=NamedSharding(mesh, P(*dst))).lower(
+        _put(mesh, shape, *src)).compile()
+    a2a, cp = _stats(compiled).ops
+    assert (a2a.kind, a2a.axes, a2a.group_size) == ("all-to-all", ("model",), 2)
+    assert (cp.kind, cp.axes) == ("collective-permute", ("data", "model"))
+    comm = CommModel(load_device_model("h100"), parse_mesh("data=2,model=4"), hosts=2)
+    cost = comm.reshard(shape, 4, _axes_of(src, 3), _axes_of(dst, 3))
+    assert cost.collectives == ((a2a.kind, (1,), a2a.bytes_sent), (cp.kind, (0, 1), cp.bytes_sent))
 
 
 @pytest.mark.parametrize(

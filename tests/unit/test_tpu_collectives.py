@@ -165,6 +165,25 @@ def test_matmul_operands_through_a_transpose(reader, narrowed):
     assert resharded_type(f32, transpose, load_device_model("tpu-v5e")) == f32  # no graph
 
 
+def test_vector_product_operands_reshard_as_they_are():
+    """A dot_general an operand of which has only batch and contracting dims (keras_moe's
+    `bsed,bse->bsd`) is a multiply and a reduction in libtpu's loop fusion: no bf16 operands."""
+    outs, combine = TensorType((2, 128, 8, 1024), "f32"), TensorType((2, 128, 8), "f32")
+    graph = Graph()
+    attrs = {"lhs_batch": (0, 1), "rhs_batch": (0, 1), "lhs_contracting": (2,),
+             "rhs_contracting": (2,)}
+    dot = Op(index=0, name="stablehlo.dot_general", operands=(0, 1), results=(2,), attrs=attrs)
+    graph.ops.append(dot)
+    graph.values += [Value(id=i, type=t, producer=0, result_index=0)
+                     for i, t in enumerate((outs, combine, TensorType((2, 128, 1024), "f32")))]
+    tpu = load_device_model("tpu-v5e")
+    assert resharded_type(outs, dot, tpu, graph) == outs
+    assert resharded_type(combine, dot, tpu, graph) == combine
+    # With a free dim on both sides (the experts' own matmuls) the operands go in bf16.
+    graph.values[1].type = TensorType((2, 128, 8, 16), "f32")
+    assert resharded_type(outs, dot, tpu, graph).dtype == "bf16"
+
+
 # One async all-gather that libtpu overlaps with two compute fusions: the start fusion holds it,
 # a continuation fusion a copy (same channel, async_collective_fusion_config); another
 # all-gather on its own channel.
