@@ -46,6 +46,7 @@ from hloplan.solver.problem import (
     Node,
     ShardingProblem,
     Strategy,
+    copy_spans,
     first_live_points,
 )
 from hloplan.state import CompileState, PlanSpace
@@ -291,6 +292,7 @@ class _ProblemBuilder:
                                   name=self.graph.name, live_ranges=tuple(ranges),
                                   launches=self._launches(nodes))
         problem = self._hold_shared_copies(problem)
+        problem = hold_copies_across_loops(problem)
         problem.validate()
         return self.space, problem
 
@@ -514,7 +516,8 @@ class _ProblemBuilder:
         if plain is None:
             plain = Strategy(strategy.name, strategy.compute, strategy.communication,
                              strategy.memory, strategy.collectives,
-                             axis_roles(strategy, self.mesh.ndim), strategy.transient)
+                             axis_roles(strategy, self.mesh.ndim), strategy.transient,
+                             strategy.accumulators)
             self.plain_of[id(strategy)] = plain
         return plain
 
@@ -680,7 +683,8 @@ class _ProblemBuilder:
                 return replace(plain, memory=memory, transient=plain.transient + relaid,
                                compute_cost=plain.compute_cost
                                + 2 * relaid / self.comm.model.hbm_bandwidth)
-            return replace(plain, memory=memory)
+            return replace(plain, memory=memory,
+                           accumulators=2 * memory if plain.accumulators else 0.0)
         made = sum(self._held_bytes(t, spec, True) for t, spec in zip(types, strategy.results))
         n = len(op.results)
         window = tuple(op.attrs.get("update_window_dims", ()))
@@ -1002,6 +1006,30 @@ def matmul_narrowed(graph: Graph, folded: set[int], dtype: str) -> dict[int, flo
                for t, v in zip(types, op.results)):
             out[op.index] = narrow / 4
     return out
+
+
+def hold_copies_across_loops(problem: ShardingProblem) -> ShardingProblem:
+    """`problem` with the resharded copies an op reads held from the previous live point too
+    when a node that can run as a collective-matmul loop (Strategy.accumulators) is made
+    there. libtpu's scheduler makes the reshards of the op after such a loop before the loop,
+    to overlap them with it: on the Llama-8B-class step on v5e:16x16 the output head's input
+    gradient reads the head weight all-gathered (started before the weight-gradient loop,
+    continued inside it) and the logits' gradient all-to-all'd (run before the loop), both
+    live across it; the loops of its MLP weight gradients carry the next ops' all-gathers
+    too. The span does not depend on the plan: a plan whose matmul there does not loop holds
+    the copies there as well."""
+    made = first_live_points(problem)
+    loops: set[int] = set()
+    for node, point in made.items():
+        if any(s.accumulators for s in problem.nodes[node].strategies):
+            loops.add(point)
+    if not loops:
+        return problem
+    edges = list(problem.edges)
+    for e, start, end in copy_spans(problem, made):
+        if start - 1 in loops and made.get(edges[e].dst) != start - 1:
+            edges[e] = replace(edges[e], held=(start - 1, end))
+    return replace(problem, edges=tuple(edges))
 
 
 def _live_range(node: int, first: int, last: int, made: int | None) -> LiveRange:

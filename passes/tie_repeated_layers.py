@@ -349,6 +349,21 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
             class_ids[key] = len(class_ids)
             class_max.append(max(transient))
         flash_class[index] = class_ids[key]
+    # A node's loop accumulators (held over its accumulator span, liveness.py) count as a node
+    # of their own there, of a class of their own.
+    loop_class: dict[int, int] = {}  # node -> class (-1: the same bytes for every choice)
+    loop_constant: dict[int, float] = {}
+    for index, _, _ in liveness.accumulators:
+        node = problem.nodes[index]
+        held = tuple(s.accumulators for s in node.strategies)
+        if min(held) == max(held):
+            loop_class[index], loop_constant[index] = -1, held[0]
+            continue
+        key = ("loop", ("tie", node.tie) if node.tie is not None else ("node", index), held)
+        if key not in class_ids:
+            class_ids[key] = len(class_ids)
+            class_max.append(max(held))
+        loop_class[index] = class_ids[key]
     # A resharded copy counts over its span as an item of a class keyed by its two decisions
     # and its tables: copies with equal keys hold equal bytes under any tie-respecting choice.
     copy_class: dict[int, int] = {}  # edge -> class
@@ -380,6 +395,8 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
                 (-1, events.leaving, class_list, constant_list),
                 (1, events.transient_in, flash_class, flash_constant),
                 (-1, events.transient_out, flash_class, flash_constant),
+                (1, events.accumulating_in, loop_class, loop_constant),
+                (-1, events.accumulating_out, loop_class, loop_constant),
                 (1, [e for e in events.copies_in if e in copy_class], copy_class, None),
                 (-1, [e for e in events.copies_out if e in copy_class], copy_class, None)):
             for index in moved:

@@ -102,6 +102,7 @@ class DecisionIndex:
         liveness = Liveness(problem)
         self.first_live = liveness.made  # where each node holds its transient bytes
         self.copy_span = {e: (start, end) for e, start, end in liveness.spans}
+        self.accumulator_span = {n: (start, end) for n, start, end in liveness.accumulators}
         budget = problem.memory_budget
         self.limit = budget + MEMORY_RTOL * abs(budget)
         self.over = {p for p in range(len(self.memory)) if not self.memory[p] <= self.limit}
@@ -172,6 +173,14 @@ class DecisionIndex:
         if not len(self.memory):
             return np.zeros(count), np.ones(count, dtype=bool)
         copies = self._copy_deltas(group, count)
+        for g in group:  # its loop accumulators, over their span
+            span = self.accumulator_span.get(g)
+            if span is not None:
+                strategies = self.problem.nodes[g].strategies
+                held = strategies[self.choice[g]].accumulators
+                row = np.array([s.accumulators - held for s in strategies])
+                for p in range(span[0], span[1] + 1):
+                    copies[p] = copies[p] + row if p in copies else row
         touched = sorted({p for g in group for p in self.points_of[g]} | set(copies))
         position = {p: i for i, p in enumerate(touched)}
         delta = np.zeros((len(touched), count))

@@ -30,6 +30,9 @@ class OpStrategy:
     collectives: tuple[tuple[str, str, float], ...] = ()
     name: str = ""
     transient: float = 0.0  # bytes held only while made (unscattered partial sums)
+    # A collective-matmul loop's accumulators (0: the strategy does not loop): libtpu sums the
+    # two ring directions' partial sums into two buffers of the result's size.
+    accumulators: float = 0.0
 
 
 def axis_roles(strategy: OpStrategy, ndim: int) -> tuple[tuple[int, ...], ...]:
@@ -458,6 +461,7 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
         # libtpu copies one of them (in the MXU's input dtype) before the loop, which one
         # depending on layouts; the larger is counted.
         transient = collective_matmul_copy_bytes(operands, operand_types, mesh, comm)
+    accumulators = 2.0 * sum(result_bytes) if chunked is not None else 0.0
     name = ", ".join(spec_text(s, mesh) for s in results) or "()"
     if reduced:
         name += f" + {kind}(" + comm.axes_label(reduced) + ")"
@@ -465,4 +469,4 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
         name += " <- " + " ".join(spec_text(s, mesh) for s in operands if s is not None)
     return OpStrategy(results, operands, reduced, compute * multiplier,
                       communication * multiplier, sum(result_bytes), tuple(collectives), name,
-                      transient=transient)
+                      transient=transient, accumulators=accumulators)

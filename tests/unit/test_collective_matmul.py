@@ -6,6 +6,8 @@ the chunks, and holds a copy of an operand instead of the whole partial sums
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from hloplan.cost_models import CommModel, DeviceModelError
@@ -82,6 +84,10 @@ def test_chunks_reread_the_stationary_operand():
     # holds only chunks of them, but a copy of an operand in its own layout (the larger, bf16).
     assert plain.transient == d * f * f32 * (n - 1) / n
     assert looped.transient == local_t * f * bf16
+    # The loop's two accumulators (one per ring direction), each of the result's size: held
+    # from before the first loop (solver/liveness.py); the plain form has none.
+    assert plain.accumulators == 0.0
+    assert looped.accumulators == 2 * d * f * f32 / n
 
 
 def test_no_loop_where_communication_dwarfs_compute_or_beyond_32_devices():
@@ -102,6 +108,8 @@ def test_no_loop_where_communication_dwarfs_compute_or_beyond_32_devices():
     wide = (64, 64 * 16384, 1024, 8192)  # XLA windows an einsum over at most 32 devices
     assert (_scattered(*wide, collective_matmul=True).compute
             == _scattered(*wide, collective_matmul=False).compute)
+    for unlooped in (short, (8, 8 * 65536, 128, 128), wide):
+        assert _scattered(*unlooped, collective_matmul=True).accumulators == 0.0
 
 
 def test_collective_matmul_field():
@@ -135,3 +143,34 @@ def test_plan_lists_the_loop_collective_permutes(tmp_path):
     permutes = listed["collective-permute"]
     assert permutes["axes"] == "x" and permutes["count"] == n + 1
     assert permutes["bytes"] == pytest.approx((n + 1) * d * f * 4 / n, rel=1e-4)
+
+
+def test_copies_read_after_a_loop_are_held_across_it():
+    """libtpu makes the reshards of the op after a collective-matmul loop before the loop
+    (passes/build_sharding_problem.hold_copies_across_loops): the copies that op reads are
+    held from the loop's live point too; a reader after an op that cannot loop, and the loop's
+    own copies, keep their spans."""
+    from hloplan.passes.build_sharding_problem import hold_copies_across_loops
+    from hloplan.solver.evaluate import evaluate
+    from hloplan.solver.problem import Edge, LivePoint, Node, ShardingProblem, Solution, Strategy
+
+    loop = Node("loop", (Strategy("plain", memory=1.0),
+                         Strategy("looped", memory=1.0, accumulators=2.0)))
+    matmul = Node("matmul", (Strategy("a", memory=1.0), Strategy("b", memory=1.0)))
+    weight = Node("weight", (Strategy("sharded", memory=4.0), Strategy("whole", memory=16.0)))
+    gathered = ((0.0, 1.0), (1.0, 0.0))  # a copy where the layouts differ
+    edges = (Edge(2, 1, gathered, copies=(16.0, 16.0)),  # read by the op after the loop
+             Edge(2, 0, gathered, copies=(16.0, 16.0)),  # read by the loop itself
+             Edge(2, 3, gathered, copies=(16.0, 16.0)))  # read after a plain matmul
+    nodes = (loop, matmul, weight, dataclasses.replace(matmul, name="next"))
+    points = (LivePoint((2,)), LivePoint((0, 2)), LivePoint((1, 2)), LivePoint((3, 2)))
+    problem = ShardingProblem(nodes, edges, points)
+    held = hold_copies_across_loops(problem).edges
+    assert held[0].held == (1, 2)
+    assert held[1].held is None and held[2].held is None
+    memory = evaluate(hold_copies_across_loops(problem), Solution((1, 1, 0, 1))).memory
+    # At the loop: the weight, the loop's result and accumulators, its own copy and the next
+    # op's copy; at the next op: the weight, its result and its copy.
+    assert memory == (4.0, 4.0 + 1.0 + 2.0 + 16.0 + 16.0, 4.0 + 1.0 + 16.0, 4.0 + 1.0 + 16.0)
+    no_loops = dataclasses.replace(problem, nodes=(matmul, matmul, weight, matmul))
+    assert hold_copies_across_loops(no_loops) is no_loops

@@ -420,3 +420,14 @@ def test_loader_names_the_jax_a_plan_was_made_with(compiled, tmp_path, monkeypat
     with pytest.raises(loader.PlanLoadError, match=r"made with jax 99\.0\.0 and the running jax "
                        rf"is {jax.__version__}.*unsupported serialization version"):
         hloplan.load(copy)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_local_next_best_counts_loop_accumulators(seed):
+    """Problems whose nodes hold loop accumulators (test_liveness._problem): the local
+    arithmetic prices them as evaluate does."""
+    from test_liveness import _problem
+
+    problem = _problem(seed)
+    assert any(s.accumulators for n in problem.nodes for s in n.strategies)
+    assert _check_against_solver_explain(problem, Solution((0,) * len(problem.nodes))) > 0

@@ -11,14 +11,15 @@ import pytest
 from test_solver import random_problem
 
 from hloplan.solver.evaluate import evaluate
-from hloplan.solver.liveness import Liveness, first_live_points, sweep
+from hloplan.solver.liveness import Liveness, accumulator_spans, first_live_points, sweep
 from hloplan.solver.model import compile_model
 from hloplan.solver.problem import LiveRange, ShardingProblem, Solution
 
 
 def _problem(seed: int, fractional: bool = False) -> ShardingProblem:
-    """A random problem with listed and ranged nodes, transient bytes and copies (some held
-    over a span, some at the reader's made point only)."""
+    """A random problem with listed and ranged nodes, transient bytes, loop accumulators (every
+    third node's odd strategies) and copies (some held over a span, some at the reader's made
+    point only)."""
     base = random_problem(seed, 10, 3, 12, transients=True)
     rng = random.Random(seed)
     count = len(base.live_points)
@@ -33,7 +34,10 @@ def _problem(seed: int, fractional: bool = False) -> ShardingProblem:
     edges = tuple(dataclasses.replace(e, copies=(5.0, 7.0, 0.0),
                                       held=(1, count - 1) if i % 2 else None)
                   for i, e in enumerate(base.edges))
-    problem = dataclasses.replace(base, edges=edges, live_ranges=tuple(ranges))
+    nodes = tuple(node if i % 3 else dataclasses.replace(node, strategies=tuple(
+        dataclasses.replace(s, accumulators=4.0 * (k % 2)) for k, s in enumerate(node.strategies)))
+        for i, node in enumerate(base.nodes))
+    problem = dataclasses.replace(base, nodes=nodes, edges=edges, live_ranges=tuple(ranges))
     if fractional:  # bytes that are not whole numbers take the evaluator's other path
         problem = dataclasses.replace(problem, nodes=tuple(
             dataclasses.replace(node, strategies=tuple(
@@ -51,6 +55,12 @@ def test_sweep_events_rebuild_what_each_point_holds(seed):
     live: dict[int, int] = {}
     transient: set[int] = set()
     copies: set[int] = set()
+    accumulating: set[int] = set()
+    # Loop accumulators: from the made point of the first node that can loop to each one's.
+    loops = {n: at for n, at in made.items()
+             if any(s.accumulators for s in problem.nodes[n].strategies)}
+    start = min(loops.values(), default=0)
+    assert accumulator_spans(problem) == sorted((n, start, at) for n, at in loops.items())
     points = list(sweep(problem))
     assert [e.point for e in points] == list(range(len(problem.live_points)))
     for events in points:
@@ -63,6 +73,9 @@ def test_sweep_events_rebuild_what_each_point_holds(seed):
         transient -= set(events.transient_out)
         copies |= set(events.copies_in)
         copies -= set(events.copies_out)
+        accumulating |= set(events.accumulating_in)
+        accumulating -= set(events.accumulating_out)
+        assert accumulating == {n for n, at in loops.items() if start <= p <= at}
         assert {n for n, c in live.items() if c} == set(problem.nodes_at(p))
         assert all(c in (0, 1) for c in live.values())
         # Transient bytes: held where the node is made, by nodes that have some.
@@ -72,6 +85,7 @@ def test_sweep_events_rebuild_what_each_point_holds(seed):
         assert events.fixed_bytes == problem.live_points[p].fixed_bytes
     assert any(events.transient_in for events in points)
     assert any(events.copies_in for events in points)
+    assert any(events.accumulating_in for events in points)
 
 
 def _from_scratch(problem: ShardingProblem, solution: Solution, copies: bool) -> list[float]:
@@ -82,6 +96,8 @@ def _from_scratch(problem: ShardingProblem, solution: Solution, copies: bool) ->
     for p, point in enumerate(problem.live_points):
         total = point.fixed_bytes + sum(picked[n].memory for n in problem.nodes_at(p))
         total += sum(picked[n].transient for n, at in made.items() if at == p)
+        total += sum(picked[n].accumulators for n, start, end in accumulator_spans(problem)
+                     if start <= p <= end)
         for e, start, end in Liveness(problem).spans if copies else ():
             edge = problem.edges[e]
             i, j = solution.choice[edge.src], solution.choice[edge.dst]

@@ -89,20 +89,21 @@ def live_point_bytes(problem: ShardingProblem, solution: Solution, copies: bool 
                      ) -> tuple[float, ...]:
     """Bytes at each live point: its fixed bytes plus what the liveness rules (liveness.py)
     hold there under the chosen strategies: results, transient bytes where values are made,
-    and with `copies` the resharded copies over their spans (the ILP's model leaves those out,
-    see passes/solve_sharding.py).
+    loop accumulators, and with `copies` the resharded copies over their spans (the ILP's
+    model leaves those out, see passes/solve_sharding.py).
 
     A node listed twice at one point is counted once: a value is either live there or not.
     """
     picked = [node.strategies[pick] for node, pick in zip(problem.nodes, solution.choice)]
     memory = [s.memory for s in picked]
     transient = [s.transient for s in picked]
+    accumulators = [s.accumulators for s in picked]
     liveness = Liveness(problem, copies)
     copied = {}
     for e, _, _ in liveness.spans:
         edge = problem.edges[e]
         copied[e] = copy_bytes(edge, solution.choice[edge.src], solution.choice[edge.dst])
-    values = np.array([*memory, *transient, *copied.values(),
+    values = np.array([*memory, *transient, *accumulators, *copied.values(),
                        *(p.fixed_bytes for p in problem.live_points)], dtype=float)
     exact = bool((np.floor(values) == values).all() and (np.abs(values) < _EXACT).all())
     # What each point holds, walked from the sweep's events (consecutive points share most of
@@ -120,6 +121,10 @@ def live_point_bytes(problem: ShardingProblem, solution: Solution, copies: bool 
                 running += transient[i]
             for i in events.transient_out:
                 running -= transient[i]
+            for i in events.accumulating_in:
+                running += accumulators[i]
+            for i in events.accumulating_out:
+                running -= accumulators[i]
             for e in events.copies_in:
                 running += copied[e]
             for e in events.copies_out:
@@ -127,11 +132,13 @@ def live_point_bytes(problem: ShardingProblem, solution: Solution, copies: bool 
             totals.append(events.fixed_bytes + running)
         return tuple(totals)
     held: dict[tuple[int, int], int] = {}  # (kind, index) -> count; kinds index `sizes`
-    sizes = (memory, transient, copied)
+    sizes = (memory, transient, copied, accumulators)
     for events in liveness.sweep():
         for sign, moved, kind in ((1, events.entering, 0), (-1, events.leaving, 0),
                                   (1, events.transient_in, 1), (-1, events.transient_out, 1),
-                                  (1, events.copies_in, 2), (-1, events.copies_out, 2)):
+                                  (1, events.copies_in, 2), (-1, events.copies_out, 2),
+                                  (1, events.accumulating_in, 3),
+                                  (-1, events.accumulating_out, 3)):
             for index in moved:
                 count = held.get((kind, index), 0) + sign
                 if count:
@@ -145,8 +152,9 @@ def live_point_bytes(problem: ShardingProblem, solution: Solution, copies: bool 
 @dataclass(frozen=True)
 class Held:
     """One thing a live point holds under a solution: a node's results ("result"), a node's
-    transient bytes where its values are made ("made"), or the resharded copy an edge's
-    destination reads ("copy"; `index` is then the edge's)."""
+    transient bytes where its values are made ("made"), a node's loop accumulators
+    ("accumulators"), or the resharded copy an edge's destination reads ("copy"; `index` is
+    then the edge's)."""
 
     kind: str
     index: int
@@ -161,6 +169,8 @@ def point_contents(problem: ShardingProblem, solution: Solution, point: int) -> 
     liveness = Liveness(problem)
     held += [Held("made", n, picked[n].transient) for n, made in liveness.made.items()
              if made == point and picked[n].transient]
+    held += [Held("accumulators", n, picked[n].accumulators)
+             for n, start, end in liveness.accumulators if start <= point <= end]
     for e, start, end in liveness.spans:
         edge = problem.edges[e]
         made = copy_bytes(edge, solution.choice[edge.src], solution.choice[edge.dst])

@@ -109,7 +109,7 @@ def _switched_peak(
 ) -> float:
     """Peak memory of `base` with one node's footprint changed by `memory_delta` (its
     transient bytes, at its first live point `first`, by `transient_delta`; and bytes held at
-    given points, resharded copies, by `at_points`)."""
+    given points, resharded copies and loop accumulators, by `at_points`)."""
     where = next((r for r in problem.live_ranges if r.node == node), None)
     at_points = at_points or {}
     loads = [
@@ -149,6 +149,7 @@ def compare(problem: ShardingProblem, chosen: Solution, alternative: Solution) -
     liveness = Liveness(problem)
     firsts = liveness.made
     spans = {e: (start, end) for e, start, end in liveness.spans}
+    accumulating = {n: (start, end) for n, start, end in liveness.accumulators}
     edges_of: dict[int, list[int]] = {}
     for e in spans:
         edge = problem.edges[e]
@@ -160,10 +161,14 @@ def compare(problem: ShardingProblem, chosen: Solution, alternative: Solution) -
         if i == j:
             continue
         mine, other = node.strategies[i], node.strategies[j]
+        at_points = _copy_deltas(problem, chosen.choice, index, j, spans, edges_of)
+        if index in accumulating and other.accumulators != mine.accumulators:
+            start, end = accumulating[index]
+            for p in range(start, end + 1):
+                at_points[p] = at_points.get(p, 0.0) + other.accumulators - mine.accumulators
         switched = _switched_peak(problem, base, index, other.memory - mine.memory,
                                   other.transient - mine.transient, firsts.get(index),
-                                  _copy_deltas(problem, chosen.choice, index, j, spans,
-                                               edges_of))
+                                  at_points)
         reason = Reason(
             node=index,
             name=node.name,

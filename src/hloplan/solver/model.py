@@ -72,6 +72,7 @@ class Memory:
         constant = 0.0
         nodes = problem.nodes
         transients: dict[int, np.ndarray] = {}  # id(strategies) -> transient bytes
+        accumulators: dict[int, np.ndarray] = {}  # id(strategies) -> loop accumulator bytes
         for point in sweep(problem, copies=False):
             p = point.point
             changed: dict[int, np.ndarray] = {}
@@ -79,7 +80,9 @@ class Memory:
                     (1.0, point.entering, "memory", vectors),
                     (-1.0, point.leaving, "memory", vectors),
                     (1.0, point.transient_in, "transient", transients),
-                    (-1.0, point.transient_out, "transient", transients)):
+                    (-1.0, point.transient_out, "transient", transients),
+                    (1.0, point.accumulating_in, "accumulators", accumulators),
+                    (-1.0, point.accumulating_out, "accumulators", accumulators)):
                 for index in moved:
                     g = group_of[index]
                     strategies = nodes[index].strategies

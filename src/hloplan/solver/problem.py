@@ -43,6 +43,9 @@ class Strategy:
     # (liveness.first_live_points; partial sums at full size before their reduce-scatter
     # shrinks them).
     transient: float = 0.0
+    # Bytes of a collective-matmul loop's accumulators (0: the strategy does not loop; see
+    # liveness.py for when libtpu holds them).
+    accumulators: float = 0.0
 
     @property
     def cost(self) -> float:
