@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, replace
 
 from hloplan.cost_models import CommModel
+from hloplan.cost_models.collectives import ReshardCost
 from hloplan.graph import Graph, Op, TensorType, dtype_bytes
 from hloplan.op_rules import (
     FREE_IF_INPUTS_FREE,
@@ -285,6 +286,7 @@ class _ProblemBuilder:
                                     notes=("its operands are gathered onto every device",))
             self.space.strategies[op.index] = self._strategies(op, rule)
         folds = self._reassociations()
+        self._scatter_first_gathers(folds)
         nodes = self._nodes()
         edges = self._edges() + self._fold_edges(folds)
         points, ranges = self._live_points()
@@ -334,6 +336,86 @@ class _ProblemBuilder:
                 self.list_of[second] = self._list_id(("reassociated", second))
                 folds.append((first, second, tuple(before)))
         return folds
+
+    def _scatter_first_gathers(self, folds) -> None:
+        """Masked lookups (a gather whose partial rows are all-reduced) whose readers take the
+        rows in a layout split over the summed axes. libtpu rewrites the all-reduce and the
+        slice of its result as a reduce-scatter (XLA's reduce-scatter creator), then reshards
+        the scattered rows (hf_bert, haiku_transformer and llama on v5e:2x4: the embedding's
+        partial rows reduce-scattered over x). The plan keeps the all-reduced result, which
+        XLA's partitioner partitions as a masked lookup (given a result layout that
+        reduce-scatters the partial rows, it all-gathers the table instead): its strategies
+        are priced with the reduce-scatter here, and each of the n reading edges
+        (_scatter_first_edge) charges 1/n of the all-reduce's price beyond it back where its
+        reader's layout does not take the slice (all of it where none does; where only some
+        do, XLA keeps the all-reduce, and the charge falls short of it)."""
+        if self.comm.model.platform != "tpu":
+            return
+        taken = {second for _, second, _ in folds}
+        for op_index, strategies in self.space.strategies.items():
+            op = self.graph.ops[op_index]
+            if (self.rules[op_index].indexed != "gather" or op_index in taken
+                    or len(op.results) != 1):
+                continue
+            value = self.graph.values[op.results[0]]
+            if (not value.users or value.id in self.fused or value.id in self.unmaterialized
+                    or value.type is None):
+                continue
+            readers = [self.graph.ops[u] for u in dict.fromkeys(value.users)]
+            # Matmuls that share one reshard of the value (_shared_reshards) are left out.
+            if any(r.index not in self.space.strategies or r.attrs.get("yield") == value.id
+                   or (r.name in MATMULS and len(readers) > 1) for r in readers):
+                continue
+            reads = tuple((r.index, k) for r in readers
+                          for k, v in enumerate(r.operands) if v == value.id)
+            comm = self.unmerged if op_index in self.chained else self.comm
+            priced = []
+            for s in strategies:
+                kinds = {kind for kind, _, _ in s.collectives}
+                if not s.reduced_axes or kinds != {"all-reduce"}:
+                    priced.append(s)
+                    continue
+                nbytes = local_bytes(value.type, s.results[0], self.mesh)
+                scattered = comm.collective("reduce-scatter", nbytes, s.reduced_axes)
+                priced.append(replace(s, communication=min(s.communication,
+                                                           scattered * op.multiplier)))
+            self.space.strategies[op_index] = priced
+            self.list_of[op_index] = self._list_id(("scatter-first", op_index))
+            self.space.scatter_first[op_index] = (reads, tuple(strategies))
+
+    def _scatter_first_edge(self, value, consumer: Op, position: int, multiplier: float
+                            ) -> Edge | None:
+        """An edge from a scatter-first gather (_scatter_first_gathers) to a reader: where the
+        reader's layout takes every summed axis, the reduce-scatter's layout resharded into
+        it; elsewhere the reshard from the all-reduced layout and 1/n of the all-reduce's
+        price beyond the reduce-scatter's (n reading edges)."""
+        producer = value.producer
+        reads, before = self.space.scatter_first[producer]
+        after = self.space.strategies[producer]
+        type_ = resharded_type(value.type, consumer, self.comm.model, self.graph)
+        costs = []
+        for s_before, s_after in zip(before, after):
+            src, row = s_before.results[0], []
+            beyond = (s_before.communication - s_after.communication) / len(reads)
+            for c in self.space.strategies[consumer.index]:
+                dst = c.operands[position] if position < len(c.operands) else None
+                if dst is None:
+                    row.append(0.0)
+                    continue
+                mid = scatter_first_layout(src, dst, s_before.reduced_axes, type_.shape,
+                                           self.mesh.axis_sizes)
+                if not beyond or mid is None:
+                    seconds = (0.0 if src == dst else self.comm.reshard(
+                        type_.shape, type_.itemsize, src, dst).seconds) * multiplier
+                    row.append(seconds + beyond)
+                else:
+                    row.append(scatter_first_reshard(self.comm, type_, s_before.reduced_axes,
+                                                     mid, dst).seconds * multiplier)
+            costs.append(tuple(row))
+        if not any(any(row) for row in costs):
+            return None
+        return Edge(self.space.node_of[producer], self.space.node_of[consumer.index],
+                    tuple(costs), label=f"%{value.id} -> %{consumer.index} scatter-first")
 
     def _fold_edges(self, folds) -> list[Edge]:
         edges = []
@@ -584,6 +666,8 @@ class _ProblemBuilder:
         producer = value.producer
         if producer not in self.space.strategies:
             return None
+        if (consumer.index, position) in self.space.scatter_first.get(producer, ((),))[0]:
+            return self._scatter_first_edge(value, consumer, position, multiplier)
         consumer_strategies = self.space.strategies[consumer.index]
         producer_strategies = self.space.strategies[producer]
         src_id = self._specs_id(("result", self.list_of[producer], value.result_index),
@@ -1036,6 +1120,65 @@ def _live_range(node: int, first: int, last: int, made: int | None) -> LiveRange
     """`made`: the check where the node's values are made, if not its first (an output)."""
     return LiveRange(node, first, last, made_at=made if made is not None and made != first
                      else None)
+
+
+def scatter_first_layout(src, dst, reduced, shape, axis_sizes):
+    """The layout libtpu reduce-scatters a value summed over `reduced` into when its reader
+    wants it in `dst` (an all-reduce and a slice over those axes: XLA's reduce-scatter
+    creator): `src` with each summed axis on the dim `dst` has it, in `dst`'s order on that
+    dim; the rest of the reshard goes from there (hf_bert's embedding lookup, `[-, -, y]`
+    summed over x and read `[y, x, -]`: reduce-scattered to `[-, x, y]`, then an all-to-all
+    over y). None where `dst` leaves a summed axis out or the layout does not divide."""
+    if not reduced:
+        return None
+    dim_of = {axis: d for d, axes in enumerate(dst) for axis in axes}
+    if any(axis not in dim_of for axis in reduced):
+        return None
+    mid = [list(axes) for axes in src]
+    for d, axes in enumerate(dst):
+        mid[d].extend(axis for axis in axes if axis in reduced)
+    for size, axes in zip(shape, mid):
+        split = 1
+        for axis in axes:
+            split *= axis_sizes[axis]
+        if size % split:
+            return None
+    return tuple(tuple(axes) for axes in mid)
+
+
+def scatter_first_reshard(comm: CommModel, type_: TensorType, reduced, mid, dst) -> ReshardCost:
+    """From the reduce-scatter to the reader's layout `dst`. Where `dst` is `mid` (only the
+    slice), nothing more. Elsewhere libtpu scatters onto the dim the rows are already split
+    on, moves the summed axes to their dim by an all-to-all of the scattered shard, then
+    reshards from `mid` (hf_bert, haiku_transformer and models.py's bert on v5e:2x4:
+    `[-, -, y]` summed over x and read `[y, x, -]` compile to a reduce-scatter over x, an
+    all-to-all over x and one over y)."""
+    if mid == dst:
+        return ReshardCost(0.0)
+    nbytes = local_bytes(type_, mid, comm.mesh)
+    rest = comm.reshard(type_.shape, type_.itemsize, mid, dst)
+    sent = comm.bytes_sent("all-to-all", nbytes, reduced)
+    return ReshardCost(rest.seconds + comm.all_to_all(nbytes, reduced),
+                   (("all-to-all", tuple(reduced), sent), *rest.collectives))
+
+
+def scatter_first_reads(state: CompileState) -> dict[int, tuple]:
+    """Of the chosen plan, the scatter-first gathers (_scatter_first_gathers) whose readers'
+    layouts all take the slice from one reduce-scattered layout: gather op index -> (that
+    layout, its readers' op indices)."""
+    out = {}
+    for op_index, (reads, _) in state.space.scatter_first.items():
+        chosen = state.chosen(op_index)
+        if {kind for kind, _, _ in chosen.collectives} != {"all-reduce"}:
+            continue
+        value = state.graph.values[state.graph.ops[op_index].results[0]]
+        mids = {scatter_first_layout(chosen.results[0], state.chosen(reader).operands[position],
+                                     chosen.reduced_axes, value.type.shape,
+                                     state.options.mesh.axis_sizes)
+                for reader, position in reads}
+        if len(mids) == 1 and None not in mids:
+            out[op_index] = (mids.pop(), {reader for reader, _ in reads})
+    return out
 
 
 def chosen_reshards(state: CompileState):

@@ -59,17 +59,33 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
                  for name, v in zip(graph.argument_names, graph.arguments)]
     results = [_tensor_entry(state, name, v, value_spec(state, v))
                for name, v in zip(graph.output_names, graph.outputs)]
-    from hloplan.passes.build_sharding_problem import chosen_reshards, reassociated, resharded_type
+    from hloplan.passes.build_sharding_problem import (
+        chosen_reshards,
+        reassociated,
+        resharded_type,
+        scatter_first_reads,
+        scatter_first_reshard,
+    )
 
     ops = []
     collectives: dict[str, dict] = {}
     folded = reassociated(state)
+    # A masked lookup's all-reduce and its reader's slice, compiled as a reduce-scatter and a
+    # reshard from the scattered layout (build_sharding_problem._scatter_first_gathers).
+    scattered = scatter_first_reads(state)
     for op_index in sorted(state.space.strategies):
         op = graph.ops[op_index]
         chosen = state.chosen(op_index)
         node = state.space.node_of[op_index]
         compute, communication, resharding = evaluation.per_node[node]
-        for kind, axes, sent in chosen.collectives:
+        listed = chosen.collectives
+        if op_index in scattered:
+            value = graph.values[op.results[0]]
+            nbytes = local_bytes(value.type, chosen.results[0], options.mesh)
+            listed = [("reduce-scatter", axes, state.comm.bytes_sent(
+                "reduce-scatter", nbytes, chosen.reduced_axes) * op.multiplier)
+                      for _, axes, _ in chosen.collectives]
+        for kind, axes, sent in listed:
             if (op_index, kind, axes) in folded:
                 continue  # summed into another's before one collective
             entry = collectives.setdefault(f"{kind}({axes})", {"kind": kind, "axes": axes,
@@ -96,12 +112,19 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
     # README, fidelity), but once in each branch or loop body that reads it.
     seen_reshards: set = set()
     for op, value_id, src, dst, multiplier in chosen_reshards(state):
+        producer = graph.values[value_id].producer
+        mid = None
+        if producer in scattered and op.index in scattered[producer][1]:
+            mid = scattered[producer][0]
         key = (value_id, src, dst, multiplier, op.parent, op.region)
         if key in seen_reshards:
             continue
         seen_reshards.add(key)
         type_ = resharded_type(graph.type_of(value_id), op, options.device, graph)
-        for kind, axes, sent in state.comm.reshard(type_.shape, type_.itemsize, src, dst).collectives:
+        reshard = (state.comm.reshard(type_.shape, type_.itemsize, src, dst) if mid is None else
+                   scatter_first_reshard(state.comm, type_, state.chosen(producer).reduced_axes,
+                                         mid, dst))
+        for kind, axes, sent in reshard.collectives:
             label = state.comm.axes_label(axes)
             entry = collectives.setdefault(f"{kind}({label})", {"kind": kind, "axes": label,
                                                                 "count": 0, "bytes": 0.0})

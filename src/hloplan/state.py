@@ -65,6 +65,10 @@ class PlanSpace:
     # (matmul, operand position) -> (the earlier matmul whose resharded operand it reads, its
     # position): priced as a reshard from that layout, so emitted as one.
     reads_via: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    # A masked lookup whose partial rows libtpu reduce-scatters where its readers slice them:
+    # gather op index -> ((reader op index, operand position) per read, its strategies as
+    # enumerated, with the all-reduce's price) (build_sharding_problem._scatter_first_gathers).
+    scatter_first: dict[int, tuple] = field(default_factory=dict)
 
 
 @dataclass
