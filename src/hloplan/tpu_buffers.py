@@ -229,16 +229,10 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
     `silu(x @ w_gate) * (x @ w_up)` (models.py's llama) and GPT's `gelu(x @ w + b)`, made from
     the matmul result and the bias (the sum is fused into its readers); so is, by the same
     reasoning, one whose source is last read before the value's last matmul (no such case
-    seen in libtpu's dumps). Reductions of the source broadcast back into the value do not
-    count as a second source: an attention's softmax probabilities, `exp(s - max(s)) / sum`,
-    read by the output's matmul and v's gradient, are recomputed from the f32 scores, which
-    libtpu keeps with their max for the backward pass (llama on v5e:16x16: no buffer for the
-    probabilities, 67 MB per layer per device). The value is followed back through the fused
-    values it is made from (`unmaterialized`) to the written-out ones: besides those free to
-    make (`free`: splats, iotas) and such reductions, exactly one, an argument or a value read
-    after the value's last matmul by an op, or by the kernels of fused values computed from it
-    (the backward pass's recomputed exponentials). Only values an elementwise op makes (a
-    weight's transpose is
+    seen in libtpu's dumps). The value is followed back through the fused values it is made
+    from (`unmaterialized`) to the written-out ones: besides those free to make (`free`:
+    splats, iotas), exactly one, an argument or a value read by an op after the value's last
+    matmul. Only values an elementwise op makes (a weight's transpose is
     left to the other rules), and no pad on the way (a written-out pad is a kernel of its
     own: pad_operands). Value ids."""
     arguments = set(graph.arguments)
@@ -273,62 +267,10 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
                 else:
                     leaves.add(operand)
         held = leaves - free
-        if ok and len(held) > 1:
-            # Reductions of the value's own source broadcast into it (a softmax's max and
-            # sum) are read by the recomputing kernel beside that source.
-            held = {leaf for leaf in held
-                    if not _reduction_of(graph, leaf, held - {leaf}, op.parent, op.region)}
         if not ok or len(held) != 1:
             continue
         (leaf,) = held
-        if leaf in arguments or _read_after(graph, leaf, last, chain, unmaterialized):
+        if leaf in arguments or any(u > last and u not in chain
+                                    for u in graph.values[leaf].users):
             out.add(value.id)
     return out
-
-
-def _read_after(graph: Graph, value_id: int, last: int, chain: set[int],
-                unmaterialized: set[int]) -> bool:
-    """Whether an op after `last`, outside `chain`, reads `value_id` or a value computed from
-    it inside its readers' kernels (`unmaterialized`: such a reader keeps the source live)."""
-    stack, seen = [value_id], set()
-    while stack:
-        vid = stack.pop()
-        if vid in seen or len(seen) > 256:
-            continue
-        seen.add(vid)
-        for user in graph.values[vid].users:
-            if user > last and user not in chain:
-                return True
-            stack.extend(r for r in graph.ops[user].results if r in unmaterialized)
-    return False
-
-
-def _is_elementwise(name: str) -> bool:
-    return name.startswith("stablehlo.") and name.removeprefix("stablehlo.") in ELEMENTWISE
-
-
-def _reduction_of(graph: Graph, value_id: int, sources: set[int], parent, region) -> bool:
-    """Whether `value_id` is made by a reduce (through broadcasts, reshapes, converts and
-    elementwise ops of the same region) of values computed from one of `sources`."""
-    stack, seen = [(value_id, False)], set()
-    while stack:
-        vid, reduced = stack.pop()
-        if (vid, reduced) in seen or len(seen) > 64:
-            continue
-        seen.add((vid, reduced))
-        if vid in sources:
-            if reduced:
-                return True
-            continue
-        producer = graph.values[vid].producer
-        if producer is None or producer < 0:
-            continue
-        node = graph.ops[producer]
-        if (node.parent, node.region) != (parent, region):
-            continue
-        if node.name == "stablehlo.reduce":
-            stack.extend((operand, True) for operand in node.operands)
-        elif (node.name in ("stablehlo.broadcast_in_dim", "stablehlo.reshape",
-                            "stablehlo.convert") or _is_elementwise(node.name)):
-            stack.extend((operand, reduced) for operand in node.operands)
-    return False

@@ -145,30 +145,6 @@ def test_matmul_operands_made_from_held_values_are_recomputed() -> None:
         assert (activation in tpu_unmaterialized(graph, fused)) == recomputed
 
 
-def _attention_loss(q, k, v):
-    """Attention's softmax, differentiated: the probabilities read by two matmuls (the output's
-    and v's gradient), made from the scores and two reductions of them (max, sum)."""
-    def loss(q, k, v):
-        probs = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k), axis=-1)
-        return jnp.sum(jnp.tanh(jnp.einsum("bqk,bkd->bqd", probs, v)))
-    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-
-
-def test_softmax_probabilities_are_recomputed_from_the_held_scores() -> None:
-    """libtpu (0.0.42, llama on v5e:16x16) keeps an attention's f32 scores and their max for
-    the backward pass and computes the probabilities inside each kernel that reads them: the
-    max and the sum are reductions of the scores, read beside them, and the scores stay live
-    past the probabilities' last reader (the exponentials the backward pass recomputes)."""
-    args = (S((4, 128, 64), F32),) * 3
-    graph = _state(_attention_loss, *args).graph
-    fused = fused_values(graph, folded_transposes(graph))
-    probs = next(op.results[0] for op in _ops(graph, "stablehlo.divide")
-                 if graph.values[op.results[0]].type.shape == (4, 128, 128))  # the forward's
-    readers = [graph.ops[u].name for u in graph.values[probs].users]
-    assert readers.count("stablehlo.dot_general") == 2, readers
-    assert probs in operand_fused_values(graph, fused, free_values(graph))
-
-
 def _padded(x, w, z):
     """An elementwise gradient padded back for two matmuls (Flax GPT-2's shifted logits)."""
     y = jnp.pad(jnp.tanh(x) * 2.0, ((0, 0), (0, 1), (0, 0)))
