@@ -231,8 +231,14 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
     reasoning, one whose source is last read before the value's last matmul (no such case
     seen in libtpu's dumps). The value is followed back through the fused values it is made
     from (`unmaterialized`) to the written-out ones: besides those free to make (`free`:
-    splats, iotas), exactly one, an argument or a value read by an op after the value's last
-    matmul. Only values an elementwise op makes (a weight's transpose is
+    splats, iotas) and reductions of the chain's own values (`_statistic_of`), exactly one,
+    an argument or a value read, directly or through a fused value of the chain, by an op
+    after the value's last matmul. A softmax's probabilities `exp(s - max) / sum`, read by
+    the attention's value matmul and its backward pass's value-gradient matmul, are made
+    from the scores and their row max and sum, and the backward pass reads the exponentials
+    again: libtpu keeps the f32 scores and the two row statistics and writes no buffer for
+    the probabilities (gpt on v5e:16x16 and v5e:2x4: one `f32[b,h,q,k]` per layer at its
+    peak, no bf16 one). Only values an elementwise op makes (a weight's transpose is
     left to the other rules), and no pad on the way (a written-out pad is a kernel of its
     own: pad_operands). Value ids."""
     arguments = set(graph.arguments)
@@ -267,10 +273,35 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
                 else:
                     leaves.add(operand)
         held = leaves - free
-        if not ok or len(held) != 1:
+        if not ok:
+            continue
+        made = {r for index in chain for r in graph.ops[index].results}
+        held = {v for v in held if not _statistic_of(graph, v, made | leaves, free)}
+        if len(held) != 1:
             continue
         (leaf,) = held
-        if leaf in arguments or any(u > last and u not in chain
-                                    for u in graph.values[leaf].users):
+        # Held past the last matmul: read after it, directly or through a fused value of the
+        # chain (which libtpu recomputes there from it: a softmax's exponentials read by the
+        # backward pass).
+        readers = [u for v in made - {value.id} | {leaf} for u in graph.values[v].users]
+        if leaf in arguments or any(u > last and u not in chain for u in readers):
             out.add(value.id)
     return out
+
+
+def _statistic_of(graph: Graph, value_id: int, made: set[int], free: set[int],
+                  limit: int = 8) -> bool:
+    """Whether `value_id` is a reduction of a value in `made` (the chain's values and the
+    written-out values it is made from), through at most `limit` ops
+    with one operand besides splats (broadcasts, reshapes, a maximum with a constant): a
+    softmax's row max and row sum, which libtpu keeps (small) and reads with the held scores
+    in each kernel that recomputes the probabilities."""
+    for _ in range(limit):
+        op = graph.ops[graph.values[value_id].producer]
+        if op.name == "stablehlo.reduce":
+            return op.operands[0] in made
+        operands = [v for v in op.operands if v not in free]
+        if op.name == "arg" or len(operands) != 1:
+            return False
+        value_id = operands[0]
+    return False

@@ -188,3 +188,37 @@ def test_pads_convolutions_read_keep_the_generic_rules() -> None:
     pad, = _ops(graph, "stablehlo.pad")
     fused = fused_values(graph, folded_transposes(graph))
     assert not pad_operands(graph, fused)
+
+
+def _attention(q, k, v):
+    """A softmax's probabilities, read by the value matmul and (in the backward pass) by the
+    value gradient's matmul; the backward pass reads the exponentials too."""
+    def loss(q, k, v):
+        probs = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k), axis=-1)
+        return jnp.sum(jnp.einsum("bqk,bkd->bqd", probs, v) ** 2)
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+def _probs_kept(q, k, v):
+    """The probabilities normalized by a sum of other values: written out."""
+    def loss(q, k, v):
+        scores = jnp.exp(jnp.einsum("bqd,bkd->bqk", q, k))
+        probs = scores / jnp.sum(jnp.exp(q), axis=-1, keepdims=True)
+        return jnp.sum(jnp.einsum("bqk,bkd->bqd", probs, v) ** 2)
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+def test_softmax_probabilities_are_recomputed_from_the_held_scores() -> None:
+    """libtpu (gpt on v5e:16x16) keeps each layer's f32 scores and their row max and sum, and
+    recomputes the probabilities in the kernels that read them: no buffer for them. A value
+    divided by the row sums of something else is still written out."""
+    args = (S((4, 256, 128), F32),) * 3
+    for step, recomputed in ((_attention, True), (_probs_kept, False)):
+        graph = _state(step, *args).graph
+        fused = fused_values(graph, folded_transposes(graph))
+        probs, = (op.results[0] for op in _ops(graph, "stablehlo.divide")
+                  if graph.type_of(op.results[0]).shape == (4, 256, 256)
+                  and all(graph.ops[u].name == "stablehlo.dot_general"
+                          for u in graph.values[op.results[0]].users))
+        assert (probs in operand_fused_values(graph, fused, free_values(graph))) == recomputed
+        assert (probs in tpu_unmaterialized(graph, fused)) == recomputed
