@@ -331,39 +331,33 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
             class_ids[key] = len(class_ids)
             class_max.append(max(memory))
         class_of[index] = class_ids[key]
-    # A node's transient bytes (held where it is made, liveness.py) count as a node of their
-    # own there, of a class of their own.
+    # A node's transient bytes (held where it is made) and its loop accumulators (held over
+    # its accumulator span, liveness.py) each count as a node of their own there, of a class
+    # of their own: node -> class, -1 where every choice holds the same bytes (then constant).
     liveness = Liveness(problem)
-    flash_class: dict[int, int] = {}  # node -> class (-1: the same bytes for every choice)
-    flash_constant: dict[int, float] = {}
-    for index in liveness.made:
-        transient = tuple(s.transient for s in problem.nodes[index].strategies)
-        if not any(transient):
-            continue
-        node = problem.nodes[index]
-        if min(transient) == max(transient):
-            flash_class[index], flash_constant[index] = -1, transient[0]
-            continue
-        key = ("flash", ("tie", node.tie) if node.tie is not None else ("node", index), transient)
-        if key not in class_ids:
-            class_ids[key] = len(class_ids)
-            class_max.append(max(transient))
-        flash_class[index] = class_ids[key]
-    # A node's loop accumulators (held over its accumulator span, liveness.py) count as a node
-    # of their own there, of a class of their own.
-    loop_class: dict[int, int] = {}  # node -> class (-1: the same bytes for every choice)
-    loop_constant: dict[int, float] = {}
-    for index, _, _ in liveness.accumulators:
-        node = problem.nodes[index]
-        held = tuple(s.accumulators for s in node.strategies)
-        if min(held) == max(held):
-            loop_class[index], loop_constant[index] = -1, held[0]
-            continue
-        key = ("loop", ("tie", node.tie) if node.tie is not None else ("node", index), held)
-        if key not in class_ids:
-            class_ids[key] = len(class_ids)
-            class_max.append(max(held))
-        loop_class[index] = class_ids[key]
+
+    def extra_classes(kind: str, indices, bytes_of) -> tuple[dict[int, int], dict[int, float]]:
+        classes: dict[int, int] = {}
+        constant: dict[int, float] = {}
+        for index in indices:
+            node = problem.nodes[index]
+            held = tuple(bytes_of(s) for s in node.strategies)
+            if not any(held):
+                continue
+            if min(held) == max(held):
+                classes[index], constant[index] = -1, held[0]
+                continue
+            key = (kind, ("tie", node.tie) if node.tie is not None else ("node", index), held)
+            if key not in class_ids:
+                class_ids[key] = len(class_ids)
+                class_max.append(max(held))
+            classes[index] = class_ids[key]
+        return classes, constant
+
+    flash_class, flash_constant = extra_classes("flash", liveness.made,
+                                                lambda s: s.transient)
+    loop_class, loop_constant = extra_classes(
+        "loop", (index for index, _, _ in liveness.accumulators), lambda s: s.accumulators)
     # A resharded copy counts over its span as an item of a class keyed by its two decisions
     # and its tables: copies with equal keys hold equal bytes under any tie-respecting choice.
     copy_class: dict[int, int] = {}  # edge -> class
