@@ -39,6 +39,7 @@ from hloplan.op_rules import (
     unmaterialized_values,
 )
 from hloplan.passes.label_batch import state_like_args
+from hloplan.solver.liveness import accumulator_spans
 from hloplan.solver.problem import (
     Edge,
     Launch,
@@ -1103,10 +1104,7 @@ def hold_copies_across_loops(problem: ShardingProblem) -> ShardingProblem:
     too. The span does not depend on the plan: a plan whose matmul there does not loop holds
     the copies there as well."""
     made = first_live_points(problem)
-    loops: set[int] = set()
-    for node, point in made.items():
-        if any(s.accumulators for s in problem.nodes[node].strategies):
-            loops.add(point)
+    loops = {point for _, _, point in accumulator_spans(problem, made)}
     if not loops:
         return problem
     edges = list(problem.edges)
