@@ -139,6 +139,21 @@ def predicted_collectives(estimate: dict) -> dict:
             "collective_bytes": sum(v["bytes"] for v in predicted.values())}
 
 
+def collective_ratios(predicted: dict, compiled: dict) -> dict:
+    """Predicted / compiled collective bytes per kind and mesh axes (None where libtpu compiled
+    none of a kind) and in all: `predicted` is predicted_collectives' result, `compiled` the
+    formula's `collectives`."""
+    kinds = predicted["collectives"]
+    compiled_bytes = sum(v["bytes"] for v in compiled.values())
+    return {
+        "collective_ratios": {
+            k: (kinds.get(k, {}).get("bytes", 0.0) / compiled[k]["bytes"]
+                if compiled.get(k, {}).get("bytes") else None)
+            for k in sorted(set(kinds) | set(compiled))},
+        "collective_bytes_ratio": (predicted["collective_bytes"] / compiled_bytes
+                                   if compiled_bytes else None)}
+
+
 def run_case(case: str) -> dict:
     import hand_plans
     import jax
@@ -179,16 +194,8 @@ def run_case(case: str) -> dict:
     ours.update(plan_s=plan_s, compile_s=compile_s)
     est = plan["estimate"]
     ours["predicted"] = predicted_collectives(est)
-    predicted = ours["predicted"]["collectives"]
     ours["peak_ratio"] = est["peak_memory_bytes"] / ours["peak_bytes"]
-    # predicted / compiled bytes per kind and mesh axes (None where libtpu compiled none)
-    ours["collective_ratios"] = {
-        k: (predicted.get(k, {}).get("bytes", 0.0) / ours["collectives"][k]["bytes"]
-            if ours["collectives"].get(k, {}).get("bytes") else None)
-        for k in sorted(set(predicted) | set(ours["collectives"]))}
-    compiled_bytes = sum(v["bytes"] for v in ours["collectives"].values())
-    ours["collective_bytes_ratio"] = (ours["predicted"]["collective_bytes"] / compiled_bytes
-                                      if compiled_bytes else None)
+    ours.update(collective_ratios(ours["predicted"], ours["collectives"]))
     out["hloplan"] = ours
     # `--select compiled`: the model's plan, data parallel and FSDP compiled by libtpu, the
     # lowest compiled score kept; scored here as every other plan.

@@ -17,6 +17,8 @@ topology's mesh, and compiled by libtpu for the topology with the plan's own loa
   and `peak_memory_in_bytes` (`xla_peak_bytes`), with where libtpu's peak is and its largest
   buffers (`memory.live_peak`, hlo_stats.live_peak);
 - the ratios predicted / compiled of the three (`ratio`, `ratio_reserved`, `ratio_xla`);
+- `collectives`: the plan's predicted collective bytes per kind and mesh axes beside libtpu's
+  (benchmarks/tpu.py's formula), their ratios and the ratio of all bytes;
 - `without_buffers`: the same program planned with tpu-v5e less its `[buffers]` table (the
   rules XLA's CPU compiler follows), and whether that picks the same plan.
 
@@ -152,6 +154,7 @@ def _reserved(memory: dict, dump: Path) -> dict:
 
 def run_case(case: str) -> dict:
     import corpus
+    from tpu import collective_ratios, formula, predicted_collectives, topology_mesh
 
     from hloplan.hlo_stats import memory_stats
     from hloplan.tpu import parse_topology, topology_devices
@@ -168,6 +171,12 @@ def run_case(case: str) -> dict:
         compiled, compile_s = _compile_plan(result, devices, Path(dump))
         memory = memory_stats(compiled)
         memory.update(_reserved(memory, Path(dump)))
+    # the plan's predicted collectives beside libtpu's, per kind and mesh axes
+    *_, mesh_axes, comm = topology_mesh(f"{kind}:{shape_text}")
+    collectives = {"predicted": predicted_collectives(result.plan["estimate"])["collectives"],
+                   "compiled": formula(compiled, mesh_axes, comm)["collectives"]}
+    collectives.update(collective_ratios(
+        predicted_collectives(result.plan["estimate"]), collectives["compiled"]))
     predicted = result.plan["estimate"]["peak_memory_bytes"]
     without = plain.plan["estimate"]["peak_memory_bytes"]
     return {
@@ -179,6 +188,7 @@ def run_case(case: str) -> dict:
         "ratio_xla": predicted / memory["xla_peak_bytes"],
         "ratio_reserved": predicted / memory["reserved_bytes"],
         "predicted_peak_after": result.plan["estimate"]["peak"]["after"],
+        "collectives": collectives,
         "without_buffers": {"predicted_bytes": without, "ratio": without / memory["peak_bytes"],
                             "same_plan": _layouts(plain.plan) == _layouts(result.plan)},
     }
@@ -298,6 +308,12 @@ def main() -> None:
                   f"{row['ratio']:.3f} / {row['ratio_reserved']:.3f} / {row['ratio_xla']:.3f}; "
                   f"without [buffers] "
                   f"{row['without_buffers']['ratio']:.3f}; {row['seconds']:.0f} s", flush=True)
+            ratios = row["collectives"]["collective_ratios"]
+            off = {k: v and round(v, 3) for k, v in ratios.items() if v is None or abs(v - 1) > 0.05}
+            print(f"  collectives predicted / compiled: "
+                  f"{row['collectives']['collective_bytes_ratio'] or 0:.3f} in all, "
+                  f"{len(ratios) - len(off)} of {len(ratios)} kinds within 5%; off: {off}",
+                  flush=True)
         path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
 
 
