@@ -781,10 +781,15 @@ class _ProblemBuilder:
         return tuple(rows)
 
     def _split_to_one(self, type_: TensorType, src, dst) -> bool:
-        """Whether resharding from layout `src` to `dst` splits a dim over more axes and leaves
-        it one element per device."""
+        """Whether resharding from layout `src` to `dst` is an all-to-all (axes leaving one dim
+        for another) that leaves a dim it splits further one element per device."""
         after = self._local_shape(type_, dst)
-        return any(len(b) > len(a) and size == 1 for a, b, size in zip(src, dst, after))
+        for d, (a, b, size) in enumerate(zip(src, dst, after)):
+            moved = set(b) - set(a)
+            if size == 1 and moved and any(moved & set(src[k]) for k in range(len(src))
+                                           if k != d):
+                return True
+        return False
 
     def _held_bytes(self, type_: TensorType, spec, row_major: bool = False) -> float:
         """Bytes per device a value in layout `spec` holds: its local shard, in TPU tiles on a
