@@ -66,6 +66,7 @@ from hloplan.tpu_buffers import (
     operand_fused_values,
     output_fused_matmuls,
     pad_operands,
+    recomputed_sources,
     relaid_rows,
     row_major_results,
     scatter_updates_shape,
@@ -214,6 +215,11 @@ class _ProblemBuilder:
         # recomputes in each consumer.
         self.unmaterialized = (tpu_unmaterialized(graph, kept_fused) if device.fused_reductions
                                else unmaterialized_values(graph, kept_fused))
+        # Written-out values that a reshard makes again from their fused chain's source
+        # (tpu_buffers.recomputed_sources): value id -> that source.
+        self.recomputed = (recomputed_sources(graph, self.unmaterialized, free_values(graph))
+                           if device.fused_reductions else {})
+        self.last_use_cache: dict[int, int] | None = None
         # Ops whose results are written in a narrower dtype than their type (f32 values read
         # only by matmuls, which run on the narrower type): op index -> bytes kept per byte.
         self.narrowed = (matmul_narrowed(graph, self.folded, device.matmul_operands)
@@ -686,6 +692,7 @@ class _ProblemBuilder:
             return None
         costs, relayout = self._relayout(consumer, position, type_, src_id, dst_id, costs,
                                          multiplier)
+        relayout = self._recomputed_source(value_id, consumer, src_id, dst_id, costs, relayout)
         return Edge(self.space.node_of[producer], self.space.node_of[consumer.index], costs,
                     label=f"%{value_id} -> %{consumer.index}",
                     copies=self._copies(type_, dst_id) if position >= 0 else (),
@@ -733,9 +740,56 @@ class _ProblemBuilder:
             return None
         costs, relayout = self._relayout(consumer, position, type_, src_id, dst_id, costs,
                                          consumer.multiplier)
+        relayout = self._recomputed_source(value_id, consumer, src_id, dst_id, costs, relayout)
         return Edge(self.space.node_of[source], self.space.node_of[consumer.index], costs,
                     label=f"%{value_id} (as %{source} reads it) -> %{consumer.index}",
                     copies=self._copies(type_, dst_id), relayout=relayout)
+
+    def _recomputed_source(self, value_id: int, consumer: Op, src_id: int, dst_id: int, costs,
+                           relayout):
+        """`relayout` with the bytes of the source a reshard of `value_id` is made from
+        (tpu_buffers.recomputed_sources) held with the resharded copy, where the reshard
+        splits a dim down to one element per device and the source is dead by the time
+        `consumer` reads it (last read earlier: otherwise it is held anyway).
+
+        XLA's partitioner moves a dim's shards with a reshape to [devices, rest] before the
+        all-to-all; where one element per device is left the reshape only inserts size-1
+        dims, a bitcast, and libtpu fuses the value's elementwise chain into it: the value is
+        made again, from its source, in the all-to-all's layout, and the source stays live
+        until then (libtpu 0.0.42, v5e:16x16: the logits' gradient `[b, s, vocab]` stored
+        `[x, -, y]` and all-to-all'd to `[(x, y), -, -]` for the head's input gradient is made
+        twice from the f32 logits with b = 256, once per device; with b = 512, two per
+        device, the reshape splits the dim and the gradient is made once and bitcast). The
+        source is held in the layout the reshard starts from (the chain is elementwise, so
+        the source is laid out as the value)."""
+        source = self.recomputed.get(value_id)
+        if source is None or self._last_uses()[source] >= consumer.index:
+            return relayout
+        type_ = self.graph.type_of(source)
+        src_specs, dst_specs = self.specs_of[src_id], self.specs_of[dst_id]
+        rows = []
+        for i, (src, row) in enumerate(zip(src_specs, costs)):
+            held = 0.0 if src is None else self._held_bytes(type_, src)
+            cells = []
+            for j, (dst, seconds) in enumerate(zip(dst_specs, row)):
+                cell = relayout[i][j] if relayout else 0.0
+                if seconds > 0 and held and dst is not None and self._split_to_one(type_, src,
+                                                                                   dst):
+                    cell += held
+                cells.append(cell)
+            rows.append(tuple(cells))
+        return tuple(rows)
+
+    def _split_to_one(self, type_: TensorType, src, dst) -> bool:
+        """Whether resharding from layout `src` to `dst` is an all-to-all (axes leaving one dim
+        for another) that leaves a dim it splits further one element per device."""
+        after = self._local_shape(type_, dst)
+        for d, (a, b, size) in enumerate(zip(src, dst, after)):
+            moved = set(b) - set(a)
+            if size == 1 and moved and any(moved & set(src[k]) for k in range(len(src))
+                                           if k != d):
+                return True
+        return False
 
     def _held_bytes(self, type_: TensorType, spec, row_major: bool = False) -> float:
         """Bytes per device a value in layout `spec` holds: its local shard, in TPU tiles on a
@@ -893,8 +947,10 @@ class _ProblemBuilder:
 
     # -- memory -------------------------------------------------------------------------------
 
-    def _lifetimes(self) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
-        """Values born (first live) and dying (last live) at each program point."""
+    def _last_uses(self) -> dict[int, int]:
+        """Value id -> the last program point where it is live."""
+        if self.last_use_cache is not None:
+            return self.last_use_cache
         graph = self.graph
         end = len(graph.ops)
         last_use = {}
@@ -928,6 +984,13 @@ class _ProblemBuilder:
             if until is not None:
                 for value_id in op.operands:
                     last_use[value_id] = max(last_use[value_id], until)
+        self.last_use_cache = last_use
+        return last_use
+
+    def _lifetimes(self) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+        """Values born (first live) and dying (last live) at each program point."""
+        graph = self.graph
+        last_use = self._last_uses()
         arguments = set(graph.arguments)
         births: dict[int, list[int]] = {}
         for value in graph.values:

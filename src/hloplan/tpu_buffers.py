@@ -252,31 +252,12 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
                 or not all(graph.ops[u].name in _MATMULS for u in value.users)):
             continue
         last = max(value.users)
-        chain: set[int] = set()  # ops of the fused chain making the value
-        leaves: set[int] = set()  # written-out values it is made from
-        stack = [op.index]
-        ok = True
-        while stack and ok:
-            index = stack.pop()
-            if index in chain:
-                continue
-            chain.add(index)
-            node = graph.ops[index]
-            if ((node.parent, node.region) != (op.parent, op.region)
-                    or not fusible_producer(node.name) or node.name == "stablehlo.pad"
-                    or len(chain) > 64):
-                ok = False
-                break
-            for operand in node.operands:
-                if operand in unmaterialized:
-                    stack.append(graph.values[operand].producer)
-                else:
-                    leaves.add(operand)
-        held = leaves - free
-        if not ok:
+        found = _fused_chain(graph, op, unmaterialized)
+        if found is None:
             continue
+        chain, leaves = found
         made = {r for index in chain for r in graph.ops[index].results}
-        held = {v for v in held if not _statistic_of(graph, v, made | leaves, free)}
+        held = {v for v in leaves - free if not _statistic_of(graph, v, made | leaves, free)}
         if len(held) != 1:
             continue
         (leaf,) = held
@@ -286,6 +267,64 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
         readers = [u for v in made - {value.id} | {leaf} for u in graph.values[v].users]
         if leaf in arguments or any(u > last and u not in chain for u in readers):
             out.add(value.id)
+    return out
+
+
+def _fused_chain(graph: Graph, op, unmaterialized: set[int]) -> tuple[set[int], set[int]] | None:
+    """The fused chain making `op`'s value and the written-out values it is made from, or
+    None: the chain's ops (op indices) are `op` and the producers of the fused values
+    (`unmaterialized`) it reads, back to written-out values (its leaves). None where the
+    chain leaves `op`'s region, holds a pad or an op no kernel fuses, or is longer than 64
+    ops."""
+    chain: set[int] = set()  # ops of the fused chain making the value
+    leaves: set[int] = set()  # written-out values it is made from
+    stack = [op.index]
+    while stack:
+        index = stack.pop()
+        if index in chain:
+            continue
+        chain.add(index)
+        node = graph.ops[index]
+        if ((node.parent, node.region) != (op.parent, op.region)
+                or not fusible_producer(node.name) or node.name == "stablehlo.pad"
+                or len(chain) > 64):
+            return None
+        for operand in node.operands:
+            if operand in unmaterialized:
+                stack.append(graph.values[operand].producer)
+            else:
+                leaves.add(operand)
+    return chain, leaves
+
+
+def recomputed_sources(graph: Graph, unmaterialized: set[int], free: set[int]) -> dict[int, int]:
+    """Written-out elementwise values that XLA's TPU compiler makes again, from what they are
+    made from, for a reader that takes them in another layout: value id -> the one
+    written-out value of the value's shape that its fused chain (_fused_chain) is made from,
+    besides values free to make (`free`) and smaller ones it broadcasts (row statistics,
+    labels), which are held anyway. libtpu
+    fuses the chain into the kernel that writes the value in the collective's or copy's layout
+    rather than reading the written-out value, so that source is live until the reshard is
+    made. The Llama-8B-class step on v5e:16x16 (libtpu 0.0.42): the logits' gradient, a cross
+    entropy's `softmax - one_hot` converted to bf16, is made from the f32 logits twice, once
+    in the layout of the all-to-all feeding the head's input gradient and once in its own for
+    the head's weight gradient, and the f32 logits (1,051 MB per device) stay live until the
+    second; made once and all-to-all'd, they would die as it is made."""
+    out = {}
+    for op in graph.ops:
+        if (len(op.results) != 1 or not op.name.startswith("stablehlo.")
+                or op.name.removeprefix("stablehlo.") not in ELEMENTWISE):
+            continue
+        value = graph.values[op.results[0]]
+        if value.id in unmaterialized or value.type is None or not value.users:
+            continue
+        found = _fused_chain(graph, op, unmaterialized)
+        if found is None:
+            continue
+        sources = [v for v in found[1] - free
+                   if (graph.type_of(v) or value.type).shape == value.type.shape]
+        if len(sources) == 1:
+            out[value.id] = sources[0]
     return out
 
 

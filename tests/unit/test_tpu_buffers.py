@@ -16,6 +16,7 @@ from hloplan.tpu_buffers import (
     operand_fused_values,
     output_fused_matmuls,
     pad_operands,
+    recomputed_sources,
     select_scatters,
     sliced_matmuls,
 )
@@ -222,3 +223,33 @@ def test_softmax_probabilities_are_recomputed_from_the_held_scores() -> None:
                           for u in graph.values[op.results[0]].users))
         assert (probs in operand_fused_values(graph, fused, free_values(graph))) == recomputed
         assert (probs in tpu_unmaterialized(graph, fused)) == recomputed
+
+
+def _cross_entropy_grads(x, w, labels):
+    """A cross entropy's gradients: the logits' gradient `softmax - one_hot`, an elementwise
+    chain of the f32 logits, read by the input gradient's and the weight gradient's matmuls."""
+    def loss(x, w):
+        logp = jax.nn.log_softmax(jnp.einsum("bsd,dv->bsv", x, w), axis=-1)
+        return -jnp.mean(jnp.sum(logp * jax.nn.one_hot(labels, w.shape[1]), axis=-1))
+    return jax.grad(loss, argnums=(0, 1))(x, w)
+
+
+def test_reshards_splitting_to_one_element_hold_the_recomputed_source() -> None:
+    """libtpu makes the logits' gradient again from the f32 logits for an all-to-all whose
+    reshape into [devices, rest] only inserts size-1 dims (one sequence per device after it;
+    the Llama-8B-class step on v5e:16x16), so the logits are held with that reshard's copy;
+    with two sequences per device after it the reshape splits the dim and nothing is held."""
+    for batch, held in ((8, True), (16, False)):
+        args = (S((batch, 64, 128), F32), S((128, 512), F32), S((batch, 64), jnp.int32))
+        state = _state(_cross_entropy_grads, *args)
+        graph = state.graph
+        fused = fused_values(graph, folded_transposes(graph))
+        sources = recomputed_sources(graph, tpu_unmaterialized(graph, fused), free_values(graph))
+        grad, = (v for v in sources
+                 if sum(graph.ops[u].name == "stablehlo.dot_general"
+                        for u in graph.values[v].users) == 2)
+        logits = graph.values[sources[grad]]
+        assert graph.ops[logits.producer].name == "stablehlo.dot_general"
+        cells = [cell for edge in state.problem.edges if edge.label.startswith(f"%{grad} ")
+                 and edge.relayout for row in edge.relayout for cell in row]
+        assert any(cells) == held

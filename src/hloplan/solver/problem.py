@@ -72,9 +72,10 @@ class Edge:
     # copies[j]: bytes per device of the resharded copy dst's strategy j reads, made where
     # costs[i][j] > 0 and held while dst runs (an all-gathered operand). Empty: not counted.
     copies: tuple[float, ...] = ()
-    # relayout[i][j]: bytes per device of a second copy dst's strategy j makes of that resharded
-    # copy, in another order of dims, held with it (TPU: a gather reads its table row-major;
-    # a table all-gathered from a layout with its rows minor is copied). Empty: none.
+    # relayout[i][j]: bytes per device held with that resharded copy besides it: a second copy
+    # dst's strategy j makes of it in another order of dims (TPU: a gather reads its table
+    # row-major; a table all-gathered from a layout with its rows minor is copied), or what
+    # the reshard makes the value again from (TPU: tpu_buffers.recomputed_sources). Empty: none.
     relayout: tuple[tuple[float, ...], ...] = ()
     # (first, last): the live points holding the copy. XLA reshards a value once per layout
     # for all the matmuls of a region reading it (the forward and backward matmuls of an
