@@ -861,6 +861,7 @@ class _ProblemBuilder:
                 else:
                     edge = self._edge(value_id, op, k, op.multiplier)
                 if edge is not None:
+                    edge = self._with_loop_copy(edge, op_index, k, previous)
                     self.read_edges[op_index, k] = len(edges)
                     edges.append(edge)
             if op.name == "while.carry" and "yield" in op.attrs:
@@ -868,6 +869,24 @@ class _ProblemBuilder:
                 if edge is not None:
                     edges.append(edge)
         return edges
+
+    def _with_loop_copy(self, edge: Edge, op_index: int, position: int,
+                        previous: tuple[int, int] | None) -> Edge:
+        """`edge` (the read of operand `position` by op `op_index`) with the bytes of the
+        reader's collective-matmul loop copies of that operand (Edge.loop_copy) and, for a
+        read sharing the previous matmul's reshard, that matmul's read edge (Edge.via).
+
+        libtpu's loop reads a resharded operand where the reshard leaves it: llama on
+        v5e:16x16's output-head weight-gradient loop reads the activation all-gathered for
+        the forward head matmul (`all-gather.282` in the loop's tuple, no copy of it; 128 MiB
+        per device), where an operand read in its producer's layout is copied into the loop's
+        (the MLP on v5e:2x4: `copy` of each weight gradient's operand before its loop)."""
+        strategies = self.space.strategies[op_index]
+        if not any(s.copied == position for s in strategies):
+            return edge
+        loop_copy = tuple(s.transient if s.copied == position else 0.0 for s in strategies)
+        via = self.read_edges.get(previous) if previous is not None else None
+        return replace(edge, loop_copy=loop_copy, via=via)
 
     def _hold_shared_copies(self, problem: ShardingProblem) -> ShardingProblem:
         """Edge.held on every read whose copy later matmuls read too (_shared_reshards): from
