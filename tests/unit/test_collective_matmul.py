@@ -223,3 +223,39 @@ def test_a_loop_reads_its_operand_resharded_without_a_copy_of_its_own(choice, at
     assert without[2] == 4.0 + 1.0 + problem.nodes[2].strategies[choice[2]].transient + (
         2.0 if choice[2] else 0.0)
 
+
+
+def test_the_reads_of_a_looped_matmul_carry_its_operand_copy():
+    """build_sharding_problem puts each looped strategy's operand copy (its transient) on the
+    edge reading that operand (Edge.loop_copy), so that the evaluator can drop it where the
+    operand arrives resharded; strategies that do not loop copy nothing."""
+    import jax
+    import jax.numpy as jnp
+
+    from hloplan.compiler import compile_bytes, make_options
+
+    n, tokens, d, f = 8, 8 * 8192, 512, 2048
+
+    def grad(x, g):
+        return jnp.einsum("td,tf->df", x, g)
+
+    args = [jax.ShapeDtypeStruct((tokens, d), jnp.float32),
+            jax.ShapeDtypeStruct((tokens, f), jnp.float32)]
+    exported = jax.export.export(jax.jit(grad), platforms=("tpu",))(*args)
+    result = compile_bytes(bytes(exported.serialize()), "grad.jaxexport",
+                           make_options(str(n), device="tpu-v5e", mesh_views="off"))
+    problem = result.state.problem
+    loops = [i for i, node in enumerate(problem.nodes)
+             if any(s.accumulators for s in node.strategies)]
+    assert loops
+    for loop in loops:
+        strategies = problem.nodes[loop].strategies
+        carried = [e for e in problem.edges if e.dst == loop and e.loop_copy]
+        assert carried
+        found = 0
+        for j, s in enumerate(strategies):
+            copies = [e.loop_copy[j] for e in carried if e.loop_copy[j]]
+            # one operand's copy, where an edge reads it (none: never resharded)
+            assert copies in ([], [s.transient]) if s.accumulators else copies == []
+            found += bool(copies)
+        assert found
