@@ -915,6 +915,7 @@ class _ProblemBuilder:
                 else:
                     edge = self._edge(value_id, op, k, op.multiplier)
                 if edge is not None:
+                    edge = self._with_loop_copy(edge, op_index, k, previous)
                     self.read_edges[op_index, k] = len(edges)
                     edges.append(edge)
             if op.name == "while.carry" and "yield" in op.attrs:
@@ -922,6 +923,24 @@ class _ProblemBuilder:
                 if edge is not None:
                     edges.append(edge)
         return edges
+
+    def _with_loop_copy(self, edge: Edge, op_index: int, position: int,
+                        previous: tuple[int, int] | None) -> Edge:
+        """`edge` (the read of operand `position` by op `op_index`) with the bytes of the
+        reader's collective-matmul loop copies of that operand (Edge.loop_copy) and, for a
+        read sharing the previous matmul's reshard, that matmul's read edge (Edge.via).
+
+        libtpu's loop reads a resharded operand where the reshard leaves it: llama on
+        v5e:16x16's output-head weight-gradient loop reads the activation all-gathered for
+        the forward head matmul (`all-gather.282` in the loop's tuple, no copy of it; 128 MiB
+        per device), where an operand read in its producer's layout is copied into the loop's
+        (the MLP on v5e:2x4: `copy` of each weight gradient's operand before its loop)."""
+        strategies = self.space.strategies[op_index]
+        if not any(s.copied == position for s in strategies):
+            return edge
+        loop_copy = tuple(s.transient if s.copied == position else 0.0 for s in strategies)
+        via = self.read_edges.get(previous) if previous is not None else None
+        return replace(edge, loop_copy=loop_copy, via=via)
 
     def _hold_shared_copies(self, problem: ShardingProblem) -> ShardingProblem:
         """Edge.held on every read whose copy later matmuls read too (_shared_reshards): from
@@ -1132,7 +1151,10 @@ def matmul_narrowed(graph: Graph, folded: set[int], dtype: str) -> dict[int, flo
     into them), on a compiler that runs f32 matmuls on `dtype` operands: XLA's TPU compiler
     converts such a value to bf16 inside the kernel that makes it and writes it out in bf16
     (a cross entropy's logit gradients, an MLP's activations kept for the weight gradient);
-    not for a dot_general it computes as a multiply and a reduction (_vector_product).
+    not for a dot_general it computes as a multiply and a reduction (_vector_product). A
+    transpose folded into matmuls holds bf16 too where it holds a buffer of its own (a reshard
+    into it): libtpu converts before the collective (Flax GPT-2's tied embedding, all-gathered
+    for the output head as `bf16[50257,768]`, 77 MB, not 154 in f32).
     Op index -> the bytes written per byte of the result type."""
     matmuls = ("stablehlo.dot_general", "stablehlo.convolution")
 
@@ -1147,7 +1169,7 @@ def matmul_narrowed(graph: Graph, folded: set[int], dtype: str) -> dict[int, flo
     narrow = dtype_bytes(dtype)
     out = {}
     for op in graph.ops:
-        if op.name == "arg" or not op.results or op.index in folded:
+        if op.name == "arg" or not op.results:
             continue
         types = [graph.type_of(v) for v in op.results]
         if all(t is not None and t.dtype == "f32" and v not in outputs and read_by_matmuls(v)

@@ -20,7 +20,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hloplan.solver.evaluate import MEMORY_RTOL, Evaluation, copy_delta, evaluate
+from hloplan.solver.evaluate import (
+    MEMORY_RTOL,
+    Evaluation,
+    copy_delta,
+    evaluate,
+    loop_copy_edges,
+    reused_loop_copies,
+)
 from hloplan.solver.liveness import Liveness
 from hloplan.solver.problem import ShardingProblem, Solution
 from hloplan.state import CompileState
@@ -103,6 +110,7 @@ class DecisionIndex:
         self.first_live = liveness.made  # where each node holds its transient bytes
         self.copy_span = {e: (start, end) for e, start, end in liveness.spans}
         self.accumulator_span = {n: (start, end) for n, start, end in liveness.accumulators}
+        self.loop_copies = loop_copy_edges(problem)  # loops that may read a resharded operand
         budget = problem.memory_budget
         self.limit = budget + MEMORY_RTOL * abs(budget)
         self.over = {p for p in range(len(self.memory)) if not self.memory[p] <= self.limit}
@@ -181,6 +189,8 @@ class DecisionIndex:
                 row = np.array([s.accumulators - held for s in strategies])
                 for p in range(span[0], span[1] + 1):
                     copies[p] = copies[p] + row if p in copies else row
+        for p, row in self._reuse_deltas(group, count).items():
+            copies[p] = copies[p] + row if p in copies else row
         touched = sorted({p for g in group for p in self.points_of[g]} | set(copies))
         position = {p: i for i, p in enumerate(touched)}
         delta = np.zeros((len(touched), count))
@@ -207,6 +217,33 @@ class DecisionIndex:
         if self.over - touched_set:
             fits = np.zeros(count, dtype=bool)
         return peaks, fits
+
+    def _reuse_deltas(self, group: list[int], count: int) -> dict[int, np.ndarray]:
+        """Per live point, the change in the loop copies not held there because the loop reads
+        a resharded operand (evaluate.reused_loop_copies), per strategy index of the group."""
+        members = set(group)
+        edges = [(e, nodes) for e, nodes in self.loop_copies if nodes & members]
+        if not edges:
+            return {}
+        choice = self.choice
+
+        def reused(k: int | None) -> dict[int, float]:
+            pick = choice.__getitem__ if k is None else (
+                lambda n: k if n in members else choice[n])
+            return reused_loop_copies(self.problem, pick, self.first_live, self.copy_span,
+                                      edges)
+
+        base = reused(None)
+        deltas: dict[int, np.ndarray] = {}
+        for k in range(count):
+            moved = reused(k)
+            for n in base.keys() | moved.keys():
+                change = base.get(n, 0.0) - moved.get(n, 0.0)  # less reused: more held
+                if change:
+                    p = self.first_live[n]
+                    row = deltas.setdefault(p, np.zeros(count))
+                    row[k] += change
+        return deltas
 
     def _copy_deltas(self, group: list[int], count: int) -> dict[int, np.ndarray]:
         """Per live point, the change in resharded-copy bytes held there, per strategy index of

@@ -33,6 +33,9 @@ class OpStrategy:
     # A collective-matmul loop's accumulators (0: the strategy does not loop): libtpu sums the
     # two ring directions' partial sums into two buffers of the result's size.
     accumulators: float = 0.0
+    # The operand whose copy `transient` holds (a collective-matmul loop's copy of its larger
+    # operand, collective_matmul_copy_bytes); -1: none.
+    copied: int = -1
 
 
 def axis_roles(strategy: OpStrategy, ndim: int) -> tuple[tuple[int, ...], ...]:
@@ -364,16 +367,19 @@ def collective_matmul_sends(partial_bytes: float, n: int, axes: str,
 
 
 def collective_matmul_copy_bytes(operands, operand_types, mesh: MeshSpec,
-                                 comm: CommModel) -> float:
-    """Bytes of the larger of a collective matmul's operands as its loop carries them: local,
-    in the MXU's input dtype."""
+                                 comm: CommModel) -> tuple[float, int]:
+    """Bytes of the larger of a collective matmul's operands as its loop carries them (local,
+    in the MXU's input dtype), and that operand's position (the first of equal ones; -1:
+    none)."""
     narrow = comm.model.matmul_input_dtype
-    largest = 0.0
-    for t, spec in zip(operand_types, operands):
+    largest, position = 0.0, -1
+    for k, (t, spec) in enumerate(zip(operand_types, operands)):
         if t is not None and spec is not None:
             scale = dtype_bytes(narrow) / t.itemsize if narrow and t.dtype == "f32" else 1.0
-            largest = max(largest, scale * local_bytes(t, spec, mesh))
-    return largest
+            nbytes = scale * local_bytes(t, spec, mesh)
+            if nbytes > largest:
+                largest, position = nbytes, k
+    return largest, position
 
 
 def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types, result_types,
@@ -453,14 +459,16 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
             if sent:
                 collectives.append((kind, comm.axes_label(reduced), sent * multiplier))
     transient = sum(computed_bytes) - sum(result_bytes)
+    copied = -1
     if chunked is not None:
         # The loop sends each chunk's partial sums while the next chunk computes: only what
         # outlasts the compute, and the last two chunks' sends, are not hidden.
         communication = max(0.0, communication - compute) + 2 * communication / reduce_split
         # It never holds the whole partial sums, but carries its operands in its own layouts:
         # libtpu copies one of them (in the MXU's input dtype) before the loop, which one
-        # depending on layouts; the larger is counted.
-        transient = collective_matmul_copy_bytes(operands, operand_types, mesh, comm)
+        # depending on layouts; the larger is counted. Where that operand reaches the loop
+        # resharded, the loop reads the reshard's copy instead (Edge.loop_copy).
+        transient, copied = collective_matmul_copy_bytes(operands, operand_types, mesh, comm)
     accumulators = 2.0 * sum(result_bytes) if chunked is not None else 0.0
     name = ", ".join(spec_text(s, mesh) for s in results) or "()"
     if reduced:
@@ -469,4 +477,4 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
         name += " <- " + " ".join(spec_text(s, mesh) for s in operands if s is not None)
     return OpStrategy(results, operands, reduced, compute * multiplier,
                       communication * multiplier, sum(result_bytes), tuple(collectives), name,
-                      transient=transient, accumulators=accumulators)
+                      transient=transient, accumulators=accumulators, copied=copied)

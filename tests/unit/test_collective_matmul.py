@@ -174,3 +174,88 @@ def test_copies_read_after_a_loop_are_held_across_it():
     assert memory == (4.0, 4.0 + 1.0 + 2.0 + 16.0 + 16.0, 4.0 + 1.0 + 16.0, 4.0 + 1.0 + 16.0)
     no_loops = dataclasses.replace(problem, nodes=(matmul, matmul, weight, matmul))
     assert hold_copies_across_loops(no_loops) is no_loops
+
+
+def _reading_through_a_shared_reshard():
+    """A value (node 0, layout a or b), read by a matmul (node 1, in a or b) and, sharing
+    that matmul's reshard, by a node that can loop (node 2, in a; its looped strategy copies
+    the value: 8 bytes of transient, Edge.loop_copy)."""
+    from hloplan.solver.problem import Edge, LivePoint, Node, ShardingProblem, Strategy
+
+    value = Node("value", (Strategy("a", memory=4.0), Strategy("b", memory=4.0)))
+    matmul = Node("matmul", (Strategy("reads a", memory=1.0), Strategy("reads b", memory=1.0)))
+    loop = Node("loop", (Strategy("plain", memory=1.0, transient=32.0),
+                         Strategy("looped", memory=1.0, transient=8.0, accumulators=2.0)))
+    differ = ((0.0, 1.0), (1.0, 0.0))  # a copy where the layouts differ
+    edges = (Edge(0, 1, differ, copies=(8.0, 8.0), held=(1, 2)),
+             # the loop reads the value in a: from the matmul's layout, free where it is a
+             Edge(1, 2, ((0.0, 0.0), (1.0, 1.0)), copies=(8.0, 8.0), loop_copy=(0.0, 8.0),
+                  via=0))
+    points = (LivePoint((0,)), LivePoint((0, 1)), LivePoint((0, 2)))
+    return ShardingProblem((value, matmul, loop), edges, points)
+
+
+@pytest.mark.parametrize("choice, at_loop", [
+    ((1, 0, 1), 4.0 + 1.0 + 2.0 + 8.0),  # the matmul's all-gather, read by the loop: no copy
+    ((0, 0, 1), 4.0 + 1.0 + 2.0 + 8.0),  # read in its own layout: the loop copies it
+    ((0, 1, 1), 4.0 + 1.0 + 2.0 + 8.0 + 8.0),  # resharded from the matmul's copy: a second
+    ((1, 0, 0), 4.0 + 1.0 + 8.0 + 32.0),  # not looped: its own transient beside the copy
+])
+def test_a_loop_reads_its_operand_resharded_without_a_copy_of_its_own(choice, at_loop):
+    """libtpu's collective-matmul loop reads an operand that reaches it resharded where the
+    reshard leaves it (llama on v5e:16x16: the head's weight-gradient loop reads the
+    activation all-gathered for the forward head matmul): the evaluator holds the reshard's
+    copy and not the loop's own (Edge.loop_copy, through Edge.via for a shared reshard); the
+    ILP's model, without copies, holds the loop's copy instead."""
+    from hloplan.solver.evaluate import evaluate, point_contents
+    from hloplan.solver.problem import Solution
+
+    problem = _reading_through_a_shared_reshard()
+    solution = Solution(choice)
+    memory = evaluate(problem, solution).memory
+    assert memory[2] == at_loop
+    held = point_contents(problem, solution, 2)
+    assert sum(h.bytes for h in held) == at_loop
+    made = sum(h.bytes for h in held if h.kind == "made")
+    assert made == (0.0 if choice[:2] in ((1, 0), (0, 1)) and choice[2] else
+                    problem.nodes[2].strategies[choice[2]].transient)
+    without = evaluate(problem, solution, copies=False).memory
+    assert without[2] == 4.0 + 1.0 + problem.nodes[2].strategies[choice[2]].transient + (
+        2.0 if choice[2] else 0.0)
+
+
+
+def test_the_reads_of_a_looped_matmul_carry_its_operand_copy():
+    """build_sharding_problem puts each looped strategy's operand copy (its transient) on the
+    edge reading that operand (Edge.loop_copy), so that the evaluator can drop it where the
+    operand arrives resharded; strategies that do not loop copy nothing."""
+    import jax
+    import jax.numpy as jnp
+
+    from hloplan.compiler import compile_bytes, make_options
+
+    n, tokens, d, f = 8, 8 * 8192, 512, 2048
+
+    def grad(x, g):
+        return jnp.einsum("td,tf->df", x, g)
+
+    args = [jax.ShapeDtypeStruct((tokens, d), jnp.float32),
+            jax.ShapeDtypeStruct((tokens, f), jnp.float32)]
+    exported = jax.export.export(jax.jit(grad), platforms=("tpu",))(*args)
+    result = compile_bytes(bytes(exported.serialize()), "grad.jaxexport",
+                           make_options(str(n), device="tpu-v5e", mesh_views="off"))
+    problem = result.state.problem
+    loops = [i for i, node in enumerate(problem.nodes)
+             if any(s.accumulators for s in node.strategies)]
+    assert loops
+    for loop in loops:
+        strategies = problem.nodes[loop].strategies
+        carried = [e for e in problem.edges if e.dst == loop and e.loop_copy]
+        assert carried
+        found = 0
+        for j, s in enumerate(strategies):
+            copies = [e.loop_copy[j] for e in carried if e.loop_copy[j]]
+            # one operand's copy, where an edge reads it (none: never resharded)
+            assert copies in ([], [s.transient]) if s.accumulators else copies == []
+            found += bool(copies)
+        assert found

@@ -431,3 +431,14 @@ def test_local_next_best_counts_loop_accumulators(seed):
     problem = _problem(seed)
     assert any(s.accumulators for n in problem.nodes for s in n.strategies)
     assert _check_against_solver_explain(problem, Solution((0,) * len(problem.nodes))) > 0
+
+
+def test_local_next_best_prices_a_loop_reading_a_shared_reshard():
+    """A loop reading its operand through another matmul's reshard holds no copy of its own
+    (test_collective_matmul): DecisionIndex and compare price the copy a move of the value,
+    the matmul or the loop makes or saves as evaluate does."""
+    from test_collective_matmul import _reading_through_a_shared_reshard
+
+    problem = _reading_through_a_shared_reshard()
+    for choice in [(a, b, c) for a in (0, 1) for b in (0, 1) for c in (0, 1)]:
+        assert _check_against_solver_explain(problem, Solution(choice)) > 0

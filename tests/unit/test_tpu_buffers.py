@@ -165,6 +165,20 @@ def test_written_out_pads_keep_their_operand_in_bf16() -> None:
     assert narrowed.get(graph.values[operand].producer) == 0.5
 
 
+def _tied_head(x, w, g):
+    """A tied output head: the embedding table transposed, read by two matmuls."""
+    wt = w.T
+    return x @ wt, jnp.einsum("bv,dv->bd", g, wt)
+
+
+def test_a_transposed_matmul_operand_is_held_in_bf16() -> None:
+    graph = _state(_tied_head, S((64, 128), F32), S((512, 128), F32), S((64, 512), F32)).graph
+    transpose, = _ops(graph, "stablehlo.transpose")
+    folded = folded_transposes(graph)
+    assert transpose.index in folded
+    assert matmul_narrowed(graph, folded, "bf16").get(transpose.index) == 0.5
+
+
 def test_cpu_and_gpu_models_keep_the_generic_rules() -> None:
     """The rules are the TPU compiler's: on cpu and h100 the label-gradient scatter is kept."""
     for device in ("cpu", "h100"):

@@ -85,6 +85,56 @@ def copy_delta(edge, choice, moved, k: int) -> float:
             - copy_bytes(edge, i, j))
 
 
+def reads_loop_copy(problem: ShardingProblem, e: int, pick, at: int,
+                    spans: dict[int, tuple[int, int]]) -> bool:
+    """Whether edge `e`'s destination reads its value as a resharded copy held at point `at`,
+    with strategies `pick(node)`: the edge reshards it (a copy over a span covering `at`), or
+    reshards nothing and shares the copy of the edge it reads through (Edge.via)."""
+    seen = set()
+    while e is not None and e not in seen:
+        seen.add(e)
+        edge = problem.edges[e]
+        i, j = pick(edge.src), pick(edge.dst)
+        if edge.costs[i][j] > 0:
+            span = spans.get(e)
+            return (copy_bytes(edge, i, j) > 0 and span is not None
+                    and span[0] <= at <= span[1])
+        e = edge.via
+    return False
+
+
+def loop_copy_edges(problem: ShardingProblem) -> list[tuple[int, frozenset[int]]]:
+    """(edge, the nodes its reads_loop_copy test depends on) of every edge with Edge.loop_copy."""
+    out = []
+    for e, edge in enumerate(problem.edges):
+        if not edge.loop_copy:
+            continue
+        nodes, seen, chain = set(), set(), e
+        while chain is not None and chain not in seen:
+            seen.add(chain)
+            nodes.update((problem.edges[chain].src, problem.edges[chain].dst))
+            chain = problem.edges[chain].via
+        out.append((e, frozenset(nodes)))
+    return out
+
+
+def reused_loop_copies(problem: ShardingProblem, pick, made: dict[int, int],
+                       spans: dict[int, tuple[int, int]],
+                       edges: list[tuple[int, frozenset[int]]] | None = None
+                       ) -> dict[int, float]:
+    """Per node, the transient bytes its collective-matmul loop does not hold under strategies
+    `pick(node)`: its copy of an operand that reaches it as a resharded copy, held at the
+    loop's made point (Edge.loop_copy); libtpu's loop reads that copy."""
+    out: dict[int, float] = {}
+    for e, _ in loop_copy_edges(problem) if edges is None else edges:
+        edge = problem.edges[e]
+        nbytes = edge.loop_copy[pick(edge.dst)]
+        at = made.get(edge.dst)
+        if nbytes and at is not None and reads_loop_copy(problem, e, pick, at, spans):
+            out[edge.dst] = out.get(edge.dst, 0.0) + nbytes
+    return out
+
+
 def live_point_bytes(problem: ShardingProblem, solution: Solution, copies: bool = True
                      ) -> tuple[float, ...]:
     """Bytes at each live point: its fixed bytes plus what the liveness rules (liveness.py)
@@ -99,6 +149,11 @@ def live_point_bytes(problem: ShardingProblem, solution: Solution, copies: bool 
     transient = [s.transient for s in picked]
     accumulators = [s.accumulators for s in picked]
     liveness = Liveness(problem, copies)
+    if copies:  # a loop reading a resharded operand holds no copy of its own
+        spans = {e: (start, end) for e, start, end in liveness.spans}
+        for n, reused in reused_loop_copies(problem, solution.choice.__getitem__,
+                                            liveness.made, spans).items():
+            transient[n] -= reused
     copied = {}
     for e, _, _ in liveness.spans:
         edge = problem.edges[e]
@@ -167,8 +222,10 @@ def point_contents(problem: ShardingProblem, solution: Solution, point: int) -> 
     picked = [node.strategies[pick] for node, pick in zip(problem.nodes, solution.choice)]
     held = [Held("result", n, picked[n].memory) for n in problem.nodes_at(point)]
     liveness = Liveness(problem)
-    held += [Held("made", n, picked[n].transient) for n, made in liveness.made.items()
-             if made == point and picked[n].transient]
+    spans = {e: (start, end) for e, start, end in liveness.spans}
+    reused = reused_loop_copies(problem, solution.choice.__getitem__, liveness.made, spans)
+    held += [Held("made", n, picked[n].transient - reused.get(n, 0.0))
+             for n, made in liveness.made.items() if made == point and picked[n].transient]
     held += [Held("accumulators", n, picked[n].accumulators)
              for n, start, end in liveness.accumulators if start <= point <= end]
     for e, start, end in liveness.spans:

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hloplan.solver.evaluate import Evaluation, copy_delta, evaluate, memory_fits
+from hloplan.solver.evaluate import (
+    Evaluation,
+    copy_delta,
+    evaluate,
+    loop_copy_edges,
+    memory_fits,
+    reused_loop_copies,
+)
 from hloplan.solver.liveness import Liveness
 from hloplan.solver.problem import ShardingProblem, Solution, Strategy
 from hloplan.units import format_bytes, format_seconds
@@ -137,6 +144,21 @@ def _copy_deltas(problem: ShardingProblem, choice: tuple[int, ...], node: int, k
     return deltas
 
 
+def _reuse_changes(problem: ShardingProblem, choice: tuple[int, ...], node: int, k: int,
+                   made: dict[int, int], spans: dict[int, tuple[int, int]],
+                   loop_copies: list) -> dict[int, float]:
+    """Per loop node, the change in its held transient bytes when `node` alone switches to
+    strategy k: loop copies it reads resharded no longer, or now does
+    (evaluate.reused_loop_copies)."""
+    edges = [(e, nodes) for e, nodes in loop_copies if node in nodes]
+    if not edges:
+        return {}
+    base = reused_loop_copies(problem, choice.__getitem__, made, spans, edges)
+    moved = reused_loop_copies(problem, lambda n: k if n == node else choice[n], made, spans,
+                               edges)
+    return {n: base.get(n, 0.0) - moved.get(n, 0.0) for n in base.keys() | moved.keys()}
+
+
 def compare(problem: ShardingProblem, chosen: Solution, alternative: Solution) -> list[Reason]:
     """Per-node reasons why `chosen` beats `alternative`, most telling first.
 
@@ -150,6 +172,7 @@ def compare(problem: ShardingProblem, chosen: Solution, alternative: Solution) -
     firsts = liveness.made
     spans = {e: (start, end) for e, start, end in liveness.spans}
     accumulating = {n: (start, end) for n, start, end in liveness.accumulators}
+    loop_copies = loop_copy_edges(problem)
     edges_of: dict[int, list[int]] = {}
     for e in spans:
         edge = problem.edges[e]
@@ -162,6 +185,9 @@ def compare(problem: ShardingProblem, chosen: Solution, alternative: Solution) -
             continue
         mine, other = node.strategies[i], node.strategies[j]
         at_points = _copy_deltas(problem, chosen.choice, index, j, spans, edges_of)
+        for n, change in _reuse_changes(problem, chosen.choice, index, j, firsts, spans,
+                                        loop_copies).items():
+            at_points[firsts[n]] = at_points.get(firsts[n], 0.0) + change
         if index in accumulating and other.accumulators != mine.accumulators:
             start, end = accumulating[index]
             for p in range(start, end + 1):

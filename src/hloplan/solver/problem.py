@@ -82,6 +82,14 @@ class Edge:
     # FSDP-stored weight share one all-gather) and keeps the copy until the last of them
     # reads it. None: dst's first live point only (liveness.copy_spans).
     held: tuple[int, int] | None = None
+    # loop_copy[j]: bytes of dst's strategy j's transient that are a collective-matmul loop's
+    # copy of this edge's value in j's layout (strategies.collective_matmul_copy_bytes). Where
+    # the value reaches dst as a resharded copy held at dst's made point, the loop reads that
+    # copy and makes none of its own (liveness.reused_loop_copies). Empty: none.
+    loop_copy: tuple[float, ...] = ()
+    # The edge whose copy dst reads where this one reshards nothing: a read that shares the
+    # previous matmul's reshard of the value (src is that matmul). None: no such edge.
+    via: int | None = None
 
 
 @dataclass(frozen=True)
