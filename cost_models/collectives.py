@@ -362,11 +362,15 @@ class CommModel:
                 if dst_dim.get(axis, d) != d:
                     sources.setdefault(dst_dim[axis], set()).add(d)
         gathered_into = {t for t, dims in sources.items() if len(dims) > 1}
-        # Nor does it move axes out of one dim into two or more: it all-gathers them there
-        # ([-, -, (x, y)] -> [x, y, -] on v5e:2x4 and 16x16: one all-gather over (x, y)).
+        # Nor does it move axes out of one dim into two or more, or move some out of a dim
+        # while it gathers others there: it all-gathers them all there, then slices
+        # ([-, -, (x, y)] -> [x, y, -], [x, -, -] or [y, -, -]: one all-gather over (x, y), on
+        # libtpu v5e:2x4 and 16x16 and the CPU compiler).
         gathered_from = {d for d in range(rank)
                          if len({dst_dim[a] for a in leaving[d]
-                                 if dst_dim.get(a, d) != d}) > 1}
+                                 if dst_dim.get(a, d) != d}) > 1
+                         or (any(dst_dim.get(a, d) != d for a in leaving[d])
+                             and any(a not in dst_dim for a in leaving[d]))}
         # Axes that stay on their dim while others leave it or arrive at it by all-to-all need
         # no gather when they keep their order: XLA's partitioner moves the others by one
         # all-to-all among the devices that hold each new shard's parts, then puts the shards
@@ -375,6 +379,21 @@ class CommModel:
         # [(x, y), -] -> [y, x], [x, -, y] -> [-, -, (x, y)]).
         renumbered: list[list[int]] = []
         renumbered_dims: set[int] = set()
+        # Axes that stay on their dim, minor to axes gathered there, are the whole of the
+        # destination's dim after the kept ones: XLA's partitioner sends each device's shard to
+        # the device that holds it with the gathered axes minor-most (one collective-permute
+        # of the local tensor), then gathers them ([-, -, (x, y)] -> [-, -, y]: a permute and
+        # an all-gather over x, libtpu v5e:2x4 and the CPU compiler).
+        reordered: list[list[int]] = []
+        for d in range(rank):
+            staying = [a for a in leaving[d] if dst_dim.get(a) == d]
+            gathered = [a for a in leaving[d] if a not in dst_dim]
+            kept = len(src_s[d]) - len(leaving[d])
+            if (staying and gathered and len(staying) + len(gathered) == len(leaving[d])
+                    and list(dst_s[d][kept:]) == staying
+                    and leaving[d][-len(staying):] == staying):
+                reordered.append(sorted(leaving[d]))
+                leaving[d] = gathered
         for d in range(rank):
             staying = [a for a in leaving[d] if dst_dim.get(a) == d]
             moving = [a for a in leaving[d] if a not in staying]
@@ -408,6 +427,10 @@ class CommModel:
                 seconds += self.collective(kind, nbytes, axes)
                 steps.append((kind, axes if label is None else label, sent))
 
+        for axes in reordered:
+            group = self.group(axes)
+            seconds += size() / group.bandwidth + group.latency
+            steps.append((COLLECTIVE_PERMUTE, tuple(axes), float(size())))
         # 1. all-gathers, the last dim first (tests/unit/test_hlo_stats.py checks XLA's order),
         # or all in one (one_gather)
         via: list[Sharding] = []
