@@ -923,6 +923,30 @@ def test_reshard_model_matches_constrained_collectives(mesh, src, dst) -> None:
         == predicted
 
 
+@pytest.mark.parametrize(("src", "dst"), [((None, "model", "data"), (None, "data", None)),
+                                        (("model", "data"), ("data", None))])
+def test_reshard_moving_an_axis_into_the_dim_another_leaves(mesh, src, dst) -> None:
+    """"data" moving into the dim "model" leaves (as hloplan emits it, a constraint): XLA's CPU
+    compiler permutes the shards, then gathers "model" (in two all-gathers; libtpu in one),
+    no all-to-all: CommModel.reshard lists the same bytes per kind."""
+    from hloplan.cost_models import CommModel, load_device_model
+    from hloplan.mesh import parse_mesh
+
+    shape = (16, 32, 64)[-len(src):]
+    compiled = jax.jit(lambda a: jax.lax.with_sharding_constraint(
+        a, NamedSharding(mesh, P(*dst))) + 1).lower(_put(mesh, shape, *src)).compile()
+    realised: dict = {}
+    for op in _stats(compiled).ops:
+        realised[op.kind] = realised.get(op.kind, 0.0) + op.bytes_sent
+    comm = CommModel(load_device_model("h100"), parse_mesh("data=2,model=4"), hosts=2)
+    cost = comm.reshard(shape, 4, _axes_of(src, len(shape)), _axes_of(dst, len(shape)))
+    predicted: dict = {}
+    for kind, _, sent in cost.collectives:
+        predicted[kind] = predicted.get(kind, 0.0) + sent
+    assert predicted == realised
+    assert set(realised) == {"collective-permute", "all-gather"}
+
+
 def test_reshard_that_renumbers_devices_sends_an_all_to_all_and_a_permute(mesh) -> None:
     """[(data, model), -, -] -> [model, -, data]: XLA exchanges halves among the device pairs
     that hold each new shard's parts (halves of "model"), then permutes the shards into the
