@@ -80,6 +80,9 @@ Schema (all fields required unless marked optional)::
                                  # all-reduce(a + b) (so do reduce-scatters): one collective
     collective-matmul = false    # true: a reduce-scattered matmul runs as a loop of chunk
                                  # matmuls and collective-permutes (libtpu's windowed einsum)
+    merge-identical = false      # true: the compiler merges identical ops (same operands and
+                                 # attributes) before partitioning, whatever their shardings:
+                                 # the copy's readers reshard from the first's layout
 
 Without a [combiner] table: all-reduces and reduce-scatters merge into 30 MiB buffers (XLA's
 default GPU threshold) and all-gathers are not merged (`DEFAULT_COMBINER`). The planner amortises
@@ -148,7 +151,8 @@ DEFAULT_COMBINER: dict[str, float] = {
 }
 _APART = "reduce-scatter-apart"  # [combiner] sub-table: slices where libtpu merges none
 _LEVEL_FIELDS = {"name", "devices", "bandwidth", "latency"}
-_COLLECTIVES_FIELDS = ("gathers", "matmul-input-dtype", "reassociate", "collective-matmul")
+_COLLECTIVES_FIELDS = ("gathers", "matmul-input-dtype", "reassociate", "collective-matmul",
+                       "merge-identical")
 _GATHERS = ("per-dim", "one")
 
 
@@ -254,6 +258,10 @@ class DeviceModel:
     # [collectives]: whether the compiler runs a reduce-scattered matmul as a loop of chunk
     # matmuls and collective-permutes (libtpu's windowed einsum; strategies.collective_matmul_time).
     collective_matmul: bool = False
+    # [collectives]: whether the compiler merges identical ops (same operands and attributes)
+    # before it partitions the program, whatever shardings they were given (libtpu's CSE): one
+    # op in one layout, the copy's readers resharding from it.
+    merge_identical: bool = False
     # [buffers]: reductions fuse the elementwise values they read, so those are never written
     # out; and the dtype f32 values read only by matmuls are written in (None: f32).
     fused_reductions: bool = False
@@ -529,7 +537,7 @@ def _parse_collectives(table: Any, source: str) -> dict[str, Any]:
         if name not in _COLLECTIVES_FIELDS:
             raise _fail(source, f"unknown field 'collectives.{key}' (known: "
                                 f"{', '.join(_COLLECTIVES_FIELDS)})")
-        if name in ("reassociate", "collective-matmul"):
+        if name in ("reassociate", "collective-matmul", "merge-identical"):
             if not isinstance(value, bool):
                 raise _fail(source, f"field 'collectives.{key}' must be true or false, "
                                     f"got {value!r}")

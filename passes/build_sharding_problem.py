@@ -19,6 +19,7 @@ from hloplan.cost_models import CommModel
 from hloplan.cost_models.collectives import ReshardCost
 from hloplan.graph import Graph, Op, TensorType, dtype_bytes
 from hloplan.op_rules import (
+    ELEMENTWISE,
     FREE_IF_INPUTS_FREE,
     OpRule,
     feeding_matmuls,
@@ -171,6 +172,7 @@ class _ProblemBuilder:
         self.space = PlanSpace()
         self.rules: dict[int, OpRule] = {}
         self.tie_root: dict[int, int] = {}  # op index -> op index of its leader
+        self.identical: dict[tuple, int] = {}  # identical_key -> the first such op's index
         # Repeated layers repeat (rule, types) signatures: strategies, follower lists and
         # resharding matrices are computed once per signature and shared.
         self.own_ids: dict = {}  # signature -> small int
@@ -292,6 +294,8 @@ class _ProblemBuilder:
                 self.state.log.warn(f"{rule.fallback}; planned as replicated", op.location, op.name,
                                     notes=("its operands are gathered onto every device",))
             self.space.strategies[op.index] = self._strategies(op, rule)
+            if self.comm.model.merge_identical:
+                self._merge_identical(op)
         folds = self._reassociations()
         self._scatter_first_gathers(folds)
         nodes = self._nodes()
@@ -496,6 +500,24 @@ class _ProblemBuilder:
         self.list_of[op.index] = self._list_id(follow_key)
         self.tie_root[op.index] = self.tie_root.get(producer.index, producer.index)
         return list(followed)
+
+    def _merge_identical(self, op: Op) -> None:
+        """Tie `op` to an earlier identical op (device model [collectives] merge-identical):
+        libtpu merges ops of the same name, operands and attributes in one computation before
+        it partitions the program, whatever shardings they were given, so the copy is made in
+        the first's layout and its readers reshard from there (a layer norm's scale broadcast in
+        the forward pass and again, for another layout, in the backward pass: an all-to-all).
+        Pointwise copies already follow the same producer; this ties the others."""
+        key = identical_key(self.graph, op)
+        if key is None:
+            return
+        first = self.identical.setdefault(key, op.index)
+        if first == op.index or op.index in self.tie_root:
+            return
+        mine, theirs = self.space.strategies[op.index], self.space.strategies[first]
+        if [(s.operands, s.results) for s in mine] != [(s.operands, s.results) for s in theirs]:
+            return  # one decision needs one list of layouts
+        self.tie_root[op.index] = self.tie_root.get(first, first)
 
     def _list_id(self, key) -> int:
         """A small int per distinct strategy list: an own signature's id, or a follower's
@@ -1231,18 +1253,23 @@ def scatter_first_layout(src, dst, reduced, shape, axis_sizes):
 
 def scatter_first_reshard(comm: CommModel, type_: TensorType, reduced, mid, dst) -> ReshardCost:
     """From the reduce-scatter to the reader's layout `dst`. Where `dst` is `mid` (only the
-    slice), nothing more. Elsewhere libtpu scatters onto the dim the rows are already split
-    on, moves the summed axes to their dim by an all-to-all of the scattered shard, then
-    reshards from `mid` (hf_bert, haiku_transformer and models.py's bert on v5e:2x4:
-    `[-, -, y]` summed over x and read `[y, x, -]` compile to a reduce-scatter over x, an
-    all-to-all over x and one over y)."""
+    slice), nothing more. Elsewhere libtpu scatters onto the first dim (the shard one
+    contiguous block: its `all-reduce-scatter` kernel), moves the summed axes `mid` has on
+    other dims there by an all-to-all of the scattered shard, then reshards from `mid`
+    (hf_bert, haiku_transformer and models.py's bert on v5e:2x4: `[-, -, y]` summed over x and
+    read `[y, x, -]` compile to a reduce-scatter over x, an all-to-all over x and one over y;
+    keras_gemma's `[-, -, x]` summed over y and read `[y, x, -]`, with `mid` `[y, -, x]`, to a
+    reduce-scatter over y and an all-to-all over x)."""
     if mid == dst:
         return ReshardCost(0.0)
     nbytes = local_bytes(type_, mid, comm.mesh)
     rest = comm.reshard(type_.shape, type_.itemsize, mid, dst)
-    sent = comm.bytes_sent("all-to-all", nbytes, reduced)
-    return ReshardCost(rest.seconds + comm.all_to_all(nbytes, reduced),
-                   (("all-to-all", tuple(reduced), sent), *rest.collectives))
+    moved = tuple(axis for axis in reduced if axis not in mid[0])
+    if not moved:
+        return rest
+    sent = comm.bytes_sent("all-to-all", nbytes, moved)
+    return ReshardCost(rest.seconds + comm.all_to_all(nbytes, moved),
+                   (("all-to-all", moved, sent), *rest.collectives))
 
 
 def scatter_first_reads(state: CompileState) -> dict[int, tuple]:
@@ -1262,6 +1289,25 @@ def scatter_first_reads(state: CompileState) -> dict[int, tuple]:
         if len(mids) == 1 and None not in mids:
             out[op_index] = (mids.pop(), {reader for reader, _ in reads})
     return out
+
+
+# Ops whose every attribute the graph records (ir.op_attributes), so that two with the same
+# name, operands, attributes and result types compute the same value.
+_MERGEABLE = ({f"stablehlo.{name}" for name in ELEMENTWISE}
+              | {"stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.transpose",
+                 "stablehlo.slice", "stablehlo.pad", "stablehlo.concatenate",
+                 "stablehlo.dot_general", "stablehlo.reduce"})
+
+
+def identical_key(graph: Graph, op: Op) -> tuple | None:
+    """What XLA's CSE compares: two ops with the same key in one computation are one op after
+    it (None: an op it is not known to merge, or whose attributes the graph leaves out)."""
+    if op.name not in _MERGEABLE or not op.operands:
+        return None
+    if op.attrs.get("combiner") == "complex":
+        return None  # a reduction body the graph does not record
+    types = tuple(graph.type_of(v) for v in op.results)
+    return (op.name, op.operands, repr(sorted(op.attrs.items())), types, op.parent, op.region)
 
 
 def chosen_reshards(state: CompileState):

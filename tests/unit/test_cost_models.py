@@ -492,12 +492,27 @@ def test_reshard_gathers_two_dims_in_turn(comm: CommModel) -> None:
     assert cost.seconds == pytest.approx(262144 / 1e11 + 1e-6 + 1572864 / 1e11 + 3e-6)
 
 
-def test_reshard_reordered_axes_gather_then_slice(comm: CommModel) -> None:
-    # (data, model) -> (model,) on dim 0: no common prefix, so both axes are gathered in one
-    # all-gather over 8 devices (7/8 * 2 MiB = 1835008 bytes), then model is sliced for free.
+def test_reshard_minor_axis_kept_alone_permutes_then_gathers(comm: CommModel) -> None:
+    # (data, model) -> (model,) on dim 0: model, minor to the gathered data, is all the
+    # destination keeps. XLA (CPU and libtpu) sends each device's 2 MiB / 8 = 262144-byte
+    # shard to the device holding it as (model, data), then gathers data (n = 2) to
+    # 2 MiB / 4: sends 1/2 * 524288 (not one all-gather over both axes, 7/8 * 2 MiB).
     cost = comm.reshard(SHAPE, 4, ((0, 1), ()), ((1,), ()))
-    assert cost.collectives == (("all-gather", (0, 1), 1835008.0),)
-    assert cost.seconds == pytest.approx(1835008 / 1e11 + 7e-6)
+    assert cost.collectives == (("collective-permute", (0, 1), 262144.0),
+                                ("all-gather", (0,), 262144.0))
+    permute = comm.group((0, 1))
+    assert cost.seconds == pytest.approx(262144 / permute.bandwidth + permute.latency
+                                         + comm.collective("all-gather", 524288, (0,)))
+
+
+def test_reshard_moving_one_axis_while_gathering_another_gathers_both(comm: CommModel) -> None:
+    # (data, model) on dim 0 -> model on dim 1 (or data on dim 1): XLA (CPU and libtpu) does
+    # not gather data and move model by an all-to-all; it gathers both (7/8 * 2 MiB), then
+    # slices.
+    for dst in (((), (1,)), ((), (0,))):
+        cost = comm.reshard(SHAPE, 4, ((0, 1), ()), dst)
+        assert cost.collectives == (("all-gather", (0, 1), 1835008.0),)
+        assert cost.seconds == pytest.approx(1835008 / 1e11 + 7e-6)
 
 
 def test_reshard_all_to_all(comm: CommModel) -> None:
@@ -595,10 +610,17 @@ def test_staged_gathers_take_one_axis_at_a_time() -> None:
     cost = three.reshard(SHAPE, 4, ((0, 1, 2), ()), ((), ()))
     assert [axes for _, axes, _ in cost.collectives] == [(2,), (1,), (0,)]
     assert cost.via == (((0, 1), ()), ((0,), ()))
-    # Gathered axes that are not the dim's minor-most run (b moves to dim 1 by all-to-all,
-    # a and c are gathered) cannot be gathered one by one into whole blocks: one all-gather.
+    # b moving to dim 1 while a and c are gathered: XLA gathers all three (one all-gather over
+    # (a, b, c) on the CPU compiler), then slices b; staged like the gather to replicated.
     cost = three.reshard(SHAPE, 4, ((0, 1, 2), ()), ((), (1,)))
-    assert cost.via == () and cost.collectives[0][:2] == ("all-gather", (0, 2))
+    assert [axes for _, axes, _ in cost.collectives] == [(2,), (1,), (0,)]
+    assert cost.via == (((0, 1), ()), ((0,), ()), ((), ()))
+    # a gathered while b and c, minor to it, stay: the shards permuted to put a minor-most,
+    # then one all-gather over a; nothing to stage.
+    cost = three.reshard(SHAPE, 4, ((0, 1, 2), ()), ((1, 2), ()))
+    assert cost.via == ()
+    assert [step[:2] for step in cost.collectives] == [("collective-permute", (0, 1, 2)),
+                                                       ("all-gather", (0,))]
 
 
 def test_staged_gathers_only_where_cheaper() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -885,6 +886,67 @@ def test_reshard_model_matches_compiled_collectives(mesh, src, dst) -> None:
     assert predicted == realised
 
 
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [
+        # One axis of a dim split over both moves to another dim while the other is gathered:
+        # both gathered, then sliced (not a gather and an all-to-all).
+        ((None, None, ("data", "model")), ("data", None, None)),
+        ((None, None, ("data", "model")), ("model", None, None)),
+        ((("data", "model"), None, None), (None, "model", None)),
+        ((None, ("data", "model"), None), (None, None, "model")),
+        # The minor axis is all the dim keeps: the shards permuted to put the gathered axis
+        # minor-most, then gathered over it (not gathered over both, then sliced).
+        ((None, None, ("data", "model")), (None, None, "model")),
+        ((None, None, ("model", "data")), (None, None, "data")),
+        ((("data", "model"), None), ("model", None)),
+    ],
+)
+def test_reshard_model_matches_constrained_collectives(mesh, src, dst) -> None:
+    """A reshard as hloplan emits it, a sharding constraint on the value its reader takes, compiles
+    to the collectives CommModel.reshard lists (the same forms libtpu compiles on v5e:2x4).
+    (As a jitted function's output sharding instead, XLA moves "model" of
+    `[-, -, (data, model)]` to dim 0 by an all-to-all before gathering "data".)"""
+    from hloplan.cost_models import CommModel, load_device_model
+    from hloplan.mesh import parse_mesh
+
+    shape = (16, 32, 64)[-len(src):]
+    compiled = jax.jit(lambda a: jax.lax.with_sharding_constraint(
+        a, NamedSharding(mesh, P(*dst))) + 1).lower(_put(mesh, shape, *src)).compile()
+    realised = [(op.kind, op.axes, op.bytes_sent) for op in _stats(compiled).ops]
+    comm = CommModel(load_device_model("h100"), parse_mesh("data=2,model=4"), hosts=2)
+    cost = comm.reshard(shape, 4, _axes_of(src, len(shape)), _axes_of(dst, len(shape)))
+    predicted = [(kind, tuple(("data", "model")[a] for a in axes), sent)
+                 for kind, axes, sent in cost.collectives]
+    # hlo_stats names a permute's axes in mesh order, a gather's in its group's order
+    assert [(k, tuple(sorted(a)) if k == "collective-permute" else a, b) for k, a, b in realised] \
+        == predicted
+
+
+@pytest.mark.parametrize(("src", "dst"), [((None, "model", "data"), (None, "data", None)),
+                                        (("model", "data"), ("data", None))])
+def test_reshard_moving_an_axis_into_the_dim_another_leaves(mesh, src, dst) -> None:
+    """"data" moving into the dim "model" leaves (as hloplan emits it, a constraint): XLA's CPU
+    compiler permutes the shards, then gathers "model" (in two all-gathers; libtpu in one),
+    no all-to-all: CommModel.reshard lists the same bytes per kind."""
+    from hloplan.cost_models import CommModel, load_device_model
+    from hloplan.mesh import parse_mesh
+
+    shape = (16, 32, 64)[-len(src):]
+    compiled = jax.jit(lambda a: jax.lax.with_sharding_constraint(
+        a, NamedSharding(mesh, P(*dst))) + 1).lower(_put(mesh, shape, *src)).compile()
+    realised: dict = {}
+    for op in _stats(compiled).ops:
+        realised[op.kind] = realised.get(op.kind, 0.0) + op.bytes_sent
+    comm = CommModel(load_device_model("h100"), parse_mesh("data=2,model=4"), hosts=2)
+    cost = comm.reshard(shape, 4, _axes_of(src, len(shape)), _axes_of(dst, len(shape)))
+    predicted: dict = {}
+    for kind, _, sent in cost.collectives:
+        predicted[kind] = predicted.get(kind, 0.0) + sent
+    assert predicted == realised
+    assert set(realised) == {"collective-permute", "all-gather"}
+
+
 def test_reshard_that_renumbers_devices_sends_an_all_to_all_and_a_permute(mesh) -> None:
     """[(data, model), -, -] -> [model, -, data]: XLA exchanges halves among the device pairs
     that hold each new shard's parts (halves of "model"), then permutes the shards into the
@@ -909,8 +971,9 @@ def test_reshard_that_renumbers_devices_sends_an_all_to_all_and_a_permute(mesh) 
     [
         ((("data", "model"), None), ()),  # model, then data
         ((None, ("data", "model")), ()),
-        ((("data", "model"), None), ("model", None)),  # both gathered, then model sliced
         ((None, ("model", "data")), (None, None)),  # data (minor here), then model
+        # data leaves for dim 0 while model is gathered: both gathered, then data sliced
+        ((None, ("data", "model")), ("data", None)),
     ],
 )
 def test_staged_gathers_compile_as_priced(mesh, src, dst) -> None:
@@ -934,12 +997,16 @@ def test_staged_gathers_compile_as_priced(mesh, src, dst) -> None:
             a = jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec_of(layout)))
         return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P(*dst)))
 
-    compiled = jax.jit(lambda a: reshard(a * 2)).lower(_put(mesh, shape, *src)).compile()
+    # distinct values, so that a shard in the wrong place shows
+    x = jax.device_put(jnp.arange(math.prod(shape), dtype=jnp.float32).reshape(shape),
+                       NamedSharding(mesh, P(*src)))
+    compiled = jax.jit(lambda a: reshard(a * 2)).lower(x).compile()
     realised = [(op.kind, op.axes, op.bytes_sent) for op in _stats(compiled).ops]
     predicted = [(kind, tuple(("data", "model")[a] for a in axes), sent)
                  for kind, axes, sent in cost.collectives]
     assert predicted == realised
     assert all(len(axes) == 1 for _, axes, _ in realised)
+    np.testing.assert_array_equal(np.asarray(compiled(x)), 2 * np.asarray(x))  # same values
 
 
 # ---------------------------------------------------------------------------------------------

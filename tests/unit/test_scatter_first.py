@@ -11,7 +11,10 @@ import pytest
 from jax import export
 
 import hloplan
-from hloplan.passes.build_sharding_problem import scatter_first_layout
+from hloplan.cost_models import CommModel, load_device_model
+from hloplan.graph import TensorType
+from hloplan.mesh import parse_mesh
+from hloplan.passes.build_sharding_problem import scatter_first_layout, scatter_first_reshard
 from hloplan.strategies import local_bytes
 
 X, Y = 0, 1
@@ -36,6 +39,26 @@ def test_the_scattered_layout_puts_the_summed_axes_where_the_reader_has_them():
     assert scatter_first_layout(((), (), ()), ((X,), (), ()), (), shape, SIZES) is None
     assert scatter_first_layout(((), (), ()), ((X,), (), ()), (X,), (3, 128, 256),
                                 SIZES) is None
+
+
+def test_the_scattered_rows_move_to_their_dim_unless_scattered_onto_the_first():
+    comm = CommModel(load_device_model("tpu-v5e"), parse_mesh("2x4"))
+    type_ = TensorType((16, 128, 1024), "f32")
+    shard = 16 * 128 * 1024 * 4 / 8
+
+    def listed(src, reduced, dst):
+        mid = scatter_first_layout(src, dst, reduced, type_.shape, SIZES)
+        return [(kind, axes, sent) for kind, axes, sent in
+                scatter_first_reshard(comm, type_, reduced, mid, dst).collectives]
+
+    # haiku_transformer (libtpu, v5e:2x4): `[-, -, y]` summed over x, read `[y, x, -]`:
+    # scattered onto dim 0, an all-to-all moves x to dim 1, another moves y to dim 0.
+    assert listed(((), (), (Y,)), (X,), ((Y,), (X,), ())) == [
+        ("all-to-all", (X,), shard / 2), ("all-to-all", (Y,), shard * 3 / 4)]
+    # keras_gemma: `[-, -, x]` summed over y, read `[y, x, -]`: scattered onto dim 0 where the
+    # reader has y; only x moves.
+    assert listed(((), (), (X,)), (Y,), ((Y,), (X,), ())) == [
+        ("all-to-all", (X,), shard / 2)]
 
 
 def _embed(table, ids, x):
@@ -64,6 +87,7 @@ def test_the_lookup_is_priced_as_the_reduce_scatter_its_reader_makes_of_it():
     edge = next(e for e in problem.edges
                 if e.src == space.node_of[gather.index] and e.dst == space.node_of[add.index])
     summed = sliced = 0
+    kinds = {True: 0, False: 0}  # reshards from `mid` with an all-to-all, without
     for i, (old, new) in enumerate(zip(before, after)):
         if not old.reduced_axes:
             assert new.communication == old.communication
@@ -87,12 +111,16 @@ def test_the_lookup_is_priced_as_the_reduce_scatter_its_reader_makes_of_it():
             elif mid == dst:  # the slice alone: nothing beyond the reduce-scatter
                 assert edge.costs[i][j] == 0
                 sliced += 1
-            else:  # the summed axes moved to their dim, then the reshard from there
-                moved = comm.all_to_all(local_bytes(type_, mid, comm.mesh), old.reduced_axes)
+            else:  # scattered onto the first dim, the summed axes `mid` has elsewhere
+                # moved to their dim, then the reshard from there
+                axes = tuple(a for a in old.reduced_axes if a not in mid[0])
+                moved = (comm.all_to_all(local_bytes(type_, mid, comm.mesh), axes)
+                         if axes else 0.0)
                 reshard = comm.reshard(type_.shape, type_.itemsize, mid, dst).seconds
                 assert edge.costs[i][j] == pytest.approx(moved + reshard)
-                assert moved > 0
+                kinds[bool(axes)] += 1
     assert summed and sliced  # the masked lookup is among the strategies
+    assert all(kinds.values())  # both forms of the reshard from the scattered layout
 
 
 def test_only_where_libtpu_compiles():

@@ -129,6 +129,56 @@ def test_one_gather_is_what_libtpu_compiles():
         assert ops[0][2] == pytest.approx(7 / 8 * 4 * 512 * 2048)
 
 
+# Reshards of a (16, 128, 2048) f32 value that move one axis out of a dim split over (x, y)
+# while gathering the other, or keep only the minor axis, each constrained as hloplan emits it.
+_LIBTPU_RESHARDS = """
+import json, sys
+import jax, numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from hloplan.hlo_stats import collective_stats
+from hloplan.tpu import parse_topology, topology_devices
+devices = topology_devices(parse_topology("v5e:2x4"))
+mesh = Mesh(np.array(devices).reshape(2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+def spec(layout):
+    return NamedSharding(mesh, PartitionSpec(*(tuple("xy"[a] for a in axes) or None
+                                               for axes in layout)))
+out = []
+for src, dst in json.loads(sys.argv[1]):
+    compiled = jax.jit(lambda w: jax.lax.with_sharding_constraint(w, spec(dst)) + 1,
+                       in_shardings=spec(src)).lower(
+        jax.ShapeDtypeStruct((16, 128, 2048), np.float32)).compile()
+    stats = collective_stats(compiled.as_text(), mesh_axes=[("x", 2), ("y", 4)])
+    out.append([[op.kind, sorted(op.axes), op.total_bytes_sent] for op in stats.ops])
+print(json.dumps(out))
+"""
+XY = ((), (), (0, 1))  # [-, -, (x, y)]
+MOVED_OR_KEPT = [(XY, ((0,), (), ())), (XY, ((1,), (), ())), (XY, ((), (), (1,))),
+                 (((0, 1), (), ()), ((1,), (), ())),
+                 # x moving into the dim y leaves: a permute, then y gathered (no all-to-all)
+                 (((), (1,), (0,)), ((), (0,), ())), (((1,), (0,), ()), ((0,), (), ())),
+                 # y moving into the dim x leaves: x gathered, then y moved by an all-to-all
+                 (((), (0,), (1,)), ((), (1,), ()))]
+
+
+@needs_libtpu
+def test_axis_moved_or_kept_while_gathering_the_other_as_libtpu_compiles():
+    import json
+    import subprocess
+    import sys
+
+    from hloplan.tpu import child_env
+
+    done = subprocess.run([sys.executable, "-c", _LIBTPU_RESHARDS, json.dumps(MOVED_OR_KEPT)],
+                          env=child_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    comm = CommModel(load_device_model("tpu-v5e"), parse_mesh("x=2,y=4"))
+    for (src, dst), ops in zip(MOVED_OR_KEPT, json.loads(done.stdout.strip().splitlines()[-1]),
+                               strict=True):
+        predicted = comm.reshard((16, 128, 2048), 4, src, dst).collectives
+        assert [(kind, ["xy"[a] for a in axes], sent) for kind, axes, sent in predicted] == [
+            (kind, axes, pytest.approx(sent)) for kind, axes, sent in ops]
+
+
 def _dot(precision: str | None = None) -> Op:
     attrs = {"precision": precision} if precision else {}
     return Op(index=3, name="stablehlo.dot_general", operands=(0, 1), results=(2,), attrs=attrs)
