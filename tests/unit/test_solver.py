@@ -426,6 +426,24 @@ def test_time_limit_reports_status(backend):
     if stats.status == "time_limit":
         assert stats.gap >= 0
         assert stats.extra["raw_status"] != "Optimal Solution Found"
+        assert stats.extra["deterministic"] is False  # the clock stopped it
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_node_limit_stops_the_search_the_same_way_on_any_machine(backend):
+    # Needs tens of branch-and-bound nodes to prove optimal; with none allowed the search
+    # stops at the root, by a count of work: the status says so, and the plan is reproducible.
+    problem = random_problem(11, n=60, k=4, m=150)
+    first, stats = solve(problem, solver=backend, node_limit=0, time_limit=600)
+    assert stats.status == "node_limit"
+    assert stats.extra["deterministic"] is True
+    assert stats.gap > 1e-6 and stats.bound <= stats.objective
+    assert evaluate(problem, first).feasible
+    assert stats.objective == evaluate(problem, first).total
+    again, _ = solve(problem, solver=backend, node_limit=0, time_limit=600)
+    assert again == first
+    _, proven = solve(problem, solver=backend, time_limit=600)
+    assert proven.status == "optimal" and proven.objective <= stats.objective
 
 
 def test_no_solver_solution_falls_back_to_the_heuristic(monkeypatch):
