@@ -696,3 +696,30 @@ def test_point_contents_add_up_to_each_points_bytes(seed):
         assert {h.kind for h in held} <= {"result", "made", "copy"}
     assert any(h.kind == "copy" for p in range(len(problem.live_points))
                for h in point_contents(problem, solution, p))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flow_rounding_follows_one_layout_of_the_lp(backend):
+    # Four nodes, every pair paying 1 ms when they pick the same strategy: the LP puts every
+    # node at 0.5/0.5 with all its flow on unequal pairs (0 ms). Rounding each node alone
+    # picks one strategy everywhere (6 ms); following the flows alternates (2 ms, optimal).
+    import time
+
+    from hloplan.solver import backends, heuristics
+    from hloplan.solver.model import compile_model
+
+    nodes = tuple(node(f"n{i}", ("a", 0, 0, 1), ("b", 0, 0, 1)) for i in range(4))
+    same = tuple(tuple(MS if i == j else 0.0 for j in range(2)) for i in range(2))
+    edges = tuple(Edge(a, b, same) for a, b in itertools.combinations(range(4), 2))
+    problem = ShardingProblem(nodes, edges)
+    model = compile_model(problem)
+    built = backends.build(model, [], math.inf, backend, backend == "highs")
+    status = backends.run_lazy(built, backend, math.inf, time.perf_counter() + 60, 1, mip=False)
+    assert status == pulp.LpSolutionOptimal
+    values = backends.group_values(built)
+    assert len(heuristics.fractional_groups(values)) == 4
+    assert model.objective([int(v.argmax()) for v in values]) == pytest.approx(6 * MS)
+    followed = heuristics.follow_flows(model, math.inf, built)
+    assert model.objective(followed) == pytest.approx(2 * MS)
+    _, stats = solve(problem, solver=backend)
+    assert stats.objective == pytest.approx(2 * MS) and stats.status == "optimal"

@@ -436,6 +436,12 @@ def solve_model(
         "relative_gap_limit": built.gap,
     }
     source = "heuristic"
+    if search and relaxed is not None:
+        followed = heuristics.follow_flows(model, budget, built)
+        if followed is not None and (heuristic is None
+                                     or model.objective(followed) < model.objective(heuristic)):
+            extra["flow_objective"] = model.objective(followed)
+            heuristic, source = followed, "flow rounding"
     # The LP optimum bounds every plan: stop as soon as the incumbent is close enough to it.
     lp_seconds = lp_bound / TIME_SCALE + model.constant if lp_bound is not None else None
 
