@@ -11,8 +11,8 @@ at each binding point, `Model.binding_points`) and no launch lists it. A free gr
   that pair's transportation grid (strategy classes, `backends.classes`) is no larger than
   the group's binaries and the two grids it replaces;
 
-and once eliminated, its strategy is the minimiser given its neighbours' (the lowest index
-among equals). Repeated until nothing is eliminated, this removes the chains between the
+and once eliminated, its strategy is the minimiser given its neighbours' (among equals, the
+one holding the fewest bytes, then the lowest index). Repeated until nothing is eliminated, this removes the chains between the
 branch points of a train step's graph (on a 2-layer Flax Llama on 2x4 without a binding memory
 row, 268 of 415 groups have at most two neighbours). The reduced ILP has the same optimum, and
 its LP relaxation is at least as tight: the eliminated minima are exact, where the LP of the
@@ -59,6 +59,15 @@ class Reduction:
         return full
 
 
+def _cheapest(total: np.ndarray, held: np.ndarray) -> np.ndarray:
+    """Per entry of total's other axes, the index along axis 0 of the smallest total: among
+    equal totals (to rounding) the one holding the fewest bytes, then the lowest index."""
+    low = total.min(axis=0)
+    tied = total <= low + 1e-12 * np.abs(low) + 1e-18
+    shape = (-1,) + (1,) * (total.ndim - 1)
+    return np.argmin(np.where(tied, held.reshape(shape), np.inf), axis=0)
+
+
 def _grid(matrix: np.ndarray) -> int:
     """Variables of the transportation grid of a pairwise matrix."""
     return len(backends.classes(matrix)) * len(backends.classes(matrix.T))
@@ -78,6 +87,9 @@ def eliminate(model: Model, budget: float) -> Reduction:
     if binding:
         for coefficients in model.memory.rows(binding).values():
             pinned.update(coefficients)
+    # Bytes each strategy holds over the program (summed over its memory events): among
+    # strategies of equal cost, an eliminated group takes the one holding least.
+    held = [vectors.sum(axis=0) for vectors in model.memory.vectors]
     constant = model.constant
     steps: list[tuple[int, tuple[int, ...], np.ndarray]] = []
     alive = [True] * count
@@ -99,7 +111,7 @@ def eliminate(model: Model, budget: float) -> Reduction:
             if size == 1 or not neighbours:
                 for h in neighbours:  # one strategy: its row of each pair is linear
                     linear[h] += adjacency[g][h][0]
-                best = np.array(int(np.argmin(linear[g])))
+                best = _cheapest(linear[g], held[g])
                 constant += float(linear[g][int(best)])
                 steps.append((g, (), best))
                 drop(g)
@@ -107,7 +119,7 @@ def eliminate(model: Model, budget: float) -> Reduction:
             elif len(neighbours) == 1:
                 (h,) = neighbours
                 total = linear[g][:, None] + adjacency[g][h]  # [i, j]
-                best = np.argmin(total, axis=0)
+                best = _cheapest(total, held[g])
                 linear[h] += total[best, np.arange(total.shape[1])]
                 steps.append((g, (h,), best))
                 drop(g)
@@ -116,7 +128,7 @@ def eliminate(model: Model, budget: float) -> Reduction:
                 h, k = neighbours
                 total = (linear[g][:, None, None] + adjacency[g][h][:, :, None]
                          + adjacency[g][k][:, None, :])  # [i, j, l]
-                best = np.argmin(total, axis=0)
+                best = _cheapest(total, held[g])
                 merged = np.take_along_axis(total, best[None], axis=0)[0]
                 existing = adjacency[h].get(k)
                 if existing is not None:
