@@ -44,6 +44,9 @@ _DIVE_ROUNDS = 4
 # cheapest this many are improved by local search.
 _FLOW_CANDIDATES = 256
 _FLOW_IMPROVED = 32
+# ... and of those, at most this many that break the budget are repaired (a repair costs
+# about as much as a hundred roundings on a memory-tight Llama3-8B step).
+_FLOW_REPAIRED = 2
 
 
 def improve(model: Model, budget: float, choice: list[int]) -> None:
@@ -234,7 +237,8 @@ def follow_flows(model: Model, budget: float, built: backends.Built) -> list[int
     followed along one of them, where rounding each group on its own mixes them (10,030 us
     against the LP's 8,539; followed and improved: 8,596). One rounding per start group and
     strategy the LP uses (fractional groups in order, at most _FLOW_CANDIDATES); the
-    cheapest _FLOW_IMPROVED are improved by local search. Returns the best that fits."""
+    cheapest _FLOW_IMPROVED are improved by local search (the first _FLOW_REPAIRED that break
+    the budget repaired first, the others skipped). Returns the best that fits."""
     values = backends.group_values(built)
     if values is None or not built.e:
         return None
@@ -262,8 +266,13 @@ def follow_flows(model: Model, budget: float, built: backends.Built) -> list[int
             candidates.append((model.objective(choice), len(candidates), choice))
     candidates.sort(key=lambda c: (c[0], c[1]))
     best, best_objective = None, math.inf
+    repairs = 0
     for _, _, choice in candidates[:_FLOW_IMPROVED]:
-        if model.fits(budget, choice) or repair(model, budget, choice):
+        fits = model.fits(budget, choice)
+        if not fits and repairs < _FLOW_REPAIRED:
+            repairs += 1
+            fits = repair(model, budget, choice)
+        if fits:
             improve(model, budget, choice)
             objective = model.objective(choice)
             if objective < best_objective:
