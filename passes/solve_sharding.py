@@ -11,6 +11,7 @@ import numpy as np
 from hloplan.canonical import allowed_strategies, restrict, widen
 from hloplan.diagnostics import Diagnostic, HloplanError, NoPlanFits
 from hloplan.solver import axes
+from hloplan.solver.backends import MIP_NODE_LIMIT as NODE_LIMIT
 from hloplan.solver.evaluate import copy_bytes, evaluate
 from hloplan.solver.ilp import InfeasibleError, SolverError
 from hloplan.solver.liveness import Liveness
@@ -96,13 +97,26 @@ class SolveSharding:
             state.log.remark(
                 f"solve-sharding: plan within {state.stats.gap:.2%} of the optimum (stopped "
                 f"inside the {options.gap:.2%} relative gap)")
+        elif state.stats.status == "node_limit":
+            state.log.warn(
+                f"branch and bound stopped at its node limit ({NODE_LIMIT} nodes per solve) with "
+                f"a feasible plan; gap to the best bound {_gap_text(state.stats.gap)}",
+                notes=("a limit on work, not time: the same plan on any machine",))
         elif state.stats.status != "optimal":
-            gap = state.stats.gap
-            gap_text = f"{gap:.2%}" if math.isfinite(gap) else "unknown (no bound found in time)"
             state.log.warn(
                 f"solver stopped at its time limit ({options.time_limit:g} s) with a feasible plan; "
-                f"gap to the best bound {gap_text}",
-                notes=("raise --time-limit for a proven optimum",))
+                f"gap to the best bound {_gap_text(state.stats.gap)}; the plan depends on this "
+                "machine's speed", notes=("raise --time-limit for a proven optimum",))
+        if (not state.stats.extra.get("deterministic", True)
+                and state.stats.status in ("optimal", "within_gap")):
+            state.log.warn(
+                f"the time limit ({options.time_limit:g} s) cut the solver's search short: the "
+                "plan is proven within the gap, but another machine may find another one",
+                notes=("raise --time-limit for the same plan on any machine",))
+
+
+def _gap_text(gap: float) -> str:
+    return f"{gap:.2%}" if math.isfinite(gap) else "unknown (no bound found in time)"
 
 
 def _with_copies_held(problem: ShardingProblem, solution: Solution,

@@ -176,6 +176,10 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
             "nodes": len(state.problem.nodes), "edges": len(state.problem.edges),
             "memory_points": len(state.problem.live_points),
             "time_limit_s": options.time_limit,
+            # False when the time limit cut the solve short: the plan then depends on the
+            # machine's speed (every other limit of the search is a count of work).
+            "deterministic": bool(stats.extra.get("deterministic", True)),
+            "branch_and_bound_nodes": int(stats.extra.get("nodes", 0)),
             "tying": _tying(state.facts),
         },
         "ops": ops,

@@ -426,6 +426,24 @@ def test_time_limit_reports_status(backend):
     if stats.status == "time_limit":
         assert stats.gap >= 0
         assert stats.extra["raw_status"] != "Optimal Solution Found"
+        assert stats.extra["deterministic"] is False  # the clock stopped it
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_node_limit_stops_the_search_the_same_way_on_any_machine(backend):
+    # Needs tens of branch-and-bound nodes to prove optimal; with none allowed the search
+    # stops at the root, by a count of work: the status says so, and the plan is reproducible.
+    problem = random_problem(11, n=60, k=4, m=150)
+    first, stats = solve(problem, solver=backend, node_limit=0, time_limit=600)
+    assert stats.status == "node_limit"
+    assert stats.extra["deterministic"] is True
+    assert stats.gap > 1e-6 and stats.bound <= stats.objective
+    assert evaluate(problem, first).feasible
+    assert stats.objective == evaluate(problem, first).total
+    again, _ = solve(problem, solver=backend, node_limit=0, time_limit=600)
+    assert again == first
+    _, proven = solve(problem, solver=backend, time_limit=600)
+    assert proven.status == "optimal" and proven.objective <= stats.objective
 
 
 def test_no_solver_solution_falls_back_to_the_heuristic(monkeypatch):
@@ -678,3 +696,30 @@ def test_point_contents_add_up_to_each_points_bytes(seed):
         assert {h.kind for h in held} <= {"result", "made", "copy"}
     assert any(h.kind == "copy" for p in range(len(problem.live_points))
                for h in point_contents(problem, solution, p))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flow_rounding_follows_one_layout_of_the_lp(backend):
+    # Four nodes, every pair paying 1 ms when they pick the same strategy: the LP puts every
+    # node at 0.5/0.5 with all its flow on unequal pairs (0 ms). Rounding each node alone
+    # picks one strategy everywhere (6 ms); following the flows alternates (2 ms, optimal).
+    import time
+
+    from hloplan.solver import backends, heuristics
+    from hloplan.solver.model import compile_model
+
+    nodes = tuple(node(f"n{i}", ("a", 0, 0, 1), ("b", 0, 0, 1)) for i in range(4))
+    same = tuple(tuple(MS if i == j else 0.0 for j in range(2)) for i in range(2))
+    edges = tuple(Edge(a, b, same) for a, b in itertools.combinations(range(4), 2))
+    problem = ShardingProblem(nodes, edges)
+    model = compile_model(problem)
+    built = backends.build(model, [], math.inf, backend, backend == "highs")
+    status = backends.run_lazy(built, backend, math.inf, time.perf_counter() + 60, 1, mip=False)
+    assert status == pulp.LpSolutionOptimal
+    values = backends.group_values(built)
+    assert len(heuristics.fractional_groups(values)) == 4
+    assert model.objective([int(v.argmax()) for v in values]) == pytest.approx(6 * MS)
+    followed = heuristics.follow_flows(model, math.inf, built)
+    assert model.objective(followed) == pytest.approx(2 * MS)
+    _, stats = solve(problem, solver=backend)
+    assert stats.objective == pytest.approx(2 * MS) and stats.status == "optimal"

@@ -141,7 +141,8 @@ def solve(
         bound=-math.inf, started=started, variables=search.variables,
         constraints=search.constraints,
         extra={"backend": backend, "source": "axis views", "steps": search.steps,
-               "full_variables": full_problem_variables(model)})
+               "full_variables": full_problem_variables(model),
+               "deterministic": status == "decomposed"})
 
 
 class _Search:

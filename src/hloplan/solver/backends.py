@@ -43,7 +43,7 @@ import pulp
 from hloplan.solver.evaluate import MEMORY_RTOL
 from hloplan.solver.model import Model
 
-__all__ = ["INTEGRALITY_TOL", "MEMORY_SCALE", "MIP_REL_GAP", "TIME_SCALE", "Built", "Lp",
+__all__ = ["INTEGRALITY_TOL", "MEMORY_SCALE", "MIP_NODE_LIMIT", "MIP_REL_GAP", "TIME_SCALE", "Built", "Lp",
            "SolverError", "add_chain", "add_memory_rows", "available_solvers", "build",
            "classes", "fix_by_reduced_costs", "group_values", "pick_backend", "preseed_rows",
            "read_choice", "run", "run_lazy", "seed_rows", "start_values"]
@@ -51,6 +51,12 @@ __all__ = ["INTEGRALITY_TOL", "MEMORY_SCALE", "MIP_REL_GAP", "TIME_SCALE", "Buil
 TIME_SCALE = 1e6  # seconds -> microseconds inside the solver
 MEMORY_SCALE = 1.0 / 2**20  # bytes -> MiB inside the solver
 MIP_REL_GAP = 1e-6  # HiGHS defaults to 1e-4, which would let two backends disagree visibly
+# Branch and bound stops after this many nodes per solve: a limit on work, not seconds, so
+# that a search it stops returns the same plan on any machine (the time limit stays a safety
+# net, and a plan it cuts short is reported as depending on the machine's speed). The planner's
+# ILPs close their gap at the root or within tens of nodes; a node of a 150k-variable ILP takes
+# a fraction of a second on one core.
+MIP_NODE_LIMIT = 500
 INTEGRALITY_TOL = 1e-6
 # Lazy memory rows: at most this many violated points are added per round (the most violated
 # first), and points within this fraction of the budget under the relaxation's values are added
@@ -144,6 +150,12 @@ class Built:
     synced_rows: int = 0  # rows already in the backend's model
     integer: bool = False  # whether the backend's model currently has integer columns
     gap: float = MIP_REL_GAP  # the relative gap at which branch and bound stops
+    node_limit: int = MIP_NODE_LIMIT  # branch-and-bound nodes per MIP solve, at most
+    # What stopped solves short of their gap: the clock ("time_limited": the result depends
+    # on the machine's speed) or the node limit (the same result on any machine).
+    time_limited: bool = False
+    node_limited: bool = False
+    nodes: int = 0  # branch-and-bound nodes of the MIP solves so far
 
     @property
     def variables(self) -> int:
@@ -388,6 +400,7 @@ def _highs_run(built: Built, *, time_limit: float, threads: int, mip: bool,
         h.setOptionValue("time_limit", max(float(time_limit), 0.01))
         h.setOptionValue("threads", int(threads))
         h.setOptionValue("mip_rel_gap", built.gap)
+        h.setOptionValue("mip_max_nodes", int(built.node_limit))
         # HiGHS's LP presolve removes little from this formulation (a Llama3-8B step: 6% of
         # the columns) and costs more than it saves: its LP solves in half the time without.
         h.setOptionValue("presolve", "choose" if mip else "off")
@@ -400,6 +413,12 @@ def _highs_run(built: Built, *, time_limit: float, threads: int, mip: bool,
     status = h.getModelStatus()
     info = h.getInfo()
     ok = highspy.HighsModelStatus
+    if status == ok.kTimeLimit:
+        built.time_limited = True
+    if mip:
+        built.nodes += max(int(info.mip_node_count), 0)
+        # HiGHS reports its node limit as a solution limit (as it does mip_max_leaves).
+        built.node_limited |= status == ok.kSolutionLimit
     has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
     built.values = np.array(h.getSolution().col_value) if has_solution else None
     built.objective = info.objective_function_value if has_solution else None
@@ -462,11 +481,19 @@ def _cbc_run(built: Built, *, time_limit: float, threads: int, mip: bool,
         for var, value in zip(variables, start):
             var.setInitialValue(float(value))
     path = None if pulp.COIN_CMD(msg=False).available() else _cbc_path()
-    solver = pulp.COIN_CMD(mip=mip, msg=False, timeLimit=max(float(time_limit), 0.01),
-                           threads=threads, gapRel=built.gap,
-                           warmStart=bool(start is not None and mip), path=path)
+    limit = max(float(time_limit), 0.01)
+    solver = pulp.COIN_CMD(mip=mip, msg=False, timeLimit=limit, threads=threads,
+                           gapRel=built.gap, warmStart=bool(start is not None and mip), path=path,
+                           maxNodes=int(built.node_limit) if mip else None)
+    started = time.perf_counter()
     with _native_stdout_silenced():
         prob.solve(solver)
+    # PuLP reports neither limit: a solve that ran its whole time is taken as stopped by it,
+    # one that stopped earlier without proving optimality as stopped by the node limit.
+    if time.perf_counter() - started >= limit:
+        built.time_limited = True
+    elif mip and prob.sol_status == pulp.LpSolutionIntegerFeasible:
+        built.node_limited = True
     if prob.status == pulp.LpStatusInfeasible:
         built.values = None
         return pulp.LpSolutionInfeasible

@@ -31,6 +31,7 @@ from hloplan.solver import backends, heuristics
 from hloplan.solver.backends import (
     INTEGRALITY_TOL,
     MEMORY_SCALE,
+    MIP_NODE_LIMIT,
     MIP_REL_GAP,
     TIME_SCALE,
     Built,
@@ -40,6 +41,7 @@ from hloplan.solver.backends import (
 from hloplan.solver.evaluate import MEMORY_RTOL, evaluate, memory_fits
 from hloplan.solver.model import Model, ModelInfeasible, compile_model
 from hloplan.solver.problem import ShardingProblem, Solution, SolveStats
+from hloplan.solver.reduce import eliminate
 from hloplan.units import format_bytes
 
 __all__ = [
@@ -235,16 +237,20 @@ def solve(
     threads: int = 1,
     memory_rows: str = "auto",
     gap: float = MIP_REL_GAP,
+    node_limit: int = MIP_NODE_LIMIT,
 ) -> tuple[Solution, SolveStats]:
     """Find the cheapest strategy per node that fits the memory budget.
 
     `solver` is "auto" (HiGHS when highspy is importable, else CBC), "highs" or "cbc". With the
-    default single thread the result is deterministic. Status is "optimal", "within_gap" (the
-    plan is proven within the relative `gap` of the optimum, but not to 1e-6), or "time_limit"
-    when the limit stopped the search with a feasible but unproven solution (the best one found
-    is returned). `SolveStats.gap` is always the gap to the best bound known. Raises
-    InfeasibleError when no choice fits the budget, SolverError when the solver found nothing
-    usable in time.
+    default single thread the result is deterministic unless the time limit cuts the solve
+    short. Status is "optimal", "within_gap" (the plan is proven within the relative `gap` of
+    the optimum, but not to 1e-6), "node_limit" when branch and bound stopped at `node_limit`
+    nodes with a feasible but unproven solution (a limit on work: the same plan on any
+    machine), or "time_limit" when the clock stopped the search (the best solution found is
+    returned; it depends on the machine's speed). `SolveStats.extra["deterministic"]` is False
+    whenever the time limit cut some part of the solve. `SolveStats.gap` is always the gap to
+    the best bound known. Raises InfeasibleError when no choice fits the budget, SolverError
+    when the solver found nothing usable in time.
 
     `memory_rows` is "lazy" (rows added as solutions violate them), "chain" (every binding
     point, through load variables) or "auto" (lazy for HiGHS, chain for CBC); both are exact.
@@ -254,7 +260,8 @@ def solve(
     problem.validate()
     _backend(solver, memory_rows)  # bad options fail before compiling
     return solve_compiled(problem, compile_model(problem), time_limit=time_limit, solver=solver,
-                          threads=threads, memory_rows=memory_rows, gap=gap, started=started)
+                          threads=threads, memory_rows=memory_rows, gap=gap, started=started,
+                          node_limit=node_limit)
 
 
 def solve_compiled(
@@ -267,6 +274,7 @@ def solve_compiled(
     memory_rows: str = "auto",
     gap: float = MIP_REL_GAP,
     started: float | None = None,
+    node_limit: int = MIP_NODE_LIMIT,
 ) -> tuple[Solution, SolveStats]:
     """`solve` for a validated problem and its compiled model (`compile_model(problem)`);
     `started`: when the solve began (its seconds are counted from there; default: now)."""
@@ -280,7 +288,8 @@ def solve_compiled(
     if not model.groups or (not model.pairs and not binding and not model.launches):
         return _solve_directly(problem, model, started)
     lazy = memory_rows == "lazy" or (memory_rows == "auto" and backend == "highs")
-    return _solve_ilp(problem, model, backend, time_limit, threads, started, lazy, gap)
+    return _solve_ilp(problem, model, backend, time_limit, threads, started, lazy, gap,
+                      node_limit)
 
 
 def _backend(solver: str, memory_rows: str) -> str:
@@ -341,7 +350,7 @@ class Outcome:
     """What solving a compiled model gave: a choice per group and how good it is known to be."""
 
     choice: list[int]
-    status: str  # "optimal" or "time_limit"
+    status: str  # "optimal", "within_gap", "node_limit", "time_limit" or "lp_rounded"
     bound: float  # seconds, a lower bound on the optimum (-inf: none)
     variables: int
     constraints: int
@@ -359,21 +368,37 @@ def solve_model(
     branch: bool = True,
     gap: float = MIP_REL_GAP,
     search: bool = True,
+    reduce: bool = True,
+    node_limit: int = MIP_NODE_LIMIT,
 ) -> Outcome:
     """Solve a compiled model. `start`: a choice known to fit, used as the incumbent when the
     solver's own start is worse. `branch=False` stops after the LP relaxation: its choice when
-    integral, else the better of the repaired rounding and `start` (status "time_limit").
+    integral, else the better of the repaired rounding and `start` (status "lp_rounded").
+    `node_limit`: branch-and-bound nodes per MIP solve (status "node_limit" when it stops
+    the search unproven; "time_limit" when the clock did, `extra["time_limited"]`).
     `gap`: stop once the incumbent is proven within this relative gap of the optimum (status
     "optimal" when that gap is at most MIP_REL_GAP, else "within_gap"; the gap is reported).
     `search`: improve a fractional LP's rounding by neighbourhood search before branching.
+    `reduce`: first eliminate the groups only pairwise costs tie to the rest (exact;
+    `reduce.eliminate`).
     Raises ModelInfeasible, or SolverError when nothing usable was found in time."""
     binding = model.binding_points(budget)
     if not model.groups or (not model.pairs and not binding and not model.launches):
         choice = [int(np.argmin(costs)) for costs in model.linear]
         return Outcome(choice, "optimal", model.objective(choice), 0, 0,
                        {"backend": None, "source": "direct"})
+    if reduce:
+        reduction = eliminate(model, budget)
+        if reduction.eliminated:
+            outcome = solve_model(reduction.model, budget, backend, deadline, threads, lazy,
+                                  reduction.restrict(start), branch, gap, search, reduce=False,
+                                  node_limit=node_limit)
+            outcome.choice = reduction.expand(outcome.choice)
+            outcome.extra["eliminated_groups"] = reduction.eliminated
+            return outcome
     built = backends.build(model, binding, budget, backend, lazy)
     built.gap = max(float(gap), MIP_REL_GAP)
+    built.node_limit = int(node_limit)
     kind = "lazy" if lazy else "chain"
     backends.seed_rows(built, budget, binding)
     # The LP relaxation of this formulation is usually integral (as reported for Alpa-style
@@ -398,11 +423,12 @@ def solve_model(
     if not branch:
         if heuristic is None:
             raise SolverError("no rounding of the LP relaxation fits")
-        return Outcome(heuristic, "time_limit",
+        return Outcome(heuristic, "lp_rounded",
                         lp_bound / TIME_SCALE + model.constant if lp_bound is not None
                         else -math.inf, built.variables, built.constraints,
                         {"backend": backend, "source": "rounded LP", "memory_rows": kind,
-                         "lazy_rows": len(built.memory_rows)})
+                         "lazy_rows": len(built.memory_rows),
+                         "time_limited": built.time_limited})
     extra: dict = {
         "backend": backend,
         "heuristic_objective": model.objective(heuristic) if heuristic is not None else None,
@@ -410,6 +436,12 @@ def solve_model(
         "relative_gap_limit": built.gap,
     }
     source = "heuristic"
+    if search and relaxed is not None:
+        followed = heuristics.follow_flows(model, budget, built)
+        if followed is not None and (heuristic is None
+                                     or model.objective(followed) < model.objective(heuristic)):
+            extra["flow_objective"] = model.objective(followed)
+            heuristic, source = followed, "flow rounding"
     # The LP optimum bounds every plan: stop as soon as the incumbent is close enough to it.
     lp_seconds = lp_bound / TIME_SCALE + model.constant if lp_bound is not None else None
 
@@ -432,7 +464,7 @@ def solve_model(
             and not within_gap(heuristic)):
         def solve_sub(sub: Model, sub_start: list[int]) -> list[int]:
             return solve_model(sub, budget, backend, deadline, threads, lazy, sub_start,
-                               search=False).choice
+                               search=False, node_limit=node_limit).choice
 
         found, rounds = heuristics.search_neighbourhoods(model, budget, relaxed, heuristic,
                                                          deadline, solve_sub)
@@ -459,6 +491,8 @@ def solve_model(
         "source": "solver",
         "lazy_rows": len(built.memory_rows),
         "fixed_by_reduced_cost": fixed,
+        "nodes": built.nodes,
+        "node_limit": built.node_limit,
     })
     choice = _solver_choice(model, built, status, budget)
     bound = None
@@ -483,8 +517,12 @@ def solve_model(
                         mip=False) == pulp.LpSolutionOptimal:
             bound = built.objective
     bound = bound / TIME_SCALE + model.constant if bound is not None else -math.inf
+    extra["time_limited"] = built.time_limited
     if not proven:
-        status_text = "time_limit"
+        # Stopped by the node limit alone: the same plan on any machine. Anything else (the
+        # clock, or a solver that gave up) may not be.
+        status_text = ("node_limit" if built.node_limited and not built.time_limited
+                       else "time_limit")
     elif built.gap <= MIP_REL_GAP:
         status_text = "optimal"  # proven by the backend to its strictest gap
     else:
@@ -506,20 +544,30 @@ def _solve_ilp(
     started: float,
     lazy: bool,
     gap: float = MIP_REL_GAP,
+    node_limit: int = MIP_NODE_LIMIT,
 ) -> tuple[Solution, SolveStats]:
+    deadline = started + time_limit
     try:
-        outcome = solve_model(model, problem.memory_budget, backend, started + time_limit,
-                               threads, lazy, gap=gap)
+        outcome = solve_model(model, problem.memory_budget, backend, deadline, threads, lazy,
+                              gap=gap, node_limit=node_limit)
     except ModelInfeasible:
         raise infeasible_error(problem, model, backend, time_limit, threads) from None
     except SolverError as exc:
         raise SolverError(f"{backend} found no solution within {time_limit:g} s "
                           f"({exc}); raise the time limit") from None
+    # Every limit the search itself sets is a count (rounds, windows, nodes): only the clock
+    # can make the plan depend on the machine. It cut the solve when a backend stopped at it,
+    # or when the solve ran past the deadline (a heuristic then skips its remaining rounds).
+    clocked = bool(outcome.extra.pop("time_limited", False)) or time.perf_counter() >= deadline
+    outcome.extra["deterministic"] = not clocked
+    status = outcome.status
+    if clocked and status == "node_limit":
+        status = "time_limit"
     return solve_stats(
         problem,
         model.to_choice(outcome.choice),
         solver=backend,
-        status=outcome.status,
+        status=status,
         bound=outcome.bound,
         started=started,
         variables=outcome.variables,

@@ -159,6 +159,19 @@ class Memory:
         """Bytes at every point under one strategy index per group (exact for whole bytes)."""
         return self._accumulate([v[:, i] for v, i in zip(self.vectors, choice, strict=True)])
 
+    def subset(self, kept: Sequence[int]) -> Memory:
+        """This memory over the groups `kept` only (index r: group kept[r]); the others' bytes
+        are left out, which is exact at the points where they are the same under every
+        strategy (`reduce.eliminate` drops only such groups from the binding points)."""
+        out = object.__new__(Memory)
+        out.count = self.count
+        out.sizes = [self.sizes[g] for g in kept]
+        out.constant = self.constant
+        out.at = [self.at[g] for g in kept]
+        out.vectors = [self.vectors[g] for g in kept]
+        out._extremes()
+        return out
+
     def _latest(self, g: int, points: np.ndarray) -> np.ndarray:
         """Per point, the index of group g's latest event at or before it (-1: none)."""
         return np.searchsorted(self.at[g], points, side="right") - 1
@@ -327,7 +340,7 @@ def _group_nodes(problem: ShardingProblem) -> tuple[list[Group], list[int]]:
     return groups, group_of
 
 
-def _separable(matrix: np.ndarray) -> bool:
+def separable(matrix: np.ndarray) -> bool:
     """Whether matrix[i][j] == row[i] + col[j] for some vectors (then it is two linear terms)."""
     scale = float(np.abs(matrix).max()) if matrix.size else 0.0
     tol = _SEPARABLE_TOL * max(scale, 1e-300)
@@ -365,7 +378,7 @@ def _add_edges(problem: ShardingProblem, model: Model) -> None:
 def _fold_separable(model: Model) -> None:
     """Pairs whose matrix is separable become linear terms."""
     for (a, b), matrix in list(model.pairs.items()):
-        if _separable(matrix):  # includes the all-zero matrix
+        if separable(matrix):  # includes the all-zero matrix
             model.linear[a] += matrix[:, 0] - matrix[0, 0]
             model.linear[b] += matrix[0]
             del model.pairs[(a, b)]
