@@ -369,8 +369,11 @@ class CommModel:
                     or any(a not in src_dim for a in arriving)):
                 continue
             s = src_dim[arriving[0]]
+            # One axis arriving (CPU compiler, two and three mesh axes); two arriving
+            # ([-, (x, y), z] -> [-, -, (x, y)], gpt's embedding gradient on 16x8x8) move by an
+            # all-to-all, as the general rule below prices.
             if (s != t and list(src_s[s]) == arriving and leaving[s] == arriving
-                    and max(arriving) < min(src_s[t])):
+                    and max(arriving) < min(src_s[t]) and len(arriving) == 1):
                 swapped.append((sorted([*arriving, *src_s[t]]), s, t, arriving))
                 leaving[s] = []
 

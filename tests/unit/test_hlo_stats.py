@@ -1239,3 +1239,30 @@ def test_kernel_roofline_of_a_collective_matmul_chunk() -> None:
     read = 2048 * 4096 * bf16 // 8 + 2048 * 896 * bf16 + 2 * 4
     assert kernel.bytes == read + 2 * 256 * 896 * f32
     assert kernel.flops == 2 * (2 * 256 * 896) * 2048
+
+
+@pytest.mark.parametrize(("src", "dst"), [((None, "a", ("b", "c")), (None, None, "a")),
+                                        ((None, ("a", "b"), "c"), (None, None, ("a", "b")))])
+def test_reshard_moving_axes_into_a_dim_three_axes_leave(mesh, src, dst) -> None:
+    """Axes moving into a dim whose axes are gathered, on three mesh axes: one axis arriving is
+    permuted there, then the others are gathered (as with two axes above); two arriving
+    (gpt's embedding gradient on 16x8x8) are moved by an all-to-all. CommModel.reshard lists
+    the kinds XLA's CPU compiler makes."""
+    from hloplan.cost_models import CommModel, load_device_model
+    from hloplan.mesh import parse_mesh
+
+    cube = jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    shape = (16, 32, 64)
+    compiled = jax.jit(lambda x: jax.lax.with_sharding_constraint(
+        x, NamedSharding(cube, P(*dst))) + 1).lower(_put(cube, shape, *src)).compile()
+    realised = {op.kind for op in collective_stats(compiled.as_text()).ops}
+    comm = CommModel(load_device_model("h100"), parse_mesh("a=2,b=2,c=2"))
+    names = {"a": 0, "b": 1, "c": 2}
+
+    def axes(spec):
+        return tuple(() if s is None else tuple(names[a] for a in ((s,) if isinstance(s, str)
+                                                                   else s)) for s in spec)
+
+    predicted = {kind for kind, _, _ in comm.reshard(shape, 4, axes(src), axes(dst)).collectives}
+    assert predicted == realised
+    assert ("collective-permute" in realised) == isinstance(dst[2], str)
