@@ -173,10 +173,10 @@ def run_case(case: str) -> dict:
         memory.update(_reserved(memory, Path(dump)))
     # the plan's predicted collectives beside libtpu's, per kind and mesh axes
     *_, mesh_axes, comm = topology_mesh(f"{kind}:{shape_text}")
-    collectives = {"predicted": predicted_collectives(result.plan["estimate"])["collectives"],
+    listed = predicted_collectives(result.plan["estimate"])
+    collectives = {"predicted": listed["collectives"],
                    "compiled": formula(compiled, mesh_axes, comm)["collectives"]}
-    collectives.update(collective_ratios(
-        predicted_collectives(result.plan["estimate"]), collectives["compiled"]))
+    collectives.update(collective_ratios(listed, collectives["compiled"]))
     predicted = result.plan["estimate"]["peak_memory_bytes"]
     without = plain.plan["estimate"]["peak_memory_bytes"]
     return {

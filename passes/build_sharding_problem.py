@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, replace
 
@@ -221,7 +222,6 @@ class _ProblemBuilder:
         # (tpu_buffers.recomputed_sources): value id -> that source.
         self.recomputed = (recomputed_sources(graph, self.unmaterialized, free_values(graph))
                            if device.fused_reductions else {})
-        self.last_use_cache: dict[int, int] | None = None
         # Ops whose results are written in a narrower dtype than their type (f32 values read
         # only by matmuls, which run on the narrower type): op index -> bytes kept per byte.
         self.narrowed = (matmul_narrowed(graph, self.folded, device.matmul_operands)
@@ -785,7 +785,7 @@ class _ProblemBuilder:
         source is held in the layout the reshard starts from (the chain is elementwise, so
         the source is laid out as the value)."""
         source = self.recomputed.get(value_id)
-        if source is None or self._last_uses()[source] >= consumer.index:
+        if source is None or self.last_uses[source] >= consumer.index:
             return relayout
         type_ = self.graph.type_of(source)
         src_specs, dst_specs = self.specs_of[src_id], self.specs_of[dst_id]
@@ -988,10 +988,9 @@ class _ProblemBuilder:
 
     # -- memory -------------------------------------------------------------------------------
 
-    def _last_uses(self) -> dict[int, int]:
+    @functools.cached_property
+    def last_uses(self) -> dict[int, int]:
         """Value id -> the last program point where it is live."""
-        if self.last_use_cache is not None:
-            return self.last_use_cache
         graph = self.graph
         end = len(graph.ops)
         last_use = {}
@@ -1025,13 +1024,12 @@ class _ProblemBuilder:
             if until is not None:
                 for value_id in op.operands:
                     last_use[value_id] = max(last_use[value_id], until)
-        self.last_use_cache = last_use
         return last_use
 
     def _lifetimes(self) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
         """Values born (first live) and dying (last live) at each program point."""
         graph = self.graph
-        last_use = self._last_uses()
+        last_use = self.last_uses
         arguments = set(graph.arguments)
         births: dict[int, list[int]] = {}
         for value in graph.values:

@@ -128,7 +128,7 @@ def _with_copies_held(problem: ShardingProblem, solution: Solution,
     decision) and live over the copy's span. The added nodes come after the problem's own."""
     liveness = Liveness(problem)
     firsts = liveness.made
-    spans = {e: (start, end) for e, start, end in liveness.spans}
+    spans = liveness.span_of
     for e in spans:
         edge = problem.edges[e]
         i = solution.choice[edge.src]

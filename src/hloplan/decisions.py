@@ -27,6 +27,7 @@ from hloplan.solver.evaluate import (
     evaluate,
     loop_copy_edges,
     reused_loop_copies,
+    reused_loop_copy_changes,
 )
 from hloplan.solver.liveness import Liveness
 from hloplan.solver.problem import ShardingProblem, Solution
@@ -108,7 +109,7 @@ class DecisionIndex:
         self.memory = np.asarray(self.evaluation.memory, dtype=float)
         liveness = Liveness(problem)
         self.first_live = liveness.made  # where each node holds its transient bytes
-        self.copy_span = {e: (start, end) for e, start, end in liveness.spans}
+        self.copy_span = liveness.span_of
         self.accumulator_span = {n: (start, end) for n, start, end in liveness.accumulators}
         self.loop_copies = loop_copy_edges(problem)  # loops that may read a resharded operand
         budget = problem.memory_budget
@@ -226,19 +227,14 @@ class DecisionIndex:
         if not edges:
             return {}
         choice = self.choice
-
-        def reused(k: int | None) -> dict[int, float]:
-            pick = choice.__getitem__ if k is None else (
-                lambda n: k if n in members else choice[n])
-            return reused_loop_copies(self.problem, pick, self.first_live, self.copy_span,
-                                      edges)
-
-        base = reused(None)
+        base = reused_loop_copies(self.problem, choice.__getitem__, self.first_live,
+                                  self.copy_span, edges)
         deltas: dict[int, np.ndarray] = {}
         for k in range(count):
-            moved = reused(k)
-            for n in base.keys() | moved.keys():
-                change = base.get(n, 0.0) - moved.get(n, 0.0)  # less reused: more held
+            changes = reused_loop_copy_changes(
+                self.problem, base, lambda n, k=k: k if n in members else choice[n],
+                self.first_live, self.copy_span, edges)
+            for n, change in changes.items():
                 if change:
                     p = self.first_live[n]
                     row = deltas.setdefault(p, np.zeros(count))

@@ -184,10 +184,7 @@ def _scatter_variants(results: list[Spec], reduced: tuple[int, ...],
     if out:
         return out
     for dim, (size, axes) in enumerate(zip(type_.shape, spec)):
-        shards = split
-        for axis in axes:
-            shards *= mesh.axis_sizes[axis]
-        if axes and size % shards == 0:
+        if axes and size % (split * shards((axes,), mesh)) == 0:
             out.append((tuple(a + tuple(reduced) if d == dim else a
                               for d, a in enumerate(spec)),))
     return out
@@ -255,10 +252,7 @@ def restream_passes(rule: OpRule, k: int, factor_axes, mesh: MeshSpec,
     for dims in rule.operands[1 - k]:
         for f in dims:
             if f not in own:
-                shards = 1
-                for axis in factor_axes[f]:
-                    shards *= mesh.axis_sizes[axis]
-                size *= rule.factors[f].size / shards
+                size *= rule.factors[f].size / shards((factor_axes[f],), mesh)
     return row_tiles(size, max_tile)
 
 
@@ -416,7 +410,7 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
             if serial is not None and serial[k]:
                 serial_bytes += local[k]
             else:
-                moved += local_bytes(t, s, mesh)
+                moved += local[k]
     if rule.indexed and comm.model.platform == "tpu":
         # XLA's TPU gather reads the rows it gathers; its scatter updates its operand in place
         # (reads the updates, reads and writes the rows they hit), not the whole table.

@@ -135,6 +135,16 @@ def reused_loop_copies(problem: ShardingProblem, pick, made: dict[int, int],
     return out
 
 
+def reused_loop_copy_changes(problem: ShardingProblem, base: dict[int, float], moved,
+                             made: dict[int, int], spans: dict[int, tuple[int, int]],
+                             edges: list[tuple[int, frozenset[int]]]) -> dict[int, float]:
+    """Per loop node, how many more transient bytes it holds under strategies `moved(node)`
+    than where it reuses `base` (reused_loop_copies over `edges` of the current strategies):
+    loop copies it reads resharded under one and not the other."""
+    after = reused_loop_copies(problem, moved, made, spans, edges)
+    return {n: base.get(n, 0.0) - after.get(n, 0.0) for n in base.keys() | after.keys()}
+
+
 def live_point_bytes(problem: ShardingProblem, solution: Solution, copies: bool = True
                      ) -> tuple[float, ...]:
     """Bytes at each live point: its fixed bytes plus what the liveness rules (liveness.py)
@@ -150,9 +160,8 @@ def live_point_bytes(problem: ShardingProblem, solution: Solution, copies: bool 
     accumulators = [s.accumulators for s in picked]
     liveness = Liveness(problem, copies)
     if copies:  # a loop reading a resharded operand holds no copy of its own
-        spans = {e: (start, end) for e, start, end in liveness.spans}
         for n, reused in reused_loop_copies(problem, solution.choice.__getitem__,
-                                            liveness.made, spans).items():
+                                            liveness.made, liveness.span_of).items():
             transient[n] -= reused
     copied = {}
     for e, _, _ in liveness.spans:
@@ -222,8 +231,8 @@ def point_contents(problem: ShardingProblem, solution: Solution, point: int) -> 
     picked = [node.strategies[pick] for node, pick in zip(problem.nodes, solution.choice)]
     held = [Held("result", n, picked[n].memory) for n in problem.nodes_at(point)]
     liveness = Liveness(problem)
-    spans = {e: (start, end) for e, start, end in liveness.spans}
-    reused = reused_loop_copies(problem, solution.choice.__getitem__, liveness.made, spans)
+    reused = reused_loop_copies(problem, solution.choice.__getitem__, liveness.made,
+                                liveness.span_of)
     held += [Held("made", n, picked[n].transient - reused.get(n, 0.0))
              for n, made in liveness.made.items() if made == point and picked[n].transient]
     held += [Held("accumulators", n, picked[n].accumulators)

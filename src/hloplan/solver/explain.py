@@ -17,6 +17,7 @@ from hloplan.solver.evaluate import (
     loop_copy_edges,
     memory_fits,
     reused_loop_copies,
+    reused_loop_copy_changes,
 )
 from hloplan.solver.liveness import Liveness
 from hloplan.solver.problem import ShardingProblem, Solution, Strategy
@@ -154,9 +155,8 @@ def _reuse_changes(problem: ShardingProblem, choice: tuple[int, ...], node: int,
     if not edges:
         return {}
     base = reused_loop_copies(problem, choice.__getitem__, made, spans, edges)
-    moved = reused_loop_copies(problem, lambda n: k if n == node else choice[n], made, spans,
-                               edges)
-    return {n: base.get(n, 0.0) - moved.get(n, 0.0) for n in base.keys() | moved.keys()}
+    return reused_loop_copy_changes(problem, base, lambda n: k if n == node else choice[n],
+                                    made, spans, edges)
 
 
 def compare(problem: ShardingProblem, chosen: Solution, alternative: Solution) -> list[Reason]:
@@ -170,7 +170,7 @@ def compare(problem: ShardingProblem, chosen: Solution, alternative: Solution) -
     launches = _launch_deltas(problem, chosen, alternative)
     liveness = Liveness(problem)
     firsts = liveness.made
-    spans = {e: (start, end) for e, start, end in liveness.spans}
+    spans = liveness.span_of
     accumulating = {n: (start, end) for n, start, end in liveness.accumulators}
     loop_copies = loop_copy_edges(problem)
     edges_of: dict[int, list[int]] = {}

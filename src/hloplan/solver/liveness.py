@@ -115,6 +115,7 @@ class Liveness:
         self.problem = problem
         self.made = first_live_points(problem)
         self.spans = copy_spans(problem, self.made) if copies else []
+        self.span_of = {e: (start, end) for e, start, end in self.spans}  # edge -> its span
         self.accumulators = accumulator_spans(problem, self.made)
 
     def sweep(self) -> Iterator[PointEvents]:

@@ -85,7 +85,7 @@ class Edge:
     # loop_copy[j]: bytes of dst's strategy j's transient that are a collective-matmul loop's
     # copy of this edge's value in j's layout (strategies.collective_matmul_copy_bytes). Where
     # the value reaches dst as a resharded copy held at dst's made point, the loop reads that
-    # copy and makes none of its own (liveness.reused_loop_copies). Empty: none.
+    # copy and makes none of its own (evaluate.reused_loop_copies). Empty: none.
     loop_copy: tuple[float, ...] = ()
     # The edge whose copy dst reads where this one reshards nothing: a read that shares the
     # previous matmul's reshard of the value (src is that matmul). None: no such edge.
