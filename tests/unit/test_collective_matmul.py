@@ -119,25 +119,33 @@ def test_collective_matmul_field():
         _load_text(MODEL + 'collective-matmul = "yes"\n', "bad.toml")
 
 
-def test_plan_lists_the_loop_collective_permutes(tmp_path):
-    """plan.json's predicted collectives (what `hloplan verify` sets beside the compiled ones)
-    list a windowed weight gradient as its loop's collective-permutes, counted per execution as
-    hlo_stats counts them, and no reduce-scatter."""
+# A weight gradient that libtpu loops over 8 devices (8,192 tokens per device, [512, 2048]).
+LOOP_DEVICES, LOOP_TOKENS, LOOP_D, LOOP_F = 8, 8 * 8192, 512, 2048
+
+
+def _planned_weight_gradient():
+    """hloplan's plan (compiler result) of that weight gradient for tpu-v5e on 8 devices."""
     import jax
     import jax.numpy as jnp
 
     from hloplan.compiler import compile_bytes, make_options
 
-    n, tokens, d, f = 8, 8 * 8192, 512, 2048
-
     def grad(x, g):
         return jnp.einsum("td,tf->df", x, g)
 
-    args = [jax.ShapeDtypeStruct((tokens, d), jnp.float32),
-            jax.ShapeDtypeStruct((tokens, f), jnp.float32)]
+    args = [jax.ShapeDtypeStruct((LOOP_TOKENS, LOOP_D), jnp.float32),
+            jax.ShapeDtypeStruct((LOOP_TOKENS, LOOP_F), jnp.float32)]
     exported = jax.export.export(jax.jit(grad), platforms=("tpu",))(*args)
-    result = compile_bytes(bytes(exported.serialize()), "grad.jaxexport",
-                           make_options(str(n), device="tpu-v5e", mesh_views="off"))
+    return compile_bytes(bytes(exported.serialize()), "grad.jaxexport",
+                         make_options(str(LOOP_DEVICES), device="tpu-v5e", mesh_views="off"))
+
+
+def test_plan_lists_the_loop_collective_permutes(tmp_path):
+    """plan.json's predicted collectives (what `hloplan verify` sets beside the compiled ones)
+    list a windowed weight gradient as its loop's collective-permutes, counted per execution as
+    hlo_stats counts them, and no reduce-scatter."""
+    result = _planned_weight_gradient()
+    n, d, f = LOOP_DEVICES, LOOP_D, LOOP_F
     listed = {c["kind"]: c for c in result.plan["estimate"]["collectives"]}
     assert "reduce-scatter" not in listed
     permutes = listed["collective-permute"]
@@ -224,26 +232,11 @@ def test_a_loop_reads_its_operand_resharded_without_a_copy_of_its_own(choice, at
         2.0 if choice[2] else 0.0)
 
 
-
 def test_the_reads_of_a_looped_matmul_carry_its_operand_copy():
     """build_sharding_problem puts each looped strategy's operand copy (its transient) on the
     edge reading that operand (Edge.loop_copy), so that the evaluator can drop it where the
     operand arrives resharded; strategies that do not loop copy nothing."""
-    import jax
-    import jax.numpy as jnp
-
-    from hloplan.compiler import compile_bytes, make_options
-
-    n, tokens, d, f = 8, 8 * 8192, 512, 2048
-
-    def grad(x, g):
-        return jnp.einsum("td,tf->df", x, g)
-
-    args = [jax.ShapeDtypeStruct((tokens, d), jnp.float32),
-            jax.ShapeDtypeStruct((tokens, f), jnp.float32)]
-    exported = jax.export.export(jax.jit(grad), platforms=("tpu",))(*args)
-    result = compile_bytes(bytes(exported.serialize()), "grad.jaxexport",
-                           make_options(str(n), device="tpu-v5e", mesh_views="off"))
+    result = _planned_weight_gradient()
     problem = result.state.problem
     loops = [i for i, node in enumerate(problem.nodes)
              if any(s.accumulators for s in node.strategies)]

@@ -6,12 +6,12 @@ unreduced model and against enumeration.
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 
 import numpy as np
 import pytest
+from test_solver import brute_force
 
 from hloplan.solver.evaluate import evaluate
 from hloplan.solver.ilp import available_solvers, solve
@@ -21,7 +21,6 @@ from hloplan.solver.problem import (
     LivePoint,
     Node,
     ShardingProblem,
-    Solution,
     Strategy,
 )
 from hloplan.solver.reduce import eliminate
@@ -46,15 +45,6 @@ def sparse_problem(seed: int, n: int = 9, k: int = 3, extra_edges: int = 3,
                                    for _ in range(counts[a]))) for a, b in pairs)
     points = (LivePoint(tuple(range(n)), 0.0, "all"),)
     return ShardingProblem(nodes, edges, points, budget, f"sparse{seed}")
-
-
-def brute_force(problem: ShardingProblem) -> float:
-    best = math.inf
-    for choice in itertools.product(*(range(len(n.strategies)) for n in problem.nodes)):
-        evaluation = evaluate(problem, Solution(choice))
-        if evaluation.feasible:
-            best = min(best, evaluation.total)
-    return best
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -83,7 +73,7 @@ def test_reduced_solve_finds_the_optimum(backend, seed):
     problem = sparse_problem(seed, n=8, k=3, extra_edges=4)
     _, stats = solve(problem, solver=backend)
     assert stats.status == "optimal"
-    assert stats.objective == pytest.approx(brute_force(problem), rel=1e-9)
+    assert stats.objective == pytest.approx(brute_force(problem)[0], rel=1e-9)
 
 
 def test_groups_a_memory_row_sees_are_kept():
@@ -100,7 +90,7 @@ def test_groups_a_memory_row_sees_are_kept():
     assert eliminate(tight_model, tight.memory_budget).eliminated == 0
     solution, stats = solve(tight)
     assert evaluate(tight, solution).feasible
-    assert stats.objective == pytest.approx(brute_force(tight), rel=1e-9)
+    assert stats.objective == pytest.approx(brute_force(tight)[0], rel=1e-9)
 
 
 def test_elimination_is_recorded_and_deterministic():

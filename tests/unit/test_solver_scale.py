@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export
+from test_solver import brute_force
 
 from hloplan import ir
 from hloplan.compiler import make_options
@@ -248,20 +249,11 @@ def _ranged_problem(seed: int, n: int = 8, k: int = 3, tight: float = 0.3) -> Sh
     return dataclasses.replace(loose, memory_budget=low + tight * (high - low))
 
 
-def _brute_force(problem: ShardingProblem) -> float:
-    best = math.inf
-    for choice in itertools.product(*(range(len(n.strategies)) for n in problem.nodes)):
-        evaluation = evaluate(problem, Solution(choice))
-        if evaluation.feasible:
-            best = min(best, evaluation.total)
-    return best
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 @pytest.mark.parametrize("rows", ["lazy", "chain"])
 def test_lazy_and_chained_memory_rows_find_the_optimum(seed, rows):
     problem = _ranged_problem(seed)
-    expected = _brute_force(problem)
+    expected = brute_force(problem)[0]
     for backend in BACKENDS:
         solution, stats = solve(problem, solver=backend, memory_rows=rows)
         assert evaluate(problem, solution).feasible
@@ -328,7 +320,7 @@ def test_relative_gap_is_honest(seed, tight):
     # With gap=5% the solver may stop early, but the plan is within the reported gap of the
     # reported bound, the bound is below the true optimum, and "optimal" means gap <= 1e-6.
     problem = _ranged_problem(seed, tight=tight)
-    expected = _brute_force(problem)
+    expected = brute_force(problem)[0]
     solution, stats = solve(problem, gap=0.05)
     assert evaluate(problem, solution).feasible
     assert stats.objective == evaluate(problem, solution).total
