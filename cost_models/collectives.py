@@ -266,6 +266,65 @@ class CommModel:
         """All-to-all of a buffer of `nbytes_local` on each device."""
         return self.collective(ALL_TO_ALL, nbytes_local, axes)
 
+    def collective_permute(self, nbytes: float, axes: int | str | Iterable[int | str]) -> float:
+        """A collective-permute sending `nbytes` from each device to another of the group over
+        `axes` (one hop)."""
+        group = self.group(axes)
+        if group.size == 1 or nbytes <= 0:
+            return 0.0
+        return nbytes / group.bandwidth + group.latency + self.model.collective_overhead
+
+    def tiled_scatter(self, shard: Sequence[int], itemsize: int, dim: int, n: int,
+                      row_major: bool = False) -> tuple[float, float]:
+        """The bytes a reduce-scatter of partial sums moves, scattered n ways onto dim `dim`
+        into a `shard` on each device: (the partial sums its all-reduce takes, the bytes of
+        the collective-permute after it). n x the shard and 0 unless the device model's
+        `scatter_tiles` (rows, lanes) says the compiler scatters tiles (libtpu 0.0.42: an
+        all-reduce of the tiled partial sums and a slice of each device's tiles, fused into
+        its all-reduce-scatter kernel), where it depends on the partial sums' layout
+        (tpu_buffers.minor_dims: a rank-2 matmul's in the order that pads least, others and
+        `row_major` ones, a scatter's or a gather's, in the program's order):
+          - `dim` minor: its own bytes (an all-reduce and a slice: [1026, 192] over 2, 1,026
+            rows minor);
+          - `dim` second-minor, the shard not whole row tiles: each shard is padded to P =
+            whole tiles (S = 513 rows: P = 520), the all-reduce takes n x P rows and device k
+            sends the next one the rows it holds of the next shard, (k + 1)(P - S) of them: a
+            collective-permute of the largest, (n - 1)(P - S) rows; only while the padding is
+            under the shard and that fits one padded shard (P < 2S, (n - 1)(P - S) <= P;
+            elsewhere libtpu all-reduces and slices: 6 rows or 40 over 4);
+          - `dim` major to both: the buffer's tiles (the second-minor dim padded to whole
+            rows, the minor to whole lanes, each where longer than one tile: [16, 20, 100]
+            as [16, 24, 100], [16, 128, 192] as [16, 128, 256]).
+        Found by compiling reduce-scattered matmuls for v5e:2x4 (tests/unit/
+        test_tpu_scatter_tiles.py)."""
+        full = float(n * math.prod(shard) * itemsize)
+        tiles = self.model.scatter_tiles
+        if not tiles or n <= 1 or len(shard) < 2 or not full:
+            return full, 0.0
+        from hloplan.tpu_buffers import minor_dims
+
+        rows, lanes = tiles
+        partial = tuple(size * n if d == dim else size for d, size in enumerate(shard))
+        minor, second = minor_dims(partial, row_major or len(partial) > 2)
+        if dim == minor:
+            return full, 0.0
+        if dim == second:
+            size = shard[dim]
+            padded = -(-size // rows) * rows
+            extra = padded - size
+            if not extra or padded >= 2 * size or (n - 1) * extra > padded:
+                return full, 0.0
+            row = full / n / size
+            return n * padded * row, (n - 1) * extra * row
+        tiled = 1
+        for d, size in enumerate(partial):
+            if d == minor and size > lanes:
+                size = -(-size // lanes) * lanes
+            elif d == second and size > rows:
+                size = -(-size // rows) * rows
+            tiled *= size
+        return float(tiled * itemsize), 0.0
+
     # --- compute ----------------------------------------------------------------------------
 
     def compute_time(self, flops: float, bytes_accessed: float, dtype: object) -> float:

@@ -83,6 +83,9 @@ Schema (all fields required unless marked optional)::
     merge-identical = false      # true: the compiler merges identical ops (same operands and
                                  # attributes) before partitioning, whatever their shardings:
                                  # the copy's readers reshard from the first's layout
+    scatter-tiles = [8, 128]     # optional: a reduce-scatter runs on the (rows, lanes) tiles
+                                 # of the partial sums' layout (libtpu: padded shards and a
+                                 # collective-permute; collectives.CommModel.tiled_scatter)
 
 Without a [combiner] table: all-reduces and reduce-scatters merge into 30 MiB buffers (XLA's
 default GPU threshold) and all-gathers are not merged (`DEFAULT_COMBINER`). The planner amortises
@@ -152,7 +155,7 @@ DEFAULT_COMBINER: dict[str, float] = {
 _APART = "reduce-scatter-apart"  # [combiner] sub-table: slices where libtpu merges none
 _LEVEL_FIELDS = {"name", "devices", "bandwidth", "latency"}
 _COLLECTIVES_FIELDS = ("gathers", "matmul-input-dtype", "reassociate", "collective-matmul",
-                       "merge-identical")
+                       "merge-identical", "scatter-tiles")
 _GATHERS = ("per-dim", "one")
 
 
@@ -262,6 +265,11 @@ class DeviceModel:
     # before it partitions the program, whatever shardings they were given (libtpu's CSE): one
     # op in one layout, the copy's readers resharding from it.
     merge_identical: bool = False
+    # [collectives]: the (rows, lanes) tiles of the layout a reduce-scatter's partial sums are
+    # kept in, which it scatters whole (libtpu's all-reduce-scatter kernel: padded shards and a
+    # collective-permute of the rows one holds too many; CommModel.tiled_scatter); None: it
+    # moves the partial sums' own bytes.
+    scatter_tiles: tuple[int, int] | None = None
     # [buffers]: reductions fuse the elementwise values they read, so those are never written
     # out; and the dtype f32 values read only by matmuls are written in (None: f32).
     fused_reductions: bool = False
@@ -542,6 +550,14 @@ def _parse_collectives(table: Any, source: str) -> dict[str, Any]:
                 raise _fail(source, f"field 'collectives.{key}' must be true or false, "
                                     f"got {value!r}")
             found[name.replace("-", "_")] = value
+            continue
+        if name == "scatter-tiles":
+            if (not isinstance(value, list) or len(value) != 2
+                    or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                               for v in value)):
+                raise _fail(source, f"field 'collectives.{key}' must be two positive integers "
+                                    f"[rows, lanes], got {value!r}")
+            found["scatter_tiles"] = (value[0], value[1])
             continue
         value = _string(value, source, f"collectives.{key}")
         if name == "matmul-input-dtype":

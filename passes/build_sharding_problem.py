@@ -60,7 +60,9 @@ from hloplan.strategies import (
     enumerate_strategies,
     local_bytes,
     local_matmul_dims,
+    local_shape,
     replicated,
+    shards,
 )
 from hloplan.tpu_buffers import (
     fused_selects,
@@ -386,8 +388,10 @@ class _ProblemBuilder:
                 if not s.reduced_axes or kinds != {"all-reduce"}:
                     priced.append(s)
                     continue
-                nbytes = local_bytes(value.type, s.results[0], self.mesh)
-                scattered = comm.collective("reduce-scatter", nbytes, s.reduced_axes)
+                nbytes, permuted = scatter_first_bytes(comm, value.type, s.results[0],
+                                                       s.reduced_axes)
+                scattered = (comm.collective("reduce-scatter", nbytes, s.reduced_axes)
+                             + comm.collective_permute(permuted, s.reduced_axes))
                 priced.append(replace(s, communication=min(s.communication,
                                                            scattered * op.multiplier)))
             self.space.strategies[op_index] = priced
@@ -1249,6 +1253,20 @@ def scatter_first_layout(src, dst, reduced, shape, axis_sizes):
     return tuple(tuple(axes) for axes in mid)
 
 
+def scatter_first_bytes(comm: CommModel, type_: TensorType, src, reduced, mid=None
+                        ) -> tuple[float, float]:
+    """(The partial sums, the collective-permute bytes) of a scatter-first gather's
+    reduce-scatter from `src` (CommModel.tiled_scatter; a gather's result is kept in the
+    program's order of dims): onto the dim `mid` has the summed axes on where its readers take
+    `mid` itself, else onto the first dim (scatter_first_reshard)."""
+    n = shards((tuple(reduced),), comm.mesh)
+    dims = {d for d, axes in enumerate(mid or ()) if any(a in reduced for a in axes)}
+    dim = dims.pop() if len(dims) == 1 else 0
+    shard = list(local_shape(type_, src, comm.mesh))
+    shard[dim] = -(-shard[dim] // n)
+    return comm.tiled_scatter(shard, type_.itemsize, dim, n, row_major=True)
+
+
 def scatter_first_reshard(comm: CommModel, type_: TensorType, reduced, mid, dst) -> ReshardCost:
     """From the reduce-scatter to the reader's layout `dst`. Where `dst` is `mid` (only the
     slice), nothing more. Elsewhere libtpu scatters onto the first dim (the shard one
@@ -1285,7 +1303,11 @@ def scatter_first_reads(state: CompileState) -> dict[int, tuple]:
                                      state.options.mesh.axis_sizes)
                 for reader, position in reads}
         if len(mids) == 1 and None not in mids:
-            out[op_index] = (mids.pop(), {reader for reader, _ in reads})
+            mid = mids.pop()
+            # Whether every reader takes `mid` itself: the scatter lands on its dims.
+            direct = all(state.chosen(reader).operands[position] == mid
+                         for reader, position in reads)
+            out[op_index] = (mid, {reader for reader, _ in reads}, direct)
     return out
 
 

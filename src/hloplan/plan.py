@@ -63,6 +63,7 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
         chosen_reshards,
         reassociated,
         resharded_type,
+        scatter_first_bytes,
         scatter_first_reads,
         scatter_first_reshard,
     )
@@ -81,10 +82,14 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
         listed = chosen.collectives
         if op_index in scattered:
             value = graph.values[op.results[0]]
-            nbytes = local_bytes(value.type, chosen.results[0], options.mesh)
+            mid, _, direct = scattered[op_index]
+            nbytes, permuted = scatter_first_bytes(state.comm, value.type, chosen.results[0],
+                                                   chosen.reduced_axes, mid if direct else None)
             listed = [("reduce-scatter", axes, state.comm.bytes_sent(
                 "reduce-scatter", nbytes, chosen.reduced_axes) * op.multiplier)
                       for _, axes, _ in chosen.collectives]
+            listed += [("collective-permute", axes, permuted * op.multiplier)
+                       for _, axes, _ in chosen.collectives if permuted]
         for kind, axes, sent in listed:
             if (op_index, kind, axes) in folded:
                 continue  # summed into another's before one collective

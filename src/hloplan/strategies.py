@@ -74,6 +74,25 @@ def local_bytes(type_: TensorType, spec: Spec, mesh: MeshSpec) -> float:
     return float(total)
 
 
+def local_shape(type_: TensorType, spec: Spec, mesh: MeshSpec) -> tuple[int, ...]:
+    """One device's shard of a `type_` tensor laid out `spec` (dims rounded up, as XLA pads)."""
+    return tuple(-(-size // shards((axes,), mesh)) for size, axes in zip(type_.shape, spec))
+
+
+def scattered_bytes(comm: CommModel, type_: TensorType, spec: Spec, reduced: tuple[int, ...],
+                    mesh: MeshSpec, row_major: bool = False) -> tuple[float, float]:
+    """(The partial sums a reduce-scatter over `reduced` into `spec` moves, the bytes of the
+    collective-permute after it): the scattered dim is the one `spec` ends with the reduced
+    axes on; the compiler's tiles may pad it (CommModel.tiled_scatter; `row_major`: a gather's
+    or a scatter's partial sums, kept in the program's order of dims)."""
+    n = shards((tuple(reduced),), mesh)
+    for dim, axes in enumerate(spec):
+        if len(axes) >= len(reduced) and tuple(axes[len(axes) - len(reduced):]) == tuple(reduced):
+            return comm.tiled_scatter(local_shape(type_, spec, mesh), type_.itemsize, dim, n,
+                                      row_major)
+    return local_bytes(type_, spec, mesh) * n, 0.0
+
+
 def spec_text(spec: Spec, mesh: MeshSpec) -> str:
     """P-like text: [data, -] / [(data, model), -]; [] for scalars."""
     parts = []
@@ -443,15 +462,26 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
     collectives = []
     kind = "reduce-scatter" if scatter else "all-reduce"
     if reduced:
-        for nbytes in computed_bytes:
-            communication += comm.collective(kind, nbytes, reduced)
+        for k, nbytes in enumerate(computed_bytes):
             if chunked is not None:
+                communication += comm.collective(kind, nbytes, reduced)
                 collectives.extend(collective_matmul_sends(nbytes, reduce_split,
                                                            comm.axes_label(reduced), multiplier))
                 continue
+            permuted = 0.0
+            if scatter:
+                # libtpu scatters the tiles of the partial sums' layout (padded shards, and a
+                # collective-permute of the rows a shard holds too many)
+                nbytes, permuted = scattered_bytes(comm, result_types[k], results[k], reduced,
+                                                   mesh, row_major=rule.indexed is not None)
+            communication += comm.collective(kind, nbytes, reduced)
             sent = comm.bytes_sent(kind, nbytes, reduced)
             if sent:
                 collectives.append((kind, comm.axes_label(reduced), sent * multiplier))
+            if permuted:
+                communication += comm.collective_permute(permuted, reduced)
+                collectives.append(("collective-permute", comm.axes_label(reduced),
+                                    permuted * multiplier))
     transient = sum(computed_bytes) - sum(result_bytes)
     copied = -1
     if chunked is not None:

@@ -151,18 +151,30 @@ def tiled_elements(shape: tuple[int, ...], itemsize: int, row_major: bool = Fals
         while tile < min(shape[0], 1024):
             tile *= 2
         return _round_up(shape[0], tile)
+    return _tiled_count(shape, *minor_dims(shape, row_major))
+
+
+def _tiled_count(shape: tuple[int, ...], minor: int, second: int) -> int:
+    count = _round_up(shape[minor], 128) * _round_up(shape[second],
+                                                      _second_minor_tile(shape[second]))
+    for dim, size in enumerate(shape):
+        if dim not in (minor, second):
+            count *= size
+    return count
+
+
+def minor_dims(shape: tuple[int, ...], row_major: bool = False) -> tuple[int, int]:
+    """The (minor, second-minor) dims of libtpu's tiled layout of a `shape` buffer (rank 2 or
+    more): the pair that pads least, the program's order on a tie; `row_major`: the program's
+    order (see tiled_elements)."""
+    last = (len(shape) - 1, len(shape) - 2)
     if row_major:
-        pairs = [(len(shape) - 1, len(shape) - 2)]
-    else:
-        pairs = [(m, s) for m in range(len(shape)) for s in range(len(shape)) if m != s]
-    best = None
-    for minor, second in pairs:
-        count = _round_up(shape[minor], 128) * _round_up(shape[second],
-                                                          _second_minor_tile(shape[second]))
-        for dim, size in enumerate(shape):
-            if dim not in (minor, second):
-                count *= size
-        best = count if best is None else min(best, count)
+        return last
+    best, count = last, _tiled_count(shape, *last)
+    for minor in range(len(shape)):
+        for second in range(len(shape)):
+            if minor != second and _tiled_count(shape, minor, second) < count:
+                best, count = (minor, second), _tiled_count(shape, minor, second)
     return best
 
 
