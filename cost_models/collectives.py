@@ -282,7 +282,7 @@ class CommModel:
         `scatter_tiles` (rows, lanes) says the compiler scatters tiles (libtpu 0.0.42: an
         all-reduce of the tiled partial sums and a slice of each device's tiles, fused into
         its all-reduce-scatter kernel), where it depends on the partial sums' layout
-        (tpu_buffers.minor_dims: a rank-2 matmul's in the order that pads least, others and
+        (tpu_buffers.minor_dims: a matmul's last two dims in the order that pads least,
         `row_major` ones, a scatter's or a gather's, in the program's order):
           - `dim` minor: its own bytes (an all-reduce and a slice: [1026, 192] over 2, 1,026
             rows minor);
@@ -294,7 +294,8 @@ class CommModel:
             elsewhere libtpu all-reduces and slices: 6 rows or 40 over 4);
           - `dim` major to both: the buffer's tiles (the second-minor dim padded to whole
             rows, the minor to whole lanes, each where longer than one tile: [16, 20, 100]
-            as [16, 24, 100], [16, 128, 192] as [16, 128, 256]).
+            as [16, 24, 100]; a gather's [16, 128, 192] as [16, 128, 256], where a matmul's
+            is kept 128 minor and moves as it is).
         Found by compiling reduce-scattered matmuls for v5e:2x4 (tests/unit/
         test_tpu_scatter_tiles.py)."""
         full = float(n * math.prod(shard) * itemsize)
@@ -305,7 +306,7 @@ class CommModel:
 
         rows, lanes = tiles
         partial = tuple(size * n if d == dim else size for d, size in enumerate(shard))
-        minor, second = minor_dims(partial, row_major or len(partial) > 2)
+        minor, second = minor_dims(partial, row_major, last_two=True)
         if dim == minor:
             return full, 0.0
         if dim == second:

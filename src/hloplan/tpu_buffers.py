@@ -163,17 +163,21 @@ def _tiled_count(shape: tuple[int, ...], minor: int, second: int) -> int:
     return count
 
 
-def minor_dims(shape: tuple[int, ...], row_major: bool = False) -> tuple[int, int]:
+def minor_dims(shape: tuple[int, ...], row_major: bool = False,
+               last_two: bool = False) -> tuple[int, int]:
     """The (minor, second-minor) dims of libtpu's tiled layout of a `shape` buffer (rank 2 or
     more): the pair that pads least, the program's order on a tie; `row_major`: the program's
-    order (see tiled_elements)."""
+    order (see tiled_elements); `last_two`: the last two dims in the order that pads least (a
+    matmul's result, its batch dims major: `f32[16,20,100]` keeps 100 minor, `f32[16,128,192]`
+    128)."""
     last = (len(shape) - 1, len(shape) - 2)
     if row_major:
         return last
     best, count = last, _tiled_count(shape, *last)
     for minor in range(len(shape)):
         for second in range(len(shape)):
-            if minor != second and _tiled_count(shape, minor, second) < count:
+            if (minor != second and (not last_two or {minor, second} == set(last))
+                    and _tiled_count(shape, minor, second) < count):
                 best, count = (minor, second), _tiled_count(shape, minor, second)
     return best
 
