@@ -305,6 +305,12 @@ class CommModel:
         from hloplan.tpu_buffers import minor_dims
 
         rows, lanes = tiles
+        # Dims of size 1 take no tile: libtpu lays them out major (hf_llama's [64, 511, 1]
+        # gathered label logits are scattered as [64, 511]).
+        kept = [d for d, size in enumerate(shard) if size > 1 or d == dim]
+        if len(kept) < 2:
+            return full, 0.0
+        shard, dim = [shard[d] for d in kept], kept.index(dim)
         partial = tuple(size * n if d == dim else size for d, size in enumerate(shard))
         minor, second = minor_dims(partial, row_major, last_two=True)
         if dim == minor:

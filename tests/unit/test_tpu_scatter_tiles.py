@@ -59,6 +59,7 @@ TILED = [
     ((8, 20, 100), 0, 2, False, (153600, 0)),
     ((8, 5, 256), 0, 2, False, (81920, 0)),  # rows shorter than a tile stay as they are
     ((513, 192), 0, 2, True, (798720, 5376)),  # a scatter's: row-major
+    ((8, 511, 1), 0, 8, True, (130816, 0)),  # size-1 dims take no tile: [64, 511]
 ]
 
 
