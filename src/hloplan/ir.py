@@ -358,12 +358,17 @@ def main_function(module: ir.Module, filename: str):
                "@main",)))
 
 
+# jaxlib 0.10: a class per kind of location (jaxlib 0.9: one Location class).
+_LOC_CLASSES = tuple((kind, getattr(ir, cls)) for kind, cls in (
+    ("name", "NameLoc"), ("callsite", "CallSiteLoc"), ("file", "FileLineColLoc"),
+    ("fused", "FusedLoc"))) if hasattr(ir, "NameLoc") else ()
+
+
 def _loc_kind(loc) -> str:
     """'name', 'callsite', 'file', 'fused' or 'other'."""
-    if hasattr(ir, "NameLoc"):  # jaxlib 0.10: a class per kind of location
-        for kind, cls in (("name", "NameLoc"), ("callsite", "CallSiteLoc"),
-                          ("file", "FileLineColLoc"), ("fused", "FusedLoc")):
-            if isinstance(loc, getattr(ir, cls)):
+    if _LOC_CLASSES:
+        for kind, cls in _LOC_CLASSES:
+            if isinstance(loc, cls):
                 return kind
         return "other"
     for kind in ("name", "callsite", "file", "fused"):  # jaxlib 0.9: one Location class
@@ -422,6 +427,7 @@ def _library_roots() -> tuple[str, ...]:
     return tuple(os.path.realpath(root) + os.sep for root in roots if root)
 
 
+@functools.lru_cache(maxsize=4096)  # a program names few files, in millions of frames
 def _is_library(filename: str) -> bool:
     path = filename.replace("\\", "/")
     if any(part in path for part in _INSTALLED_PARTS):
@@ -1134,12 +1140,12 @@ def build_function(module: ir.Module, handles: Handles, graph: Graph, units: lis
         for value_id, arg in zip(inputs, entry.arguments):
             mapping[handles.top_values[value_id]] = arg
         insertion = ir.InsertionPoint(entry)
-        seen: list = []
+        seen: set = set()  # ir.Operation hashes by identity (an OpView does not)
         for unit in units:
             op = handles.top_ops.get(unit) or handles.ops[unit][0]
-            if any(op == other for other in seen):
+            if op.operation in seen:
                 continue
-            seen.append(op)
+            seen.add(op.operation)
             _clone_needed_constants(op, mapping, insertion)
             _rebuild(op, insertion, mapping, new_type, batch_dims, value_ids, microbatches)
         results = [mapping.get(handles.top_values[v], handles.top_values[v]) for v in outputs]
