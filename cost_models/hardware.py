@@ -155,7 +155,7 @@ DEFAULT_COMBINER: dict[str, float] = {
 _APART = "reduce-scatter-apart"  # [combiner] sub-table: slices where libtpu merges none
 _LEVEL_FIELDS = {"name", "devices", "bandwidth", "latency"}
 _COLLECTIVES_FIELDS = ("gathers", "matmul-input-dtype", "reassociate", "collective-matmul",
-                       "merge-identical", "scatter-tiles")
+                       "collective-matmul-intensity", "merge-identical", "scatter-tiles")
 _GATHERS = ("per-dim", "one")
 
 
@@ -261,6 +261,10 @@ class DeviceModel:
     # [collectives]: whether the compiler runs a reduce-scattered matmul as a loop of chunk
     # matmuls and collective-permutes (libtpu's windowed einsum; strategies.collective_matmul_time).
     collective_matmul: bool = False
+    # [collectives]: a dot's FLOPs per device per byte of one chunk (1/n) of its partial sums
+    # from which the compiler loops it (libtpu's windowed-einsum cost check, measured); None:
+    # strategies.collective_matmul_time's own cost check decides.
+    collective_matmul_intensity: float | None = None
     # [collectives]: whether the compiler merges identical ops (same operands and attributes)
     # before it partitions the program, whatever shardings they were given (libtpu's CSE): one
     # op in one layout, the copy's readers resharding from it.
@@ -558,6 +562,9 @@ def _parse_collectives(table: Any, source: str) -> dict[str, Any]:
                 raise _fail(source, f"field 'collectives.{key}' must be two positive integers "
                                     f"[rows, lanes], got {value!r}")
             found["scatter_tiles"] = (value[0], value[1])
+            continue
+        if name == "collective-matmul-intensity":
+            found["collective_matmul_intensity"] = _number(value, source, f"collectives.{key}")
             continue
         value = _string(value, source, f"collectives.{key}")
         if name == "matmul-input-dtype":

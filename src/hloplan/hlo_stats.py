@@ -963,16 +963,26 @@ def _users(comp: _Computation) -> dict[str, list[_Instr]]:
 def _only_sliced(module: _Module, comp: _Computation, users: dict[str, list[_Instr]],
                  name: str, elements: int, n: int, depth: int = 0) -> bool:
     """Whether value `name` (of `elements` elements) is read only by dynamic-slices keeping 1/n
-    of it (directly, through bitcasts, or inside fusions)."""
+    of it (directly, through bitcasts and copies, or inside fusions). Copies include libtpu's
+    moves between memory spaces (`copy-start`, then `copy-done` of it): a value kept for the
+    backward pass is moved out of VMEM and back, then sliced (HF GPT-2's layer-norm row sums
+    on v5e:2x4)."""
     readers = users.get(name, [])
-    if not readers or depth > 4:
+    if not readers or depth > 8:
         return False
     for user in readers:
         if user.opcode == "dynamic-slice" and user.operands[0] == name:
             size = _elements(user.shape)
             if size is None or size * n != elements:
                 return False
-        elif user.opcode == "bitcast":
+        elif user.opcode in ("bitcast", "copy", "copy-done"):
+            if not _only_sliced(module, comp, users, user.name, elements, n, depth + 1):
+                return False
+        elif user.opcode == "copy-start":
+            # read by its copy-done only (whose result is the moved value)
+            done = users.get(user.name, [])
+            if not done or any(d.opcode != "copy-done" for d in done):
+                return False
             if not _only_sliced(module, comp, users, user.name, elements, n, depth + 1):
                 return False
         elif user.opcode == "fusion":

@@ -289,16 +289,6 @@ def _matmul_time(rule: OpRule, factor_axes, mesh: MeshSpec, comm: CommModel, mov
 # XLA's SPMD partitioner windows an einsum over at most this many devices
 # (SpmdPartitionerOptions.max_windowed_einsum_iteration).
 MAX_COLLECTIVE_MATMUL_DEVICES = 32
-# Observed (libtpu does not publish why): it keeps dots with small partial sums as one matmul
-# and one reduce-scatter where the planner's cost check would loop them (the benchmark GPT's
-# and BERT's 1 MiB weight gradients over 8 devices, the MLP's 0.5 MiB over 4, keras_gemma's
-# 0.5 MiB over 8, GPT's 2 MiB over 32 on v5e:4x8) and loops the dots of 4.2 MB and more the
-# cost check passes (keras_gemma over 4 devices, haiku, keras_moe, hf_llama's output head,
-# the Llama-8B-class MLPs). The bound is a proxy for its cost check at small sizes, where the
-# [matmul] table's rates put more compute behind a dot than libtpu's check does: a 2 MiB
-# gradient from 8,192 tokens per device on v5e:2x4 loops, which the bound misses. It loops
-# convolutions' weight gradients of 2.4 MB (linen_resnet): the bound applies to dots only.
-MIN_COLLECTIVE_MATMUL_PARTIAL_BYTES = 3 << 20
 
 
 def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...], factor_axes,
@@ -318,8 +308,11 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     max(compute, communication) + two chunks' communication under compute + communication
     (dot_handler.cc's cost check, which prices the communication as an all-reduce of the
     partial sums), i.e. min(compute, communication) > 2 communication / n, over at most
-    MAX_COLLECTIVE_MATMUL_DEVICES devices, for a dot's partial sums of more than
-    MIN_COLLECTIVE_MATMUL_PARTIAL_BYTES.
+    MAX_COLLECTIVE_MATMUL_DEVICES devices. Where the device model gives the intensity libtpu's
+    check works out to (`collective-matmul-intensity`), a dot loops where its FLOPs per device
+    per byte of one chunk of its partial sums reach it: libtpu's check depends on nothing else
+    (not on the dims' sizes, the dtype or n apart from the chunk; the [matmul] table's rates,
+    which do, would loop small dots libtpu keeps and keep long ones it loops).
     """
     n = 1
     for axis in reduced:
@@ -328,15 +321,17 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     if n < 4 or n > MAX_COLLECTIVE_MATMUL_DEVICES or n % 2 or len(scattered) != 1 \
             or len(rule.operands) != 2:
         return None
-    if rule.matmul is not None and partial_bytes <= MIN_COLLECTIVE_MATMUL_PARTIAL_BYTES:
-        return None
-    # dot_handler's cost check prices the communication as an all-reduce of the partial sums
-    # (hf_llama's 2048 x 2048 x 1024 activation matmul reduce-scattered over 4 devices on
-    # v5e:2x4 stays one matmul, as it does priced so).
-    all_reduce = (comm.bytes_sent("all-reduce", partial_bytes, reduced)
-                  / comm.group(reduced).bandwidth)
-    if min(plain, all_reduce) <= 2 * all_reduce / n:
-        return None
+    intensity = comm.model.collective_matmul_intensity
+    if rule.matmul is not None and intensity is not None:
+        if rule.flops / split < intensity * partial_bytes / n:
+            return None
+    else:
+        # dot_handler's cost check prices the communication as an all-reduce of the partial
+        # sums.
+        all_reduce = (comm.bytes_sent("all-reduce", partial_bytes, reduced)
+                      / comm.group(reduced).bandwidth)
+        if min(plain, all_reduce) <= 2 * all_reduce / n:
+            return None
     narrow = comm.model.matmul_input_dtype
     chunk_factors = set(rule.results[0][scattered[0]])
     kernels = n // 2

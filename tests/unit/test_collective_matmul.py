@@ -7,15 +7,22 @@ the chunks, and holds a copy of an operand instead of the whole partial sums
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 
 import pytest
 
-from hloplan.cost_models import CommModel, DeviceModelError
+from hloplan.cost_models import CommModel, DeviceModelError, load_device_model
 from hloplan.cost_models.hardware import _load_text
 from hloplan.graph import TensorType
 from hloplan.mesh import parse_mesh
 from hloplan.op_rules import Factor, OpRule
 from hloplan.strategies import enumerate_strategies
+from hloplan.tpu import libtpu_available
+
+needs_libtpu = pytest.mark.skipif(not libtpu_available(),
+                                  reason="libtpu is not installed (pip install '.[tpu]')")
 
 RATE, BANDWIDTH, LINK = 1e14, 2e11, 1e10
 
@@ -98,17 +105,10 @@ def test_no_loop_where_communication_dwarfs_compute_or_beyond_32_devices():
             == _scattered(*short, collective_matmul=False).compute)
     assert [c[0] for c in _scattered(*short, collective_matmul=True).collectives] == [
         "reduce-scatter"]
-    # Partial sums of 2 MiB or less (libtpu's observed bound): one matmul, however long its
-    # contraction.
-    for small in ((8, 8 * 65536, 128, 128), (8, 8 * 65536, 512, 1024)):
-        assert (_scattered(*small, collective_matmul=True).compute
-                == _scattered(*small, collective_matmul=False).compute)
-        assert [c[0] for c in _scattered(*small, collective_matmul=True).collectives] == [
-            "reduce-scatter"]
     wide = (64, 64 * 16384, 1024, 8192)  # XLA windows an einsum over at most 32 devices
     assert (_scattered(*wide, collective_matmul=True).compute
             == _scattered(*wide, collective_matmul=False).compute)
-    for unlooped in (short, (8, 8 * 65536, 128, 128), wide):
+    for unlooped in (short, wide):
         assert _scattered(*unlooped, collective_matmul=True).accumulators == 0.0
 
 
@@ -117,6 +117,64 @@ def test_collective_matmul_field():
     assert _load_text(MODEL + "collective_matmul = true\n", "toy.toml").collective_matmul
     with pytest.raises(DeviceModelError, match="must be true or false"):
         _load_text(MODEL + 'collective-matmul = "yes"\n', "bad.toml")
+    assert _load_text(MODEL, "toy.toml").collective_matmul_intensity is None
+    assert _load_text(MODEL + "collective-matmul-intensity = 4224\n",
+                      "toy.toml").collective_matmul_intensity == 4224.0
+    with pytest.raises(DeviceModelError, match="must be positive"):
+        _load_text(MODEL + "collective-matmul-intensity = 0\n", "bad.toml")
+
+
+def _v5e_scattered(mesh: str, tokens: int, d: int, f: int, dtype: str = "f32"):
+    """tpu-v5e's strategy for dW[d, f] = X[t, d]^T G[t, f] with t sharded over every axis of
+    `mesh` (`tokens` per device) and dW reduce-scattered over them on d."""
+    comm = CommModel(load_device_model("tpu-v5e"), parse_mesh(mesh))
+    every = tuple(range(len(comm.mesh.axis_sizes)))
+    rule, operands, results = _weight_gradient(tokens * comm.mesh.size, d, f)
+    operands = [TensorType(t.shape, dtype) for t in operands]
+    results = [TensorType(t.shape, dtype) for t in results]
+    (strategy,) = [s for s in enumerate_strategies(rule, operands, results, comm.mesh, comm)
+                   if s.reduced_axes == every and s.results == ((every, ()),)]
+    return strategy
+
+
+# Where libtpu starts looping (tpu-v5e's collective-matmul-intensity, 4,224 FLOPs per device
+# per byte of one chunk of the partial sums), whatever d and f: (mesh, dtype, tokens per device).
+LOOPS_FROM = [("2x4", "f32", 1056), ("2x4", "bf16", 528), ("4x4", "f32", 528),
+              ("4x8", "f32", 264)]
+
+
+@pytest.mark.parametrize("mesh, dtype, tokens", LOOPS_FROM)
+@pytest.mark.parametrize("d, f", [(768, 768), (128, 128), (4096, 4096), (256, 4096)])
+def test_a_dot_loops_from_libtpus_intensity(mesh, dtype, tokens, d, f):
+    """libtpu's windowed-einsum check compares the dot's FLOPs per device with one chunk of its
+    partial sums, nothing else: with the [matmul] table's rates or a bound on the partial
+    sums' bytes, HF GPT-2's 768 x 768 attention-projection gradients over 8 devices (4,096
+    tokens per device, 2.4 MB of partial sums; libtpu loops them) were kept as one matmul."""
+    n = parse_mesh(mesh).size
+    kept = _v5e_scattered(mesh, tokens - 1, d, f, dtype)
+    looped = _v5e_scattered(mesh, tokens, d, f, dtype)
+    assert [c[0] for c in kept.collectives] == ["reduce-scatter"] and not kept.accumulators
+    assert [c[0] for c in looped.collectives] == ["collective-permute"] * (n + 1)
+    assert looped.accumulators > 0
+
+
+def test_hf_gpt2_attention_projection_gradient_loops():
+    looped = _v5e_scattered("2x4", 4096, 768, 768)
+    assert [c[0] for c in looped.collectives] == ["collective-permute"] * 9
+    # an activation gradient G[t, f] W[d, f]^T contracts f: over 8 devices libtpu loops it
+    # from f = 8,448 (the same intensity), whatever the tokens
+    comm = CommModel(load_device_model("tpu-v5e"), parse_mesh("2x4"))
+    for f, loops in ((8440, False), (8448, True)):
+        rule = OpRule(factors=(Factor(1024), Factor(1024), Factor(f, "reduce")),
+                      operands=(((0,), (2,)), ((1,), (2,))), results=(((0,), (1,)),),
+                      flops=2.0 * 1024 * 1024 * f, matmul=(((0,), 1), ((2,), 1), ((1,), 1)))
+        types = [TensorType((1024, f), "f32"), TensorType((1024, f), "f32")]
+        (strategy,) = [s for s in enumerate_strategies(rule, types, [TensorType((1024, 1024),
+                                                                                "f32")],
+                                                      comm.mesh, comm)
+                       if s.reduced_axes == (0, 1) and s.results == (((), (0, 1)),)
+                       and s.operands == (((), (0, 1)), ((), (0, 1)))]
+        assert bool(strategy.accumulators) is loops
 
 
 # A weight gradient that libtpu loops over 8 devices (8,192 tokens per device, [512, 2048]).
@@ -252,3 +310,55 @@ def test_the_reads_of_a_looped_matmul_carry_its_operand_copy():
             assert copies in ([], [s.transient]) if s.accumulators else copies == []
             found += bool(copies)
         assert found
+
+
+# A weight gradient compiled by libtpu for a topology, the tokens sharded over both axes and
+# the result reduce-scattered over them on d: its collectives as hlo_stats counts them.
+_LIBTPU_WEIGHT_GRADIENTS = """
+import json, sys
+import jax, numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from hloplan.hlo_stats import collective_stats
+from hloplan.tpu import parse_topology, topology_devices
+out = []
+for topology, tokens, d, f, dtype in json.loads(sys.argv[1]):
+    shape = [int(s) for s in topology.split(":")[1].split("x")]
+    devices = topology_devices(parse_topology(topology))
+    mesh = Mesh(np.array(devices).reshape(shape), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+    rows = NamedSharding(mesh, PartitionSpec(("x", "y"), None))
+    n = len(devices)
+    compiled = jax.jit(lambda x, g: jax.numpy.einsum("td,tf->df", x, g),
+                       in_shardings=(rows, rows), out_shardings=rows).lower(
+        jax.ShapeDtypeStruct((tokens * n, d), dtype),
+        jax.ShapeDtypeStruct((tokens * n, f), dtype)).compile()
+    stats = collective_stats(compiled.as_text(), mesh_axes=[("x", shape[0]), ("y", shape[1])])
+    out.append([[op.kind, "".join(sorted(op.axes)), op.total_bytes_sent] for op in stats.ops])
+print(json.dumps(out))
+"""
+
+
+@needs_libtpu
+def test_libtpu_loops_from_the_intensity():
+    """Either side of tpu-v5e's collective-matmul-intensity, the strategy lists what libtpu
+    compiles: one reduce-scatter, or the loop's collective-permutes, with their bytes."""
+    from hloplan.tpu import child_env
+
+    cases = [(mesh, tokens + step, d, f, dtype)
+             for mesh, dtype, tokens in LOOPS_FROM[:3] for d, f in ((768, 768),)
+             for step in (-1, 0)]
+    jax_dtypes = {"f32": "float32", "bf16": "bfloat16"}
+    done = subprocess.run(
+        [sys.executable, "-c", _LIBTPU_WEIGHT_GRADIENTS,
+         json.dumps([[f"v5e:{mesh}", tokens, d, f, jax_dtypes[dtype]]
+                     for mesh, tokens, d, f, dtype in cases])],
+        env=child_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for case, ops in zip(cases, json.loads(done.stdout.strip().splitlines()[-1]), strict=True):
+        compiled: dict = {}
+        for kind, axes, sent in ops:
+            compiled[kind, axes] = compiled.get((kind, axes), 0.0) + sent
+        predicted: dict = {}
+        for kind, axes, sent in _v5e_scattered(*case).collectives:
+            key = (kind, axes.replace(",", ""))
+            predicted[key] = predicted.get(key, 0.0) + sent
+        assert predicted == pytest.approx(compiled), case

@@ -732,6 +732,28 @@ def test_sliced_all_reduce_with_narrower_results_splits_by_its_operands() -> Non
     assert whole.operand_bytes == rest.operand_bytes + scatter.operand_bytes
 
 
+def test_all_reduce_moved_between_memory_spaces_then_sliced_counts_as_reduce_scatter() -> None:
+    # libtpu keeps a value for the backward pass by moving it out of VMEM and back
+    # (copy-start / copy-done pairs); every reader still takes a 1/4 slice: a reduce-scatter
+    # (HF GPT-2's layer-norm row sums on v5e:2x4). Read whole after the move: an all-reduce.
+    moved = _SNIPPET_SLICED.replace(
+        "  %pid = u32[] partition-id()\n",
+        "  %pid = u32[] partition-id()\n"
+        "  %cs = (f32[64,16]{1,0:S(1)}, f32[64,16]{1,0}, u32[]) copy-start(%g0)\n"
+        "  %cd = f32[64,16]{1,0:S(1)} copy-done(%cs)\n"
+        "  %f2 = f32[16,16]{1,0} fusion(%cd, %pid), kind=kLoop, calls=%fused\n").replace(
+        "tuple(%f, %g1)", "tuple(%f2, %g1)").replace(
+        "-> (f32[16,16], f32[8])", "-> (f32[16,16], f32[8])")
+    assert "copy-start(%g0)" in moved
+    ops = collective_stats(moved).ops
+    assert [op.kind for op in ops] == ["all-reduce", "reduce-scatter"]
+    assert ops[1].operand_bytes == 64 * 16 * 4
+    whole = moved.replace("tuple(%f2, %g1)", "tuple(%f, %g1, %cd)").replace(
+        "ROOT %out = (f32[16,16]{1,0}, f32[8]{0})",
+        "ROOT %out = (f32[16,16]{1,0}, f32[8]{0}, f32[64,16]{1,0:S(1)})")
+    assert [op.kind for op in collective_stats(whole).ops] == ["all-reduce"]
+
+
 # --- per-kernel roofline ----------------------------------------------------------------------
 
 _KERNELS = """HloModule m, num_partitions=1
