@@ -270,6 +270,8 @@ def _matmul_time(rule: OpRule, factor_axes, mesh: MeshSpec, comm: CommModel, mov
 # XLA's SPMD partitioner windows an einsum over at most this many devices
 # (SpmdPartitionerOptions.max_windowed_einsum_iteration).
 MAX_COLLECTIVE_MATMUL_DEVICES = 32
+# Where the device model sets no collective-matmul-intensity (libtpu's measured check, which
+# replaces this bound and the estimate's check for dots on tpu-v5e).
 # Observed (libtpu does not publish why): it keeps dots with small partial sums as one matmul
 # and one reduce-scatter where the planner's cost check would loop them (the benchmark GPT's
 # and BERT's 1 MiB weight gradients over 8 devices, the MLP's 0.5 MiB over 4, keras_gemma's
@@ -300,7 +302,10 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     (dot_handler.cc's cost check, which prices the communication as an all-reduce of the
     partial sums), i.e. min(compute, communication) > 2 communication / n, over at most
     MAX_COLLECTIVE_MATMUL_DEVICES devices, for a dot's partial sums of more than
-    MIN_COLLECTIVE_MATMUL_PARTIAL_BYTES.
+    MIN_COLLECTIVE_MATMUL_PARTIAL_BYTES. Where the device model measured libtpu's check
+    (collective_matmul_intensity), a dot loops where its FLOPs per byte of one ring step's
+    chunk of partial sums exceed it instead; and the model may limit the devices a loop spans
+    (DeviceModel.collective_matmul_spans).
     """
     n = 1
     for axis in reduced:
@@ -309,15 +314,26 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     if n < 4 or n > MAX_COLLECTIVE_MATMUL_DEVICES or n % 2 or len(scattered) != 1 \
             or len(rule.operands) != 2:
         return None
-    if rule.matmul is not None and partial_bytes <= MIN_COLLECTIVE_MATMUL_PARTIAL_BYTES:
+    devices = mesh.size
+    replicated = not any(axis not in reduced for axes in factor_axes for axis in axes)
+    if not comm.model.collective_matmul_spans(devices, n, replicated):
         return None
-    # dot_handler's cost check prices the communication as an all-reduce of the partial sums
-    # (hf_llama's 2048 x 2048 x 1024 activation matmul reduce-scattered over 4 devices on
-    # v5e:2x4 stays one matmul, as it does priced so).
-    all_reduce = (comm.bytes_sent("all-reduce", partial_bytes, reduced)
-                  / comm.group(reduced).bandwidth)
-    if min(plain, all_reduce) <= 2 * all_reduce / n:
-        return None
+    intensity = comm.model.collective_matmul_intensity
+    if rule.matmul is not None and intensity is not None:
+        # libtpu's check, measured (tests/unit/test_tpu_collective_matmul.py): the dot's FLOPs
+        # per byte of one ring step's chunk of partial sums, whatever its dims, dtypes and n.
+        if rule.flops / split <= intensity * partial_bytes / n:
+            return None
+    else:
+        if rule.matmul is not None and partial_bytes <= MIN_COLLECTIVE_MATMUL_PARTIAL_BYTES:
+            return None
+        # dot_handler's cost check prices the communication as an all-reduce of the partial
+        # sums (hf_llama's 2048 x 2048 x 1024 activation matmul reduce-scattered over 4
+        # devices on v5e:2x4 stays one matmul, as it does priced so).
+        all_reduce = (comm.bytes_sent("all-reduce", partial_bytes, reduced)
+                      / comm.group(reduced).bandwidth)
+        if min(plain, all_reduce) <= 2 * all_reduce / n:
+            return None
     narrow = comm.model.matmul_input_dtype
     chunk_factors = set(rule.results[0][scattered[0]])
     kernels = n // 2
