@@ -30,7 +30,7 @@ modest size, exported for the tpu platform, on a TPU v5e topology):
 Writes benchmarks/tpu_results.json (docs/tpu.md shows the figures).
 
     .venv/bin/python benchmarks/tpu.py --corpus     # third-party programs, 30 to 120 s each
-    .venv/bin/python benchmarks/tpu.py --corpus --topology v5e:4x8   # 2 to 10 min each
+    .venv/bin/python benchmarks/tpu.py --corpus --topology v5e:4x8   # 30 to 190 s each
 
 plans programs of the third-party corpus (examples/third_party/corpus.py at realistic widths,
 2 layers, 2 sequences of 128 tokens per device, resnet 8 images per device: the batch grows
