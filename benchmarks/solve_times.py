@@ -54,7 +54,7 @@ def export_case(kind: str, name: str, devices: int) -> bytes:
         import corpus
         import tpu
 
-        kwargs = (tpu.CORPUS_SIZES.get(name, tpu.CORPUS_SIZES["*"]) if kind == "corpus"
+        kwargs = (tpu.corpus_sizes(name, devices) if kind == "corpus"
                   else {"size": "real", "batch": 8 * devices, "seq": 512, "layers": 4})
         step, args = corpus.BY_NAME[name].build(**kwargs)
         donated = getattr(step, "donate_argnums", (0, 1) if len(args) == 4 else (0,))

@@ -30,11 +30,16 @@ modest size, exported for the tpu platform, on a TPU v5e topology):
 Writes benchmarks/tpu_results.json (docs/tpu.md shows the figures).
 
     .venv/bin/python benchmarks/tpu.py --corpus     # third-party programs, 30 to 120 s each
+    .venv/bin/python benchmarks/tpu.py --corpus --topology v5e:4x8   # 30 to 190 s each
 
 plans programs of the third-party corpus (examples/third_party/corpus.py at realistic widths,
-2 layers, 2 sequences of 128 tokens per device; exported for tpu) for tpu-v5e on 2x4 and sets the plan's predicted collectives beside what
-libtpu compiled of it (hloplan.verify.verify_plan, as `hloplan verify PLAN --compiler tpu`):
-benchmarks/tpu_corpus_results.json.
+2 layers, 2 sequences of 128 tokens per device, resnet 8 images per device: the batch grows
+with the topology; exported for tpu) for tpu-v5e on the topology's mesh (v5e:2x4 unless
+`--topology` says) and sets the plan's predicted collectives beside what libtpu compiled of it
+(hloplan.verify.verify_plan, as `hloplan verify PLAN --compiler tpu`):
+benchmarks/tpu_corpus_results.json, the rows of v5e:2x4 under "programs" and those of other
+topologies under "topologies"; a run replaces only the rows it measures. `--keep-plans DIR`
+keeps each plan in DIR/PROGRAM (`hloplan verify DIR/PROGRAM` compiles it again).
 """
 
 from __future__ import annotations
@@ -64,9 +69,11 @@ CORPUS_RESULTS = HERE / "tpu_corpus_results.json"
 CORPUS_PROGRAMS = ["hf_gpt2", "hf_bert", "hf_llama", "hf_bart", "haiku_transformer",
                    "linen_resnet", "keras_gemma", "keras_moe"]
 # Realistic widths (the corpus's size="real"), shallow and a few sequences per device, like
-# config(): libtpu compiles each in seconds; the tiny sizes plan pure data parallelism.
-CORPUS_SIZES = {"*": dict(size="real", batch=16, seq=128, layers=2),
-                "linen_resnet": dict(size="real", batch=64)}
+# config(): libtpu compiles each in seconds on v5e:2x4; the tiny sizes plan pure data
+# parallelism. `batch` is per device: the program grows with the topology.
+CORPUS_SIZES = {"*": dict(size="real", batch=2, seq=128, layers=2),
+                "linen_resnet": dict(size="real", batch=8)}
+CORPUS_TOPOLOGY = "v5e:2x4"  # the rows under "programs" of tpu_corpus_results.json
 DEFAULT_CASES = ["mlp:v5e:2x4", "gpt:v5e:2x4", "llama:v5e:2x4", "bert:v5e:2x4", "moe:v5e:2x4",
                  "resnet:v5e:2x4", "mlp:v5e:4x8", "gpt:v5e:4x8"]
 
@@ -219,26 +226,42 @@ def run_case(case: str) -> dict:
     return out
 
 
-def corpus_case(name: str, mesh_text: str = "2x4") -> dict:
-    """A corpus program planned for tpu-v5e and verified by libtpu: predicted and compiled
-    collectives per kind and mesh axes (bytes per device per step) and peak per device."""
+def corpus_sizes(name: str, devices: int) -> dict:
+    """corpus.py's build arguments of a program for `devices` devices (CORPUS_SIZES)."""
+    sizes = dict(CORPUS_SIZES.get(name, CORPUS_SIZES["*"]))
+    sizes["batch"] *= devices
+    return sizes
+
+
+def corpus_case(name: str, topology_name: str = CORPUS_TOPOLOGY,
+                keep: Path | None = None) -> dict:
+    """A corpus program planned for tpu-v5e on the topology's mesh and verified by libtpu:
+    predicted and compiled collectives per kind and mesh axes (bytes per device per step) and
+    peak per device. With `keep`, the plan is written there (and kept)."""
     import jax
 
     from hloplan.compiler import compile_bytes, make_options
+    from hloplan.tpu import parse_topology
     from hloplan.verify import verify_plan
 
     sys.path.insert(0, str(HERE.parent / "examples" / "third_party"))
     import corpus
 
+    topology = parse_topology(topology_name)
+    mesh_text = "x".join(map(str, topology.shape))
     program = corpus.BY_NAME[name]
-    step, args = program.build(**CORPUS_SIZES.get(name, CORPUS_SIZES["*"]))
+    sizes = corpus_sizes(name, topology.devices)
+    step, args = program.build(**sizes)
     donated = getattr(step, "donate_argnums", (0, 1) if len(args) == 4 else (0,))
     exported = jax.export.export(jax.jit(step, donate_argnums=donated), platforms=("tpu",))(*args)
+    started = time.perf_counter()
     result = compile_bytes(bytes(exported.serialize()), f"{name}.jaxexport",
                            make_options(mesh_text, device="tpu-v5e", mesh_views="off"))
+    planning_s = time.perf_counter() - started
     with tempfile.TemporaryDirectory() as tmp:
-        result.write(Path(tmp) / "plan")
-        report = verify_plan(Path(tmp) / "plan", compiler="tpu")
+        plan_dir = keep if keep is not None else Path(tmp) / "plan"
+        result.write(plan_dir)
+        report = verify_plan(plan_dir, compiler="tpu", topology=topology.name)
     entry = report["programs"]["program"]
     table: dict[str, dict] = {}
     for side in ("predicted", "compiled"):
@@ -251,31 +274,43 @@ def corpus_case(name: str, mesh_text: str = "2x4") -> dict:
     predicted = sum(v["predicted"] for v in table.values())
     compiled = sum(v["compiled"] for v in table.values())
     return {"program": name, "library": program.library, "topology": report["topology"],
+            "sizes": sizes, "planning_s": planning_s,
             "collectives": table, "collective_bytes_ratio": predicted / compiled if compiled
             else None, "peak_ratio": entry["peak_ratio"], "notes": report["notes"]}
 
 
-def corpus_main(names: list[str], output: str) -> None:
-    results = {"command": "JAX_PLATFORMS=cpu .venv/bin/python benchmarks/tpu.py --corpus",
-               "programs": {}}
+def corpus_main(names: list[str], output: str, topology_name: str = CORPUS_TOPOLOGY,
+                keep: Path | None = None) -> None:
+    """Measures `names` on the topology and writes their rows into `output`, keeping the rows
+    it does not measure (those of other programs and topologies)."""
+    command = "JAX_PLATFORMS=cpu .venv/bin/python benchmarks/tpu.py --corpus" + (
+        f" --topology {topology_name}" if topology_name != CORPUS_TOPOLOGY else "")
+    path = Path(output)
+    results = json.loads(path.read_text()) if path.exists() else {}
+    if topology_name == CORPUS_TOPOLOGY:
+        section = results
+    else:
+        section = results.setdefault("topologies", {}).setdefault(topology_name, {})
+    section["command"] = command
+    section.setdefault("programs", {})
     for name in names:
         started = time.perf_counter()
         try:
-            row = corpus_case(name)
+            row = corpus_case(name, topology_name, keep / name if keep else None)
         except Exception:  # reported; the others still run
             row = {"program": name, "error": traceback.format_exc().strip().splitlines()[-1]}
         row["seconds"] = time.perf_counter() - started
-        results["programs"][name] = row
+        section["programs"][name] = row
         if "error" in row:
             print(f"{name}: ERROR {row['error']}", flush=True)
         else:
             off = {k: round(v["ratio"], 3) if v["ratio"] is not None else None
                    for k, v in row["collectives"].items()
                    if v["ratio"] is None or abs(v["ratio"] - 1) > 0.05}
-            print(f"{name}: collective bytes predicted / compiled "
+            print(f"{name} on {topology_name}: collective bytes predicted / compiled "
                   f"{row['collective_bytes_ratio'] or 0:.3f}; off by more than 5%: {off}; "
                   f"{row['seconds']:.0f} s", flush=True)
-        Path(output).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+        path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
 
 
 def main() -> None:
@@ -283,10 +318,15 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(DEFAULT_CASES))
     parser.add_argument("--output", default=None)
     parser.add_argument("--corpus", nargs="?", const=",".join(CORPUS_PROGRAMS), default=None,
-                        help="third-party corpus programs (comma-separated; default: a few)")
+                        help="third-party corpus programs (comma-separated; default: all)")
+    parser.add_argument("--topology", default=CORPUS_TOPOLOGY,
+                        help="--corpus: the TPU topology (KIND:SHAPE) to plan and compile for")
+    parser.add_argument("--keep-plans", metavar="DIR",
+                        help="--corpus: write each program's plan to DIR/PROGRAM and keep it")
     args = parser.parse_args()
     if args.corpus is not None:
-        corpus_main(args.corpus.split(","), args.output or str(CORPUS_RESULTS))
+        corpus_main(args.corpus.split(","), args.output or str(CORPUS_RESULTS), args.topology,
+                    Path(args.keep_plans) if args.keep_plans else None)
         return
     args.output = args.output or str(RESULTS)
     results = {"command": "JAX_PLATFORMS=cpu .venv/bin/python benchmarks/tpu.py"

@@ -60,7 +60,7 @@ LARGEST = 12  # buffers listed from libtpu's peak
 # model:topology, or corpus program:topology (examples/third_party/corpus.py)
 DEFAULT_CASES = ["gpt:v5e:2x4", "llama:v5e:2x4", "bert:v5e:2x4", "mlp:v5e:2x4", "moe:v5e:2x4",
                  "gpt:v5e:4x8", "llama:v5e:4x8", "gpt:v5e:16x16", "llama:v5e:16x16",
-                 "hf_gpt2:v5e:2x4", "hf_llama:v5e:2x4"]
+                 "hf_gpt2:v5e:2x4", "hf_llama:v5e:2x4", "hf_gpt2:v5e:4x8", "hf_llama:v5e:4x8"]
 
 
 def config(model: str, devices: int) -> dict:

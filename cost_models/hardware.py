@@ -86,6 +86,12 @@ Schema (all fields required unless marked optional)::
     scatter-tiles = [8, 128]     # optional: a reduce-scatter runs on the (rows, lanes) tiles
                                  # of the partial sums' layout (libtpu: padded shards and a
                                  # collective-permute; collectives.CommModel.tiled_scatter)
+    collective-matmul-intensity = 4224  # optional: a dot loops where its FLOPs per device reach
+                                 # this per byte of one chunk (1/n) of its partial sums
+                                 # (libtpu's check); absent: the estimated loop's time decides
+    collective-matmul-side = true  # optional: a loop whose dot is replicated over the mesh axes
+                                 # it does not reduce spans the whole slice or at most the
+                                 # slice's shorter side (4 at least) of tpu_topology's slice
 
 Without a [combiner] table: all-reduces and reduce-scatters merge into 30 MiB buffers (XLA's
 default GPU threshold) and all-gathers are not merged (`DEFAULT_COMBINER`). The planner amortises
@@ -155,7 +161,8 @@ DEFAULT_COMBINER: dict[str, float] = {
 _APART = "reduce-scatter-apart"  # [combiner] sub-table: slices where libtpu merges none
 _LEVEL_FIELDS = {"name", "devices", "bandwidth", "latency"}
 _COLLECTIVES_FIELDS = ("gathers", "matmul-input-dtype", "reassociate", "collective-matmul",
-                       "collective-matmul-intensity", "merge-identical", "scatter-tiles")
+                       "collective-matmul-intensity", "collective-matmul-side",
+                       "merge-identical", "scatter-tiles")
 _GATHERS = ("per-dim", "one")
 
 
@@ -265,6 +272,9 @@ class DeviceModel:
     # from which the compiler loops it (libtpu's windowed-einsum cost check, measured); None:
     # strategies.collective_matmul_time's own cost check decides.
     collective_matmul_intensity: float | None = None
+    # [collectives]: a loop whose dot is replicated over the mesh axes it does not reduce spans
+    # the whole slice or at most max(4, the slice's shorter side) devices (collective_matmul_spans).
+    collective_matmul_side: bool = False
     # [collectives]: whether the compiler merges identical ops (same operands and attributes)
     # before it partitions the program, whatever shardings they were given (libtpu's CSE): one
     # op in one layout, the copy's readers resharding from it.
@@ -310,6 +320,22 @@ class DeviceModel:
         unmerged (each pays its whole latency; unmerged_reduce_scatters_on)."""
         which = self.unmerged_reduce_scatters_on(devices)
         return which == "all" or (which == "partial" and group < devices)
+
+    def collective_matmul_spans(self, devices: int, group: int, replicated: bool) -> bool:
+        """Whether libtpu can loop a reduce-scattered dot over `group` of the slice of `devices`
+        devices: per collective_matmul_side, a dot replicated over the other mesh axes loops
+        over the whole slice or over at most max(4, the slice's shorter side) devices."""
+        if not (self.collective_matmul_side and replicated) or group >= devices \
+                or self.tpu_topology is None:
+            return True
+        from hloplan.diagnostics import UsageError
+        from hloplan.tpu import topology_for
+
+        try:
+            shape = topology_for(self.tpu_topology, devices).shape
+        except UsageError:  # no slice has that many devices (multislice): no rule
+            return True
+        return group <= max(4, min(shape))
 
     def call_overhead(self, buffers: int) -> float:
         """Seconds a program call with `buffers` argument and result buffers spends outside
@@ -549,7 +575,11 @@ def _parse_collectives(table: Any, source: str) -> dict[str, Any]:
         if name not in _COLLECTIVES_FIELDS:
             raise _fail(source, f"unknown field 'collectives.{key}' (known: "
                                 f"{', '.join(_COLLECTIVES_FIELDS)})")
-        if name in ("reassociate", "collective-matmul", "merge-identical"):
+        if name == "collective-matmul-intensity":
+            found["collective_matmul_intensity"] = _number(value, source, f"collectives.{key}")
+            continue
+        if name in ("reassociate", "collective-matmul", "merge-identical",
+                    "collective-matmul-side"):
             if not isinstance(value, bool):
                 raise _fail(source, f"field 'collectives.{key}' must be true or false, "
                                     f"got {value!r}")
@@ -562,9 +592,6 @@ def _parse_collectives(table: Any, source: str) -> dict[str, Any]:
                 raise _fail(source, f"field 'collectives.{key}' must be two positive integers "
                                     f"[rows, lanes], got {value!r}")
             found["scatter_tiles"] = (value[0], value[1])
-            continue
-        if name == "collective-matmul-intensity":
-            found["collective_matmul_intensity"] = _number(value, source, f"collectives.{key}")
             continue
         value = _string(value, source, f"collectives.{key}")
         if name == "matmul-input-dtype":

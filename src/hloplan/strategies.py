@@ -313,6 +313,8 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     per byte of one chunk of its partial sums reach it: libtpu's check depends on nothing else
     (not on the dims' sizes, the dtype or n apart from the chunk; the [matmul] table's rates,
     which do, would loop small dots libtpu keeps and keep long ones it loops).
+    The device model may also limit the devices a loop spans
+    (DeviceModel.collective_matmul_spans).
     """
     n = 1
     for axis in reduced:
@@ -320,6 +322,10 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     scattered = [d for d, axes in enumerate(result) if axes == tuple(reduced)]
     if n < 4 or n > MAX_COLLECTIVE_MATMUL_DEVICES or n % 2 or len(scattered) != 1 \
             or len(rule.operands) != 2:
+        return None
+    devices = mesh.size
+    replicated = not any(axis not in reduced for axes in factor_axes for axis in axes)
+    if not comm.model.collective_matmul_spans(devices, n, replicated):
         return None
     intensity = comm.model.collective_matmul_intensity
     if rule.matmul is not None and intensity is not None:

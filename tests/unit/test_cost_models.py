@@ -520,13 +520,17 @@ def test_reshard_all_to_all(comm: CommModel) -> None:
     cost = comm.reshard(SHAPE, 4, ((1,), ()), ((), (1,)))
     assert cost.collectives == (("all-to-all", (1,), 3 / 4 * 524288),)  # 393216 bytes
     assert cost.seconds == pytest.approx(393216 / 1e11 + 3e-6)
-    # Swap the two axes between dims: two all-to-alls of 2 MiB / 8 = 262144 bytes each.
+    # Swap the two axes between dims (XLA's partitioner, CommModel._exchange): pairs of model
+    # (4 / 2 devices) exchange halves of the 2 MiB / 8 = 262144-byte shard, then the shards
+    # are permuted into place over both axes.
     cost = comm.reshard(SHAPE, 4, ((0,), (1,)), ((1,), (0,)))
     assert cost.collectives == (
-        ("all-to-all", (0,), 1 / 2 * 262144),
-        ("all-to-all", (1,), 3 / 4 * 262144),
+        ("all-to-all", (1,), 1 / 2 * 262144),
+        ("collective-permute", (0, 1), 262144.0),
     )
-    assert cost.seconds == pytest.approx(131072 / 1e11 + 1e-6 + 196608 / 1e11 + 3e-6)
+    both = comm.group((0, 1))
+    assert cost.seconds == pytest.approx(131072 / 1e11 + 1e-6
+                                         + 262144 / both.bandwidth + both.latency)
 
 
 def test_reshard_gather_then_all_to_all(comm: CommModel) -> None:

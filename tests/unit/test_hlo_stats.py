@@ -922,6 +922,11 @@ def test_reshard_model_matches_compiled_collectives(mesh, src, dst) -> None:
         ((None, None, ("data", "model")), (None, None, "model")),
         ((None, None, ("model", "data")), (None, None, "data")),
         ((("data", "model"), None), ("model", None)),
+        # Two dims exchange their axes: an all-to-all among pairs of "model" (4 / 2 devices),
+        # then a collective-permute of the local shard (CommModel._exchange).
+        (("data", "model"), ("model", "data")),
+        (("model", "data"), ("data", "model")),
+        ((None, "data", "model"), (None, "model", "data")),
     ],
 )
 def test_reshard_model_matches_constrained_collectives(mesh, src, dst) -> None:
