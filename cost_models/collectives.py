@@ -499,7 +499,7 @@ class CommModel:
     def _reshard_plan(self, src_s: Sharding, dst_s: Sharding) -> tuple:
         """Which axes `reshard` gathers, moves, permutes and renumbers between two checked
         shardings: that depends on the shardings alone, not the shape, so it is worked out once
-        per pair (a 2-layer GPT-3 on 16x8x8 prices 80k reshards of a few thousand pairs)."""
+        per pair (a 2-layer GPT-3 on 16x8x8 prices 80k reshards between far fewer pairs)."""
         key = (src_s, dst_s)
         found = self._plans.get(key)
         if found is not None:
