@@ -140,6 +140,7 @@ class CommModel:
         # layouts, and validating them each time dominated the cost.
         self._groups: dict = {}
         self._checked: dict = {}
+        self._plans: dict = {}  # (src, dst) -> _reshard_plan's analysis
         self._apart: dict[int, bool] = {}
 
     def __repr__(self) -> str:
@@ -412,10 +413,104 @@ class CommModel:
         exchanged = self._exchange(shape, itemsize, src_s, dst_s)
         if exchanged is not None:
             return exchanged
+        (dst_dim, leaving, swapped, gathered_into, gathered_from, reordered, renumbered,
+         renumbered_dims) = self._reshard_plan(src_s, dst_s)
+        current = [list(axes) for axes in src_s]
+
+        def size() -> int:
+            return local_bytes(shape, itemsize, current, self.mesh)
+
+        steps: list[tuple[str, Axes, float]] = []
+        seconds = 0.0
+
+        def record(kind: str, nbytes: float, axes: Axes, label: Axes | None = None) -> None:
+            nonlocal seconds
+            sent = self.bytes_sent(kind, nbytes, axes)
+            if sent > 0:
+                seconds += self.collective(kind, nbytes, axes)
+                steps.append((kind, axes if label is None else label, sent))
+
+        for axes in [*reordered, *(axes for axes, _, _, _ in swapped)]:
+            group = self.group(axes)
+            seconds += size() / group.bandwidth + group.latency
+            steps.append((COLLECTIVE_PERMUTE, tuple(axes), float(size())))
+        for _, s, t, moved in swapped:  # in place by the permute, gathered in step 1
+            current[s] = [a for a in current[s] if a not in moved]
+            current[t].extend(moved)
+        # 1. all-gathers, the last dim first (tests/unit/test_hlo_stats.py checks XLA's order),
+        # or all in one (one_gather)
+        via: list[Sharding] = []
+        together: list[int] = []
+        for d in reversed(range(rank)):
+            gathered = tuple(a for a in leaving[d]
+                             if dst_dim.get(a, d) == d or dst_dim[a] in gathered_into
+                             or d in gathered_from)
+            if not gathered:
+                continue
+            if self.one_gather:
+                current[d] = [a for a in current[d] if a not in gathered]
+                together.extend(gathered)
+                continue
+            stages = self._gather_stages(shape, itemsize, current, d, gathered,
+                                         self.staged_gathers if staged is None else staged)
+            if stages is None:
+                current[d] = [a for a in current[d] if a not in gathered]
+                record(ALL_GATHER, size(), gathered)
+                continue
+            for axis in stages:
+                current[d].remove(axis)
+                record(ALL_GATHER, size(), (axis,))
+                via.append(tuple(tuple(axes) for axes in current))
+        if together:
+            record(ALL_GATHER, size(), tuple(sorted(together)))
+        # 2. all-to-alls
+        for d in range(rank):
+            targets = sorted({dst_dim[a] for a in leaving[d]
+                              if dst_dim.get(a, d) != d and dst_dim[a] not in gathered_into
+                              and d not in gathered_from})
+            for target in targets:
+                moved = tuple(a for a in leaving[d] if dst_dim.get(a) == target)
+                record(ALL_TO_ALL, size(), moved, self._minor_factor(current[d], moved)
+                       if d in renumbered_dims else None)
+                current[d] = [a for a in current[d] if a not in moved]
+                current[target].extend(moved)
+        # The collective-permutes that put renumbered shards in place (a permute sends the
+        # whole local tensor once, one hop).
+        for axes in renumbered:
+            group = self.group(axes)
+            if group.size > 1:
+                seconds += size() / group.bandwidth + group.latency
+                steps.append((COLLECTIVE_PERMUTE, tuple(axes), float(size())))
+        # 3. slices: free where each device's block holds its new shard: the axes kept on a
+        # dim come first in its new order, the sliced ones after them. 4. Elsewhere (an axis
+        # sliced in ahead of a kept one, [-, y] -> [-, (x, y)]; kept axes reordered,
+        # [-, (y, x)] -> [-, (x, y)]) XLA's partitioner (CPU and libtpu v5e:2x4) slices the
+        # layout whose order that allows and sends each device's shard to its new device: one
+        # collective-permute of the new shard over the dim's axes.
+        for d in range(rank):
+            kept = [a for a in current[d] if a in src_s[d]]
+            sliced = [a for a in dst_s[d] if a not in current[d]]
+            if [a for a in dst_s[d] if a in kept or a in sliced] != kept + sliced:
+                nbytes = local_bytes(shape, itemsize, dst_s, self.mesh)
+                group = self.group(dst_s[d])
+                seconds += nbytes / group.bandwidth + group.latency + self.model.collective_overhead
+                steps.append((COLLECTIVE_PERMUTE, tuple(sorted(group.axes)), float(nbytes)))
+        if via and via[-1] == dst_s:
+            via.pop()
+        return ReshardCost(seconds, tuple(steps), tuple(via))
+
+    def _reshard_plan(self, src_s: Sharding, dst_s: Sharding) -> tuple:
+        """Which axes `reshard` gathers, moves, permutes and renumbers between two checked
+        shardings: that depends on the shardings alone, not the shape, so it is worked out once
+        per pair (a 2-layer GPT-3 on 16x8x8 prices 80k reshards between far fewer pairs)."""
+        key = (src_s, dst_s)
+        found = self._plans.get(key)
+        if found is not None:
+            return found
+        rank = len(src_s)
         dst_dim = {axis: d for d, axes in enumerate(dst_s) for axis in axes}
         src_dim = {axis: d for d, axes in enumerate(src_s) for axis in axes}
 
-        current = [list(axes) for axes in src_s]
         leaving: list[list[int]] = []
         for d in range(rank):
             keep = 0
@@ -503,88 +598,11 @@ class CommModel:
             elif (staying and not moving and all(a not in src_dim for a in arriving)
                     and d not in gathered_into and d not in gathered_from):
                 leaving[d] = []
-
-        def size() -> int:
-            return local_bytes(shape, itemsize, current, self.mesh)
-
-        steps: list[tuple[str, Axes, float]] = []
-        seconds = 0.0
-
-        def record(kind: str, nbytes: float, axes: Axes, label: Axes | None = None) -> None:
-            nonlocal seconds
-            sent = self.bytes_sent(kind, nbytes, axes)
-            if sent > 0:
-                seconds += self.collective(kind, nbytes, axes)
-                steps.append((kind, axes if label is None else label, sent))
-
-        for axes in reordered + [axes for axes, _, _, _ in swapped]:
-            group = self.group(axes)
-            seconds += size() / group.bandwidth + group.latency
-            steps.append((COLLECTIVE_PERMUTE, tuple(axes), float(size())))
-        for _, s, t, moved in swapped:  # in place by the permute, gathered in step 1
-            current[s] = [a for a in current[s] if a not in moved]
-            current[t].extend(moved)
-        # 1. all-gathers, the last dim first (tests/unit/test_hlo_stats.py checks XLA's order),
-        # or all in one (one_gather)
-        via: list[Sharding] = []
-        together: list[int] = []
-        for d in reversed(range(rank)):
-            gathered = tuple(a for a in leaving[d]
-                             if dst_dim.get(a, d) == d or dst_dim[a] in gathered_into
-                             or d in gathered_from)
-            if not gathered:
-                continue
-            if self.one_gather:
-                current[d] = [a for a in current[d] if a not in gathered]
-                together.extend(gathered)
-                continue
-            stages = self._gather_stages(shape, itemsize, current, d, gathered,
-                                         self.staged_gathers if staged is None else staged)
-            if stages is None:
-                current[d] = [a for a in current[d] if a not in gathered]
-                record(ALL_GATHER, size(), gathered)
-                continue
-            for axis in stages:
-                current[d].remove(axis)
-                record(ALL_GATHER, size(), (axis,))
-                via.append(tuple(tuple(axes) for axes in current))
-        if together:
-            record(ALL_GATHER, size(), tuple(sorted(together)))
-        # 2. all-to-alls
-        for d in range(rank):
-            targets = sorted({dst_dim[a] for a in leaving[d]
-                              if dst_dim.get(a, d) != d and dst_dim[a] not in gathered_into
-                              and d not in gathered_from})
-            for target in targets:
-                moved = tuple(a for a in leaving[d] if dst_dim.get(a) == target)
-                record(ALL_TO_ALL, size(), moved, self._minor_factor(current[d], moved)
-                       if d in renumbered_dims else None)
-                current[d] = [a for a in current[d] if a not in moved]
-                current[target].extend(moved)
-        # The collective-permutes that put renumbered shards in place (a permute sends the
-        # whole local tensor once, one hop).
-        for axes in renumbered:
-            group = self.group(axes)
-            if group.size > 1:
-                seconds += size() / group.bandwidth + group.latency
-                steps.append((COLLECTIVE_PERMUTE, tuple(axes), float(size())))
-        # 3. slices: free where each device's block holds its new shard: the axes kept on a
-        # dim come first in its new order, the sliced ones after them. 4. Elsewhere (an axis
-        # sliced in ahead of a kept one, [-, y] -> [-, (x, y)]; kept axes reordered,
-        # [-, (y, x)] -> [-, (x, y)]) XLA's partitioner (CPU and libtpu v5e:2x4) slices the
-        # layout whose order that allows and sends each device's shard to its new device: one
-        # collective-permute of the new shard over the dim's axes.
-        for d in range(rank):
-            kept = [a for a in current[d] if a in src_s[d]]
-            sliced = [a for a in dst_s[d] if a not in current[d]]
-            if [a for a in dst_s[d] if a in kept or a in sliced] != kept + sliced:
-                nbytes = local_bytes(shape, itemsize, dst_s, self.mesh)
-                group = self.group(dst_s[d])
-                seconds += nbytes / group.bandwidth + group.latency + self.model.collective_overhead
-                steps.append((COLLECTIVE_PERMUTE, tuple(sorted(group.axes)), float(nbytes)))
-        if via and via[-1] == dst_s:
-            via.pop()
-        return ReshardCost(seconds, tuple(steps), tuple(via))
+        found = (dst_dim, tuple(tuple(axes) for axes in leaving), tuple(swapped),
+                 frozenset(gathered_into), frozenset(gathered_from), tuple(reordered),
+                 tuple(renumbered), frozenset(renumbered_dims))
+        self._plans[key] = found
+        return found
 
     def _exchange(self, shape: Sequence[int], itemsize: int, src: Sharding,
                   dst: Sharding) -> ReshardCost | None:

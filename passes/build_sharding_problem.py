@@ -187,7 +187,7 @@ class _ProblemBuilder:
         self.specs_by_source: dict = {}  # (strategy list, result or operand position) -> its id
         self.specs_of: dict[int, tuple] = {}
         self.edge_cache: dict = {}  # (type, layouts id, layouts id, multiplier) -> matrix
-        self.reshard_cache: dict = {}  # (type, src layout, dst layout) -> seconds
+        self.reshard_cache: dict = {}  # type -> (src layout, dst layout) -> seconds
         self.copies_cache: dict = {}  # (type, layouts id) -> bytes of a copy in each layout
         self.relayout_cache: dict = {}  # _relayout's answers
         self.read_edges: dict[tuple[int, int], int] = {}  # (op, operand) -> its edge's index
@@ -665,30 +665,42 @@ class _ProblemBuilder:
         if key in self.edge_cache:
             return self.edge_cache[key]
         src_specs, dst_specs = self.specs_of[src_id], self.specs_of[dst_id]
-        cost: dict = {}  # per distinct (src, dst) layout pair
+        # Priced once per distinct (src, dst) layout pair; strategy lists repeat layouts.
+        unique_dst = list(dict.fromkeys(dst_specs))
+        reshards = self.reshard_cache.setdefault(type_, {})  # (src, dst) -> seconds
+        mesh, hbm = self.mesh, self.comm.model.hbm_bandwidth
+        dst_bytes = ([local_bytes(type_, dst, mesh) if dst is not None else 0
+                      for dst in unique_dst] if fused or unmaterialized else None)
+        row_of: dict = {}  # distinct src -> its costs over unique_dst
+        nonzero = False
         for src in dict.fromkeys(src_specs):
-            for dst in dict.fromkeys(dst_specs):
+            src_bytes = (local_bytes(type_, src, mesh) if (fused or unmaterialized)
+                         and src is not None else 0)
+            row = []
+            for k, dst in enumerate(unique_dst):
                 if src == dst or dst is None:
-                    cost[src, dst] = 0.0
+                    row.append(0.0)
                     continue
-                seconds = self.reshard_cache.get((type_, src, dst))
+                seconds = reshards.get((src, dst))
                 if seconds is None:
                     seconds = self.comm.reshard(type_.shape, type_.itemsize, src, dst).seconds
-                    self.reshard_cache[type_, src, dst] = seconds
+                    reshards[src, dst] = seconds
                 if fused and seconds > 0:  # a collective, not a local slice
-                    seconds += (local_bytes(type_, src, self.mesh)
-                                + local_bytes(type_, dst, self.mesh)) / self.comm.model.hbm_bandwidth
+                    seconds += (src_bytes + dst_bytes[k]) / hbm
                 elif unmaterialized and seconds == 0:
-                    made = local_bytes(type_, src, self.mesh)
-                    if made > local_bytes(type_, dst, self.mesh):
-                        seconds = made / self.comm.model.hbm_bandwidth  # written out whole
-                cost[src, dst] = seconds * multiplier
-        if not any(cost.values()):
+                    if src_bytes > dst_bytes[k]:
+                        seconds = src_bytes / hbm  # written out whole
+                cost = seconds * multiplier
+                nonzero = nonzero or cost != 0
+                row.append(cost)
+            row_of[src] = row
+        if not nonzero:
             matrix = None
         else:
-            rows: dict = {}
-            matrix = tuple(rows.setdefault(src, tuple(cost[src, dst] for dst in dst_specs))
-                           for src in src_specs)
+            position = {dst: k for k, dst in enumerate(unique_dst)}
+            columns = [position[dst] for dst in dst_specs]
+            rows = {src: tuple(row[k] for k in columns) for src, row in row_of.items()}
+            matrix = tuple(rows[src] for src in src_specs)
         self.edge_cache[key] = matrix
         return matrix
 

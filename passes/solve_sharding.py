@@ -147,7 +147,7 @@ def _with_copies_held(problem: ShardingProblem, solution: Solution,
     nodes = list(problem.nodes)
     for index, row in transient.items():
         nodes[index] = dataclasses.replace(nodes[index], strategies=tuple(
-            dataclasses.replace(s, transient=s.transient + float(extra))
+            s.plus_transient(float(extra))
             for s, extra in zip(nodes[index].strategies, row, strict=True)))
     ranges = list(problem.live_ranges)
     fresh = max((n.tie for n in nodes if n.tie is not None), default=-1) + 1

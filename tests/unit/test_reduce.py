@@ -6,6 +6,7 @@ unreduced model and against enumeration.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -100,3 +101,19 @@ def test_elimination_is_recorded_and_deterministic():
     assert first == second
     assert stats.extra["eliminated_groups"] > 0
     assert stats.extra["deterministic"] is True
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_groups_at_are_the_groups_in_the_memory_rows(seed):
+    # eliminate() pins the groups of the binding rows by Memory.groups_at, which must name the
+    # groups Memory.rows gives coefficients (a group whose strategies hold equal bytes at a
+    # point has none there).
+    rng = random.Random(seed)
+    base = sparse_problem(seed, n=12)
+    points = tuple(LivePoint(tuple(sorted(rng.sample(range(12), rng.randint(1, 6)))), 0.0,
+                             f"p{p}") for p in range(8))
+    memory = compile_model(dataclasses.replace(base, live_points=points)).memory
+    for _ in range(10):
+        wanted = rng.sample(range(len(points)), rng.randint(1, len(points)))
+        expected = set().union(*memory.rows(wanted).values())
+        assert memory.groups_at(wanted) == expected

@@ -187,6 +187,18 @@ class Memory:
                     out[p][g] = vectors[k]
         return out
 
+    def groups_at(self, points: Sequence[int]) -> set[int]:
+        """The groups with a coefficient in some of the given points' rows (the keys `rows`
+        would give them), found without building the rows."""
+        wanted = np.array(sorted(set(points)), dtype=np.int64)
+        out: set[int] = set()
+        for g, live in enumerate(self.live):
+            latest = self._latest(g, wanted)
+            latest = latest[latest >= 0]
+            if len(latest) and live[latest].any():
+                out.add(g)
+        return out
+
     def chain(self, points: Sequence[int]) -> list[tuple[int, dict[int, np.ndarray]]]:
         """For increasing `points`: each one's coefficients minus the previous one's."""
         wanted = np.array(points, dtype=np.int64)

@@ -85,8 +85,7 @@ def eliminate(model: Model, budget: float) -> Reduction:
     pinned = {g for launch in model.launches for g in launch.members}
     binding = model.binding_points(budget)
     if binding:
-        for coefficients in model.memory.rows(binding).values():
-            pinned.update(coefficients)
+        pinned.update(model.memory.groups_at(binding))
     # Bytes each strategy holds over the program (summed over its memory events): among
     # strategies of equal cost, an eliminated group takes the one holding least.
     held = [vectors.sum(axis=0) for vectors in model.memory.vectors]
