@@ -113,7 +113,7 @@ def _min_peak_choice(
                    for i in range(group.size)]
         s.append(columns)
         lp.row(f"one_{group.rep}", columns, [1.0] * len(columns), 1.0, 1.0)
-    built = Built(model, lp, backend, s, {})
+    built = Built(model, lp, backend, s, {}, mip_presolve=True)
     backends.add_chain(built, points, None)
     built.peak = lp.column("peak", 1.0, 0.0)
     for p, load in built.chain:
