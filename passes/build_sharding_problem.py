@@ -821,7 +821,7 @@ class _ProblemBuilder:
     def _split_to_one(self, type_: TensorType, src, dst) -> bool:
         """Whether resharding from layout `src` to `dst` is an all-to-all (axes leaving one dim
         for another) that leaves a dim it splits further one element per device."""
-        after = self._local_shape(type_, dst)
+        after = local_shape(type_, dst, self.mesh)
         for d, (a, b, size) in enumerate(zip(src, dst, after)):
             moved = set(b) - set(a)
             if size == 1 and moved and any(moved & set(src[k]) for k in range(len(src))
@@ -835,17 +835,8 @@ class _ProblemBuilder:
         dims, see tpu_buffers.tiled_elements)."""
         if not self.comm.model.tiled_layouts:
             return local_bytes(type_, spec, self.mesh)
-        shape = self._local_shape(type_, spec)
+        shape = local_shape(type_, spec, self.mesh)
         return float(tiled_elements(shape, type_.itemsize, row_major) * type_.itemsize)
-
-    def _local_shape(self, type_: TensorType, spec) -> tuple[int, ...]:
-        shape = []
-        for size, axes in zip(type_.shape, spec):
-            split = 1
-            for axis in axes:
-                split *= self.mesh.axis_sizes[axis]
-            shape.append(-(-size // split))
-        return tuple(shape)
 
     def _tiled(self, op: Op, types, plain: Strategy, strategy: OpStrategy,
                row_major: bool) -> Strategy:
@@ -868,7 +859,7 @@ class _ProblemBuilder:
         for value_id, spec in zip(op.operands[n + 1:], strategy.operands[n + 1:]):
             type_ = self.graph.type_of(value_id)
             if type_ is not None and spec is not None:
-                shape = scatter_updates_shape(self._local_shape(type_, spec), window)
+                shape = scatter_updates_shape(local_shape(type_, spec, self.mesh), window)
                 made += tiled_elements(shape, type_.itemsize, True) * type_.itemsize
         return replace(plain, memory=memory, transient=plain.transient + made - memory)
 
@@ -880,7 +871,7 @@ class _ProblemBuilder:
         type_ = self.graph.type_of(op.operands[0])
         if type_ is None or not gathers_rows(op.name, op.attrs, type_.rank):
             return 0.0
-        return float(relaid_rows(self._local_shape(type_, spec), type_.itemsize))
+        return float(relaid_rows(local_shape(type_, spec, self.mesh), type_.itemsize))
 
     def _relayout(self, consumer: Op, position: int, type_, src_id: int, dst_id: int,
                   costs, multiplier: float):
@@ -918,8 +909,8 @@ class _ProblemBuilder:
                         copy = held[j]
                         seconds += 4 * copy / hbm * multiplier  # two copies, each read + write
                     elif (gather and all(src[d] == dst[d] for d in indexed)
-                          and relaid_rows(self._local_shape(type_, src), type_.itemsize)
-                          and not relaid_rows(self._local_shape(type_, dst), type_.itemsize)):
+                          and relaid_rows(local_shape(type_, src, self.mesh), type_.itemsize)
+                          and not relaid_rows(local_shape(type_, dst, self.mesh), type_.itemsize)):
                         copy = held[j]
                         seconds += 2 * copy / hbm * multiplier
                 cells.append(copy)
