@@ -23,8 +23,10 @@ Measured, on the first device (and on all of them for collectives):
   step from a small one; written as the innermost [[interconnect]] level.
 
 What is not measured (memory size where the backend does not say, slower interconnect levels,
-the combiner) comes from a base model (`--base`, default: the shipped model of the platform).
-Every figure goes into the file's [calibration] table as well.
+the combiner, how the platform's compiler tiles and forms collectives) comes from a base model
+(`--base`, default: the shipped model of the platform). Every figure goes into the file's
+[calibration] table as well, so `--from-file` writes the model again from them against the
+current base, without measuring (after an hloplan upgrade adds fields to the base).
 
 This module needs only jax, numpy and the standard library, so that it runs where hloplan is
 not installed: `python calibrate.py -o dev.toml --base-file tpu-v5e.toml`.
@@ -351,6 +353,11 @@ def _toml_value(value) -> str:
     raise TypeError(f"cannot write {value!r} to TOML")
 
 
+# Top-level fields render writes itself (or leaves out: the base's aliases name the base).
+_WRITTEN = {"name", "aliases", "description", "platform", "tpu_topology", "memory",
+            "hbm_bandwidth", "program_overhead", "buffer_overhead"}
+
+
 def render(measured: dict, base: dict, name: str) -> str:
     """The device TOML: measured figures where there are some, the base model's elsewhere."""
     lines = [f"# Measured by `hloplan calibrate` on {measured['devices']} x "
@@ -367,8 +374,10 @@ def render(measured: dict, base: dict, name: str) -> str:
               f"hbm_bandwidth = {_toml_value(measured['hbm_bandwidth'])}",
               f"program_overhead = {_toml_value(measured['program_overhead'])}",
               f"buffer_overhead = {_toml_value(measured.get('buffer_overhead', 0.0))}"]
-    if "collective_overhead" in base:
-        lines.append(f"collective_overhead = {_toml_value(base['collective_overhead'])}")
+    # The base's other figures (collective_overhead, matmul_row_tile, ...): not measured, and
+    # the cost model prices with them, so they carry over.
+    lines += [f"{key} = {_toml_value(value)}" for key, value in base.items()
+              if key not in _WRITTEN and not isinstance(value, (dict, list))]
     flops = dict(base["flops"])
     flops["f32"] = measured["matmul_f32_large"]
     flops["bf16"] = measured["matmul_bf16_large"]
@@ -418,6 +427,21 @@ def render(measured: dict, base: dict, name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def measurements_of(text: str) -> dict:
+    """The measurements a device TOML written by render records ([calibration], with the
+    [matmul] and [conv] tables), as measure returns them: for writing the model again against
+    a newer base without measuring again."""
+    data = tomllib.loads(text)
+    if "calibration" not in data:
+        raise ValueError("no [calibration] table: not a device model written by calibrate")
+    measured = dict(data["calibration"])
+    if data.get("matmul"):
+        measured["matmul_grid"] = dict(data["matmul"])
+    if data.get("conv"):
+        measured["conv"] = dict(data["conv"])
+    return measured
+
+
 def base_for(measured: dict) -> str:
     """The shipped model whose unmeasured figures a calibration of this device starts from."""
     kind = str(measured["device_kind"]).lower()
@@ -431,9 +455,10 @@ def base_for(measured: dict) -> str:
 
 
 def calibrate(output: str | Path, base_file: str | Path | None = None, name: str | None = None,
-              quick: bool = False) -> dict:
-    """Measure, write the device TOML to `output`, return the measurements."""
-    measured = measure(quick=quick)
+              quick: bool = False, measurements: dict | None = None) -> dict:
+    """Measure (or take `measurements`, measurements_of an earlier output), write the device
+    TOML to `output`, return the measurements."""
+    measured = measurements if measurements is not None else measure(quick=quick)
     if base_file is None:
         from importlib import resources
 
@@ -452,8 +477,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base-file", default=None)
     parser.add_argument("--name", default=None)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--from-file", default=None,
+                        help="write the model again from this calibrated model's measurements")
     args = parser.parse_args(argv)
-    measured = calibrate(args.output, args.base_file, args.name, args.quick)
+    recorded = measurements_of(Path(args.from_file).read_text()) if args.from_file else None
+    measured = calibrate(args.output, args.base_file, args.name, args.quick, recorded)
     print(json.dumps(measured, sort_keys=True))
     return 0
 

@@ -454,15 +454,26 @@ def verify_command(plan_dir, compiler, topology, timeout, fmt):
                    "model of the platform jax runs on)")
 @click.option("--name", default=None, help="model name to write (default: calibrated-BASE)")
 @click.option("--quick", is_flag=True, help="tiny sizes: seconds, not representative")
+@click.option("--from-file", "from_file", default=None,
+              type=click.Path(exists=True, dir_okay=False),
+              help="no measuring: write the model again from the measurements recorded in this "
+                   "calibrated model (its [calibration], [matmul] and [conv] tables) against "
+                   "the current base model")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def calibrate_command(output, base, name, quick, fmt):
+def calibrate_command(output, base, name, quick, from_file, fmt):
     """Measure the accelerator jax sees (matmul FLOP/s per dtype and size, HBM bandwidth,
     program overhead, all-reduce bandwidth and latency across its devices) and write a device
     model TOML."""
-    from hloplan.calibrate import calibrate
+    from hloplan.calibrate import calibrate, measurements_of
     from hloplan.cost_models import DeviceModelError, load_device_model
 
     try:
+        recorded = None
+        if from_file is not None:
+            try:
+                recorded = measurements_of(Path(from_file).read_text())
+            except ValueError as exc:  # TOMLDecodeError is one
+                raise DeviceModelError(f"{from_file}: {exc}") from exc
         base_file = None
         if base is not None:
             model = load_device_model(base)
@@ -472,7 +483,8 @@ def calibrate_command(output, base, name, quick, fmt):
 
                 base_file = resources.files("hloplan.cost_models").joinpath(
                     model.source.removeprefix("package:"))
-        measured = calibrate(output, base_file=base_file, name=name, quick=quick)
+        measured = calibrate(output, base_file=base_file, name=name, quick=quick,
+                             measurements=recorded)
         load_device_model(output)  # what was written loads
     except DeviceModelError as exc:
         _fail(UsageError(str(exc)), output, fmt)

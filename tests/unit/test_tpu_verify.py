@@ -203,6 +203,36 @@ def test_calibrate_quick(tmp_path):
         assert inner.bandwidth == pytest.approx(measured["allreduce_bandwidth"], rel=1e-5)
 
 
+def test_calibrate_keeps_the_base_models_unmeasured_figures(tmp_path):
+    """What calibrate does not measure comes from the base model: its top-level figures
+    (tpu-v5e's matmul_row_tile) and its tables ([collectives]), not its name and aliases; and
+    --from-file writes the model again from a calibrated file's recorded measurements."""
+    path = tmp_path / "dev.toml"
+    out = CliRunner().invoke(main, ["calibrate", "-o", str(path), "--quick", "--base",
+                                    "tpu-v5e"])
+    assert out.exit_code == 0, out.output
+    base = load_device_model("tpu-v5e")
+    model = load_device_model(path)
+    assert model.matmul_row_tile == base.matmul_row_tile == 768
+    assert model.collective_matmul_intensity == base.collective_matmul_intensity
+    assert model.name == "calibrated-tpu-v5e" and "aliases" not in path.read_text()
+    again = tmp_path / "again.toml"
+    out = CliRunner().invoke(main, ["calibrate", "-o", str(again), "--from-file", str(path),
+                                    "--base", "tpu-v5e"])
+    assert out.exit_code == 0, out.output
+    assert again.read_text() == path.read_text()
+    out = CliRunner().invoke(main, ["calibrate", "-o", str(tmp_path / "x.toml"),
+                                    "--from-file", str(tmp_path / "again.toml"), "--base",
+                                    "tpu-v5e", "--name", "renamed"])
+    assert out.exit_code == 0 and load_device_model(tmp_path / "x.toml").name == "renamed"
+    bad = tmp_path / "plain.toml"
+    bad.write_text('name = "t"\n')
+    out = CliRunner().invoke(main, ["calibrate", "-o", str(tmp_path / "y.toml"),
+                                    "--from-file", str(bad)])
+    assert out.exit_code == 2 and "no [calibration] table" in out.output
+    assert not (tmp_path / "y.toml").exists()
+
+
 @needs_libtpu
 def test_verify_tpu_relabels_a_cpu_export(tmp_path):
     """A program exported for cpu only is compiled for the TPU topology as if exported for it
