@@ -232,3 +232,72 @@ def test_live_peak_is_libtpus_peak_memory() -> None:
     ours, libtpu = json.loads(done.stdout.strip().splitlines()[-1])
     assert libtpu > 64 * 2**20  # the f32 logits: 8192 / 2 x 32768 / 4 per device
     assert abs(ours - libtpu) <= 0.002 * libtpu, (ours, libtpu)
+
+
+def _biased_head(params, x, y):
+    """An output head with a bias (Flax BERT's, haiku's hk.Linear): the logits' gradient is read
+    by the bias gradient's reduction and by the weight and input gradients' matmuls."""
+    def loss(params, x):
+        logits = x @ params["w"] + params["b"]
+        return -jnp.mean(jnp.sum(jax.nn.one_hot(y, logits.shape[-1])
+                                 * jax.nn.log_softmax(logits, axis=-1), axis=-1))
+
+    return jax.grad(loss, argnums=(0, 1))(params, x)
+
+
+def _biased_head_args():
+    s, f32 = jax.ShapeDtypeStruct, jnp.float32
+    return ({"w": s((256, 4096), f32), "b": s((4096,), f32)}, s((1024, 256), f32),
+            s((1024,), jnp.int32))
+
+
+def test_values_reduced_beside_matmuls_are_written_as_bf16(tmp_path: Path) -> None:
+    """The logits' gradient is read by a reduce_sum (the bias gradient) and by matmuls: on TPU
+    the reduction fuses into the kernel making it (a multi-output fusion) and the value is
+    written for the matmuls, in bf16 (libtpu's `(f32[vocab], bf16[b,s,vocab])` fusion on Flax
+    BERT's head): half its f32 bytes."""
+    tpu, _ = _plan(_biased_head, _biased_head_args(), "tpu-v5e")
+    plain, _ = _plan(_biased_head, _biased_head_args(), _plain_tpu(tmp_path))
+    graph = tpu.graph
+    found = 0
+    for op in graph.ops:
+        if (op.index not in tpu.space.node_of or len(op.results) != 1
+                or graph.type_of(op.results[0]).shape != (1024, 4096)):
+            continue
+        readers = {graph.ops[u].name for u in graph.values[op.results[0]].users}
+        if readers != {"stablehlo.reduce", "stablehlo.dot_general"}:
+            continue
+        node = tpu.space.node_of[op.index]
+        for narrow, full in zip(tpu.problem.nodes[node].strategies,
+                                plain.problem.nodes[plain.space.node_of[op.index]].strategies,
+                                strict=True):
+            assert narrow.memory == full.memory / 2
+        found += 1
+    assert found == 1
+
+
+def _tied_head(emb, x):
+    """Logits against a tied embedding (`x @ emb.T`, HF GPT-2's and BERT's output head): the
+    transpose is folded into the forward and backward matmuls."""
+    def loss(emb, x):
+        return jnp.mean(jax.nn.logsumexp(x @ emb.T, axis=-1))
+
+    return jax.grad(loss, argnums=(0, 1))(emb, x)
+
+
+def test_reshard_into_a_folded_transpose_is_its_result(tmp_path: Path) -> None:
+    """A reshard into a transpose the matmuls fold is written in the transposed layout: on
+    TPU its copy is the transpose's own buffer, held once (as the transpose's result); XLA's
+    CPU compiler keeps arrays row-major, so there the copy and the transposed result are
+    two buffers."""
+    s = jax.ShapeDtypeStruct
+    args = (s((8192, 512), jnp.float32), s((1024, 512), jnp.float32))
+    tpu, _ = _plan(_tied_head, args, "tpu-v5e")
+    plain, _ = _plan(_tied_head, args, _plain_tpu(tmp_path))
+    (transpose,) = [op for op in tpu.graph.ops if op.name == "stablehlo.transpose"
+                    and op.operands == (tpu.graph.arguments[0],)]
+    for state, held in ((tpu, False), (plain, True)):
+        node = state.space.node_of[transpose.index]
+        into = [e for e in state.problem.edges if e.dst == node]
+        assert into
+        assert all(any(e.copies) == held for e in into)
