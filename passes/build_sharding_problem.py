@@ -1199,8 +1199,9 @@ def matmul_narrowed(graph: Graph, folded: set[int], dtype: str) -> dict[int, flo
     that makes it computes the reductions from the f32 values (a multi-output fusion) and
     writes the value for the matmuls only, in bf16 (libtpu 0.0.42: Flax BERT's output-head
     logit gradient, read by the bias gradient's reduce_sum and two matmuls, is one fusion
-    writing `f32[vocab]` and the `bf16[b,s,vocab]` gradient; hf_bert on v5e:2x4). A
-    transpose folded into matmuls holds bf16 too where it holds a buffer of its own (a reshard
+    writing `f32[vocab]` and the `bf16[b,s,vocab]` gradient; hf_bert on v5e:2x4, its f32
+    logits in HBM; with logits small enough for VMEM it recomputes the gradient in each
+    reader instead and writes none, which the bf16 bytes bound). A transpose folded into matmuls holds bf16 too where it holds a buffer of its own (a reshard
     into it): libtpu converts before the collective (Flax GPT-2's tied embedding, all-gathered
     for the output head as `bf16[50257,768]`, 77 MB, not 154 in f32).
     Op index -> the bytes written per byte of the result type."""

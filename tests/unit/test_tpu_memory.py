@@ -301,3 +301,52 @@ def test_reshard_into_a_folded_transpose_is_its_result(tmp_path: Path) -> None:
         into = [e for e in state.problem.edges if e.dst == node]
         assert into
         assert all(any(e.copies) == held for e in into)
+
+
+_LIBTPU_BIASED_HEAD = """
+import json, re
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from hloplan.tpu import parse_topology, topology_devices
+
+mesh = Mesh(np.array(topology_devices(parse_topology("v5e:2x4"))).reshape(2, 4), ("x", "y"))
+
+def step(params, x, y):  # an output head with a bias over 4,096 words, its gradients
+    def loss(params, x):
+        logits = x @ params["w"] + params["b"]
+        return -jnp.mean(jnp.sum(jax.nn.one_hot(y, 4096) * jax.nn.log_softmax(logits), -1))
+    return jax.grad(loss, argnums=(0, 1))(params, x)
+
+s, f32 = jax.ShapeDtypeStruct, jnp.float32
+params = {"w": s((256, 4096), f32, sharding=NamedSharding(mesh, P(None, "x"))),
+          "b": s((4096,), f32, sharding=NamedSharding(mesh, P("x")))}
+x = s((2048, 256), f32, sharding=NamedSharding(mesh, P("y", None)))
+y = s((2048,), jnp.int32, sharding=NamedSharding(mesh, P("y")))
+text = jax.jit(step).lower(params, x, y).compile().as_text()
+entry = text[text.index("ENTRY"):]
+entry = entry[:entry.index("\\n}")]
+# the dtypes of the logit-sized buffers the entry computation writes (per device [512, 2048];
+# a get-tuple-element or a bitcast names a buffer written before)
+print(json.dumps([d for line in entry.splitlines()
+                  if not re.search(r"get-tuple-element\\(|bitcast\\(", line)
+                  for d in re.findall(r"(\\w+)\\[512,2048\\]", line)]))
+"""
+
+
+@needs_libtpu
+def test_libtpu_never_writes_a_gradient_reduced_beside_matmuls_in_f32() -> None:
+    """The logits' gradient of a biased head, read by the bias gradient's reduction and two
+    matmuls: libtpu (deviceless v5e:2x4) writes one f32 logit-sized buffer, the logits, and
+    the gradient at most in bf16 (hf_bert's 119 MiB logits, in HBM: a `(f32[vocab],
+    bf16[b,s,vocab])` fusion; this head's 4 MiB logits, in VMEM: recomputed in each reader),
+    so matmul_narrowed's bf16 bytes bound what it holds."""
+    import subprocess
+    import sys
+
+    from hloplan.tpu import child_env
+
+    done = subprocess.run([sys.executable, "-c", _LIBTPU_BIASED_HEAD], env=child_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    dtypes = json.loads(done.stdout.strip().splitlines()[-1])
+    assert dtypes.count("f32") == 1, dtypes
