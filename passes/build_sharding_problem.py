@@ -733,8 +733,24 @@ class _ProblemBuilder:
         relayout = self._recomputed_source(value_id, consumer, src_id, dst_id, costs, relayout)
         return Edge(self.space.node_of[producer], self.space.node_of[consumer.index], costs,
                     label=f"%{value_id} -> %{consumer.index}",
-                    copies=self._copies(type_, dst_id) if position >= 0 else (),
+                    copies=(self._copies(type_, dst_id)
+                            if position >= 0 and not self._resharded_in_place(consumer) else ()),
                     relayout=relayout)
+
+    def _resharded_in_place(self, consumer: Op) -> bool:
+        """Whether a reshard into `consumer` is its result's own buffer: a transpose folded
+        into the matmuls that read it (a layout, no kernel) whose result is held. XLA's
+        collective writes the value in the transposed layout and the matmuls read that buffer,
+        so the resharded copy and the transpose's result are one buffer, held as the result
+        (libtpu 0.0.42, hf_gpt2 on v5e:2x4: the tied embedding all-gathered for the output
+        head is one `bf16[50257,768]{0,1}` buffer, read by the forward and backward head
+        matmuls). On TPU device models (`[buffers] fused_reductions`): XLA's CPU compiler keeps
+        arrays row-major, so a transpose is a copy there."""
+        if (not self.comm.model.fused_reductions or consumer.index not in self.folded
+                or len(consumer.results) != 1):
+            return False
+        result = consumer.results[0]
+        return result not in self.unmaterialized and result not in self.space.free_values
 
     def _shared_reshards(self) -> dict[tuple[int, int], tuple[int, int]]:
         """(matmul, operand position) -> (the previous matmul reading the same value, its
@@ -1178,8 +1194,14 @@ def matmul_narrowed(graph: Graph, folded: set[int], dtype: str) -> dict[int, flo
     into them), on a compiler that runs f32 matmuls on `dtype` operands: XLA's TPU compiler
     converts such a value to bf16 inside the kernel that makes it and writes it out in bf16
     (a cross entropy's logit gradients, an MLP's activations kept for the weight gradient);
-    not for a dot_general it computes as a multiply and a reduction (_vector_product). A
-    transpose folded into matmuls holds bf16 too where it holds a buffer of its own (a reshard
+    not for a dot_general it computes as a multiply and a reduction (_vector_product). An
+    elementwise value read by reductions as well as by matmuls is narrowed too: the kernel
+    that makes it computes the reductions from the f32 values (a multi-output fusion) and
+    writes the value for the matmuls only, in bf16 (libtpu 0.0.42: Flax BERT's output-head
+    logit gradient, read by the bias gradient's reduce_sum and two matmuls, is one fusion
+    writing `f32[vocab]` and the `bf16[b,s,vocab]` gradient; hf_bert on v5e:2x4, its f32
+    logits in HBM; with logits small enough for VMEM it recomputes the gradient in each
+    reader instead and writes none, which the bf16 bytes bound). A transpose folded into matmuls holds bf16 too where it holds a buffer of its own (a reshard
     into it): libtpu converts before the collective (Flax GPT-2's tied embedding, all-gathered
     for the output head as `bf16[50257,768]`, 77 MB, not 154 in f32).
     Op index -> the bytes written per byte of the result type."""
@@ -1192,6 +1214,20 @@ def matmul_narrowed(graph: Graph, folded: set[int], dtype: str) -> dict[int, flo
             or ((u in folded or graph.ops[u].name in _CONVERT_MOVERS)
                 and read_by_matmuls(graph.ops[u].results[0])) for u in users)
 
+    def reduced_beside(op: Op, value_id: int) -> bool:
+        """An elementwise op's value read by matmuls (as read_by_matmuls) and by reductions
+        of its region: they fuse into the kernel making it, which writes it for the matmuls."""
+        users = [graph.ops[u] for u in graph.values[value_id].users]
+        reduces = [u for u in users if u.name == "stablehlo.reduce"
+                   and (u.parent, u.region) == (op.parent, op.region)]
+        if (not reduces or len(reduces) == len(users)
+                or op.name.removeprefix("stablehlo.") not in ELEMENTWISE):
+            return False
+        return all(u in reduces
+                   or (u.name in matmuls and not _vector_product(u, graph))
+                   or ((u.index in folded or u.name in _CONVERT_MOVERS)
+                       and read_by_matmuls(u.results[0])) for u in users)
+
     outputs = set(graph.outputs)
     narrow = dtype_bytes(dtype)
     out = {}
@@ -1199,7 +1235,8 @@ def matmul_narrowed(graph: Graph, folded: set[int], dtype: str) -> dict[int, flo
         if op.name == "arg" or not op.results:
             continue
         types = [graph.type_of(v) for v in op.results]
-        if all(t is not None and t.dtype == "f32" and v not in outputs and read_by_matmuls(v)
+        if all(t is not None and t.dtype == "f32" and v not in outputs
+               and (read_by_matmuls(v) or reduced_beside(op, v))
                for t, v in zip(types, op.results)):
             out[op.index] = narrow / 4
     return out

@@ -232,3 +232,121 @@ def test_live_peak_is_libtpus_peak_memory() -> None:
     ours, libtpu = json.loads(done.stdout.strip().splitlines()[-1])
     assert libtpu > 64 * 2**20  # the f32 logits: 8192 / 2 x 32768 / 4 per device
     assert abs(ours - libtpu) <= 0.002 * libtpu, (ours, libtpu)
+
+
+def _biased_head(params, x, y):
+    """An output head with a bias (Flax BERT's, haiku's hk.Linear): the logits' gradient is read
+    by the bias gradient's reduction and by the weight and input gradients' matmuls."""
+    def loss(params, x):
+        logits = x @ params["w"] + params["b"]
+        return -jnp.mean(jnp.sum(jax.nn.one_hot(y, logits.shape[-1])
+                                 * jax.nn.log_softmax(logits, axis=-1), axis=-1))
+
+    return jax.grad(loss, argnums=(0, 1))(params, x)
+
+
+def _biased_head_args():
+    s, f32 = jax.ShapeDtypeStruct, jnp.float32
+    return ({"w": s((256, 4096), f32), "b": s((4096,), f32)}, s((1024, 256), f32),
+            s((1024,), jnp.int32))
+
+
+def test_values_reduced_beside_matmuls_are_written_as_bf16(tmp_path: Path) -> None:
+    """The logits' gradient is read by a reduce_sum (the bias gradient) and by matmuls: on TPU
+    the reduction fuses into the kernel making it (a multi-output fusion) and the value is
+    written for the matmuls, in bf16 (libtpu's `(f32[vocab], bf16[b,s,vocab])` fusion on Flax
+    BERT's head): half its f32 bytes."""
+    tpu, _ = _plan(_biased_head, _biased_head_args(), "tpu-v5e")
+    plain, _ = _plan(_biased_head, _biased_head_args(), _plain_tpu(tmp_path))
+    graph = tpu.graph
+    found = 0
+    for op in graph.ops:
+        if (op.index not in tpu.space.node_of or len(op.results) != 1
+                or graph.type_of(op.results[0]).shape != (1024, 4096)):
+            continue
+        readers = {graph.ops[u].name for u in graph.values[op.results[0]].users}
+        if readers != {"stablehlo.reduce", "stablehlo.dot_general"}:
+            continue
+        node = tpu.space.node_of[op.index]
+        for narrow, full in zip(tpu.problem.nodes[node].strategies,
+                                plain.problem.nodes[plain.space.node_of[op.index]].strategies,
+                                strict=True):
+            assert narrow.memory == full.memory / 2
+        found += 1
+    assert found == 1
+
+
+def _tied_head(emb, x):
+    """Logits against a tied embedding (`x @ emb.T`, HF GPT-2's and BERT's output head): the
+    transpose is folded into the forward and backward matmuls."""
+    def loss(emb, x):
+        return jnp.mean(jax.nn.logsumexp(x @ emb.T, axis=-1))
+
+    return jax.grad(loss, argnums=(0, 1))(emb, x)
+
+
+def test_reshard_into_a_folded_transpose_is_its_result(tmp_path: Path) -> None:
+    """A reshard into a transpose the matmuls fold is written in the transposed layout: on
+    TPU its copy is the transpose's own buffer, held once (as the transpose's result); XLA's
+    CPU compiler keeps arrays row-major, so there the copy and the transposed result are
+    two buffers."""
+    s = jax.ShapeDtypeStruct
+    args = (s((8192, 512), jnp.float32), s((1024, 512), jnp.float32))
+    tpu, _ = _plan(_tied_head, args, "tpu-v5e")
+    plain, _ = _plan(_tied_head, args, _plain_tpu(tmp_path))
+    (transpose,) = [op for op in tpu.graph.ops if op.name == "stablehlo.transpose"
+                    and op.operands == (tpu.graph.arguments[0],)]
+    for state, held in ((tpu, False), (plain, True)):
+        node = state.space.node_of[transpose.index]
+        into = [e for e in state.problem.edges if e.dst == node]
+        assert into
+        assert all(any(e.copies) == held for e in into)
+
+
+_LIBTPU_BIASED_HEAD = """
+import json, re
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from hloplan.tpu import parse_topology, topology_devices
+
+mesh = Mesh(np.array(topology_devices(parse_topology("v5e:2x4"))).reshape(2, 4), ("x", "y"))
+
+def step(params, x, y):  # an output head with a bias over 4,096 words, its gradients
+    def loss(params, x):
+        logits = x @ params["w"] + params["b"]
+        return -jnp.mean(jnp.sum(jax.nn.one_hot(y, 4096) * jax.nn.log_softmax(logits), -1))
+    return jax.grad(loss, argnums=(0, 1))(params, x)
+
+s, f32 = jax.ShapeDtypeStruct, jnp.float32
+params = {"w": s((256, 4096), f32, sharding=NamedSharding(mesh, P(None, "x"))),
+          "b": s((4096,), f32, sharding=NamedSharding(mesh, P("x")))}
+x = s((2048, 256), f32, sharding=NamedSharding(mesh, P("y", None)))
+y = s((2048,), jnp.int32, sharding=NamedSharding(mesh, P("y")))
+text = jax.jit(step).lower(params, x, y).compile().as_text()
+entry = text[text.index("ENTRY"):]
+entry = entry[:entry.index("\\n}")]
+# the dtypes of the logit-sized buffers the entry computation writes (per device [512, 2048];
+# a get-tuple-element or a bitcast names a buffer written before)
+print(json.dumps([d for line in entry.splitlines()
+                  if not re.search(r"get-tuple-element\\(|bitcast\\(", line)
+                  for d in re.findall(r"(\\w+)\\[512,2048\\]", line)]))
+"""
+
+
+@needs_libtpu
+def test_libtpu_never_writes_a_gradient_reduced_beside_matmuls_in_f32() -> None:
+    """The logits' gradient of a biased head, read by the bias gradient's reduction and two
+    matmuls: libtpu (deviceless v5e:2x4) writes one f32 logit-sized buffer, the logits, and
+    the gradient at most in bf16 (hf_bert's 119 MiB logits, in HBM: a `(f32[vocab],
+    bf16[b,s,vocab])` fusion; this head's 4 MiB logits, in VMEM: recomputed in each reader),
+    so matmul_narrowed's bf16 bytes bound what it holds."""
+    import subprocess
+    import sys
+
+    from hloplan.tpu import child_env
+
+    done = subprocess.run([sys.executable, "-c", _LIBTPU_BIASED_HEAD], env=child_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    dtypes = json.loads(done.stdout.strip().splitlines()[-1])
+    assert dtypes.count("f32") == 1, dtypes
