@@ -350,3 +350,61 @@ def test_libtpu_never_writes_a_gradient_reduced_beside_matmuls_in_f32() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     dtypes = json.loads(done.stdout.strip().splitlines()[-1])
     assert dtypes.count("f32") == 1, dtypes
+
+
+_LIBTPU_VMEM = """
+import json, re, tempfile
+from pathlib import Path
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from hloplan.hlo_stats import dumped_live_peak
+from hloplan.tpu import parse_topology, topology_devices
+
+mesh = Mesh(np.array(topology_devices(parse_topology("v5e:2x4"))).reshape(2, 4), ("x", "y"))
+
+def step(w, x):  # a matmul, a softmax over the columns and its gradient
+    def loss(w):
+        return jax.nn.log_softmax(jnp.tanh(x) @ w).mean()
+    return w - 0.1 * jax.grad(loss)(w)
+
+s = jax.ShapeDtypeStruct
+out = {}
+for cols in (16384, 32768):  # f32 logits per device: 4096 x cols / 4 (64 and 128 MiB)
+    w = s((512, cols), jnp.float32, sharding=NamedSharding(mesh, P(None, "y")))
+    x = s((8192, 512), jnp.float32, sharding=NamedSharding(mesh, P("x", None)))
+    with tempfile.TemporaryDirectory() as dump:
+        jax.jit(step, donate_argnums=(0,)).lower(w, x).compile(
+            {"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
+        (assignment,) = Path(dump).glob("*after_optimizations-buffer-assignment.txt")
+        color, spaces = 0, []  # the memory space (color) of each logit-sized value
+        for line in assignment.read_text().splitlines():
+            m = re.match(r"allocation \\d+: size \\d+,\\s*(?:color (\\d+))?", line)
+            if m:
+                color = int(m.group(1) or 0)
+            m = re.match(r"\\s*value: <.*\\(size=(\\d+),", line)
+            if m and int(m.group(1)) == 4096 * cols:
+                spaces.append(color)
+        out[cols] = [spaces, dumped_live_peak(dump).bytes]
+print(json.dumps(out))
+"""
+
+
+@needs_libtpu
+def test_libtpu_keeps_a_logit_sized_temporary_in_vmem_when_it_fits() -> None:
+    """libtpu's memory-space assignment (deviceless v5e:2x4) puts a softmax head's f32 logits
+    in on-chip VMEM (`color 1`, up to 112 MiB on v5e) when they fit: 64 MiB per device there,
+    and the HBM peak holds only the arguments; 128 MiB stay in HBM. The estimate counts them
+    either way (docs/tpu.md, Memory on TPU: why it does not take VMEM off)."""
+    import subprocess
+    import sys
+
+    from hloplan.tpu import child_env
+
+    done = subprocess.run([sys.executable, "-c", _LIBTPU_VMEM], env=child_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    (small, small_peak), (large, large_peak) = found["16384"], found["32768"]
+    assert small == [1], small  # in VMEM
+    assert large == [0], large  # in HBM
+    assert small_peak < 32 * 2**20 < 128 * 2**20 < large_peak, (small_peak, large_peak)
