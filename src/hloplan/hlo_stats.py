@@ -1625,14 +1625,35 @@ def live_peak(live_range_text: str, buffer_assignment_text: str) -> LivePeak | N
     dump's own "(peak)" section, which counts each value. On libtpu's compiles this is
     `memory_analysis().peak_memory_in_bytes` (tested on TPU; within 0.5 MB on the
     Llama-8B-class step)."""
+    buffers = _live_buffers(live_range_text, buffer_assignment_text, 0)
+    if not buffers:
+        return None
+    change: dict[int, int] = {}
+    for buffer in buffers:
+        change[buffer.start] = change.get(buffer.start, 0) + buffer.bytes
+        change[buffer.end + 1] = change.get(buffer.end + 1, 0) - buffer.bytes
+    live, best, when = 0, -1, 0
+    for time in sorted(change):
+        live += change[time]
+        if live > best:
+            best, when = live, time
+    held = sorted((b for b in buffers if b.start <= when <= b.end),
+                  key=lambda b: (-b.bytes, b.names))
+    return LivePeak(best, when, tuple(held))
+
+
+def _live_buffers(live_range_text: str, buffer_assignment_text: str, color: int
+                  ) -> list[LiveBuffer]:
+    """The buffers of memory space `color` in a dump (see live_peak): slices of its
+    allocations, each live over the merged live ranges of the values placed in it."""
     sizes: dict[str, tuple[int, int, int, str]] = {}  # value -> allocation, offset, size, kind
     allocation: tuple[int, str] | None = None
     for line in buffer_assignment_text.splitlines():
         found = re.match(r"allocation (\d+): size \d+,(.*)$", line)
         if found:
             kind = found.group(2).strip()
-            other = re.match(r"color (\d+)", kind)  # on-chip memories: not the default one
-            allocation = None if (other and other.group(1) != "0") or kind.startswith(
+            other = re.match(r"color (\d+)", kind)  # 0: the default memory; 1: VMEM on TPU
+            allocation = None if int(other.group(1) if other else 0) != color or kind.startswith(
                 "thread-local") else (int(found.group(1)), kind)
             continue
         found = re.match(r"\s*value: <\d+ (\S+)(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\)",
@@ -1649,7 +1670,7 @@ def live_peak(live_range_text: str, buffer_assignment_text: str) -> LivePeak | N
             slices.setdefault((index, offset, size), []).append(
                 (int(found.group(2)), int(found.group(3)), name))
     kinds = {(index, offset, size): kind for index, offset, size, kind in sizes.values()}
-    buffers = []
+    buffers: list[LiveBuffer] = []
     for key, ranges in slices.items():  # the values of one slice, merged where they overlap
         ranges.sort()
         start, end, names = ranges[0][0], ranges[0][1], [ranges[0][2]]
@@ -1660,20 +1681,16 @@ def live_peak(live_range_text: str, buffer_assignment_text: str) -> LivePeak | N
                 buffers.append(LiveBuffer(tuple(names), key[2], start, end, kinds[key]))
                 start, end, names = begin, finish, [name]
         buffers.append(LiveBuffer(tuple(names), key[2], start, end, kinds[key]))
-    if not buffers:
-        return None
-    change: dict[int, int] = {}
-    for buffer in buffers:
-        change[buffer.start] = change.get(buffer.start, 0) + buffer.bytes
-        change[buffer.end + 1] = change.get(buffer.end + 1, 0) - buffer.bytes
-    live, best, when = 0, -1, 0
-    for time in sorted(change):
-        live += change[time]
-        if live > best:
-            best, when = live, time
-    held = sorted((b for b in buffers if b.start <= when <= b.end),
-                  key=lambda b: (-b.bytes, b.names))
-    return LivePeak(best, when, tuple(held))
+    return buffers
+
+
+def live_at(live_range_text: str, buffer_assignment_text: str, time: int,
+            color: int = 1) -> tuple[LiveBuffer, ...]:
+    """The buffers of memory space `color` (default 1: libtpu's on-chip VMEM, which its HBM
+    figures leave out) live at position `time` of the schedule, largest first: what libtpu
+    keeps on chip at its HBM peak (live_peak(...).time)."""
+    return tuple(sorted((b for b in _live_buffers(live_range_text, buffer_assignment_text, color)
+                         if b.start <= time <= b.end), key=lambda b: (-b.bytes, b.names)))
 
 
 def dumped_live_peak(dump_dir) -> LivePeak | None:

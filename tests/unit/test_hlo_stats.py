@@ -30,6 +30,7 @@ from hloplan.hlo_stats import (  # noqa: E402
     dumped_live_peak,
     dumped_temp_bytes,
     kernel_stats,
+    live_at,
     live_peak,
     live_range_peak,
     memory_stats,
@@ -1091,6 +1092,31 @@ allocation 3: size 9000, color 1, preallocated-temp:
     assert peak.buffers[0].start == 2 and peak.buffers[0].end == 8
     assert peak.buffers[-1].kind.startswith("parameter 0")
     assert live_peak(ranges, "BufferAssignment:\n") is None
+
+
+def test_live_at_reads_the_vmem_held_at_a_point():
+    """libtpu's on-chip VMEM (color 1): two values placed one after the other in one slice
+    (v1, then v2) are live only over their own ranges; color 0 gives the HBM buffers."""
+    assignment = """BufferAssignment:
+allocation 0: size 4096, preallocated-temp:
+ value: <1 h @0> (size=4096,offset=0): f32[1024]
+allocation 1: size 12000, color 1, preallocated-temp:
+ value: <2 v1 @0> (size=8000,offset=0): f32[2000]
+ value: <3 v2 @0> (size=8000,offset=0): f32[2000]
+ value: <4 w @0> (size=4000,offset=8000): f32[1000]
+"""
+    ranges = """HloLiveRange (max 9):
+  BufferLiveRange:
+    h{}:2-6
+    v1{}:0-4
+    v2{}:6-9
+    w{}:3-7
+"""
+    assert [(b.names, b.bytes) for b in live_at(ranges, assignment, 3)] == [
+        (("v1",), 8000), (("w",), 4000)]
+    assert [b.names for b in live_at(ranges, assignment, 5)] == [("w",)]
+    assert [b.names for b in live_at(ranges, assignment, 8)] == [("v2",)]
+    assert [b.names for b in live_at(ranges, assignment, 5, color=0)] == [("h",)]
 
 
 def test_preallocated_temp_bytes_by_memory_space():
