@@ -182,6 +182,32 @@ def minor_dims(shape: tuple[int, ...], row_major: bool = False,
     return best
 
 
+def conv_loop_operand_dims(shape: tuple[int, ...], feature: int, batch: int,
+                           chunk: int) -> tuple[int, int]:
+    """The (minor, second-minor) dims of the copy of a convolution's input (`shape`, local)
+    that a collective-matmul loop carries (libtpu 0.0.42 on v5e). The loop of a kernel
+    gradient reduce-scattered onto its input features computes `chunk` of them a step,
+    slicing the input's `batch` dim (the kernel gradient's lhs batch dim: the activation's
+    channels); its convolution contracts over the input's `feature` dim (the activation's
+    images). libtpu puts whichever of the two pads less in the lanes, the images on a tie; the
+    channels minor, the copy takes the default layout (minor_dims). Kernel gradients of 3x3
+    convolutions on v5e:2x4, images sharded over the 8 chips: 8 images, 64 channels (chunks
+    of 8) carry `bf16[8,64,64,64]{0,3,2,1:T(8,128)(2,1)}`, the 8 images padded to 128 lanes
+    (64 MiB for a 4 MiB array; linen_resnet's second block); 16 images and 64 channels, and 32
+    images and 256 channels, carry the images minor too; 8 images and 128 or 256 channels, 4
+    images and 64 channels, 32 images and 512 channels carry the channels minor."""
+    images = shape[feature]
+    if _round_up(images, 128) * chunk <= _round_up(chunk, 128) * images:
+        return feature, batch
+    return minor_dims(shape)
+
+
+def conv_loop_operand_elements(shape: tuple[int, ...], feature: int, batch: int,
+                               chunk: int) -> int:
+    """Elements of that copy (conv_loop_operand_dims) in libtpu's tiles."""
+    return _tiled_count(shape, *conv_loop_operand_dims(shape, feature, batch, chunk))
+
+
 def row_major_results(op_name: str) -> bool:
     """Ops libtpu computes in the program's order of dims: scatters. libtpu's scatter kernel
     writes its result with the updated rows' dims minor and reads its updates as
