@@ -280,7 +280,10 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
     from the scores and their row max and sum, and the backward pass reads the exponentials
     again: libtpu keeps the f32 scores and the two row statistics and writes no buffer for
     the probabilities (gpt on v5e:16x16 and v5e:2x4: one `f32[b,h,q,k]` per layer at its
-    peak, no bf16 one). Only values an elementwise op makes (a weight's transpose is
+    peak, no bf16 one). For a value read only by convolutions, leaves smaller than it
+    (broadcast into it) are not sources either: libtpu's kernel gradients recompute a
+    pre-activation block's `relu(norm(h))` from h and the norm's per-channel statistics,
+    scale and bias (linen_resnet on v5e:2x4 and 4x8, libtpu 0.0.42). Only values an elementwise op makes (a weight's transpose is
     left to the other rules), and no pad on the way (a written-out pad is a kernel of its
     own: pad_operands). Value ids."""
     arguments = set(graph.arguments)
@@ -300,6 +303,11 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
         chain, leaves = found
         made = {r for index in chain for r in graph.ops[index].results}
         held = {v for v in leaves - free if not _statistic_of(graph, v, made | leaves, free)}
+        if all(graph.ops[u].name == "stablehlo.convolution" for u in value.users):
+            # A convolution's kernel recomputes its input from the one value of its size the
+            # chain reads, with the smaller ones broadcast into it (a norm's statistics,
+            # scale and bias): see _broadcast_into.
+            held = {v for v in held if not _broadcast_into(graph, v, value.type)}
         if len(held) != 1:
             continue
         (leaf,) = held
@@ -310,6 +318,13 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
         if leaf in arguments or any(u > last and u not in chain for u in readers):
             out.add(value.id)
     return out
+
+
+def _broadcast_into(graph: Graph, value_id: int, type_) -> bool:
+    """Whether `value_id` has fewer elements than a value of `type_` (it is broadcast into
+    the chain making it: per-channel statistics, scale and bias)."""
+    own = graph.type_of(value_id)
+    return own is not None and type_ is not None and own.elements < type_.elements
 
 
 def _fused_chain(graph: Graph, op, unmaterialized: set[int]) -> tuple[set[int], set[int]] | None:
