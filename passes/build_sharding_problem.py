@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import bisect
 import functools
 import re
 from dataclasses import dataclass, replace
@@ -192,7 +191,6 @@ class _ProblemBuilder:
         self.reshard_cache: dict = {}  # type -> (src layout, dst layout) -> seconds
         self.copies_cache: dict = {}  # (type, layouts id) -> bytes of a copy in each layout
         self.relayout_cache: dict = {}  # _relayout's answers
-        self.point_ops: list[int] = []  # per memory check, the op after which it is made
         self.read_edges: dict[tuple[int, int], int] = {}  # (op, operand) -> its edge's index
         self.plain_of: dict[int, Strategy] = {}  # id(OpStrategy) -> Strategy (cached ones live)
         self.folded = folded_transposes(graph)  # transposes a GEMM reads through: no kernel
@@ -1002,33 +1000,16 @@ class _ProblemBuilder:
             return problem
         firsts = first_live_points(problem)
         node_of = self.space.node_of
-
-        def point(op_index: int) -> int | None:
-            # Where a reader runs: its values' first live point, or, for one whose result is
-            # never written out (an output-fused matmul: no live point of its own), the last
-            # check before it, where the copy it reads is live (haiku_transformer on
-            # v5e:16x16: the MLP's second weight, all-gathered for the forward matmul, is held
-            # in bf16 until the backward input-gradient matmul, whose result is fused into the
-            # activation's derivative).
-            found = firsts.get(node_of[op_index])
-            if found is None and all(v in self.unmaterialized
-                                     for v in self.graph.ops[op_index].results):
-                found = bisect.bisect_right(self.point_ops, op_index) - 1
-            return found if found is not None and found >= 0 else None
-
         edges = list(problem.edges)
         for key, e in self.read_edges.items():
             edge = edges[e]
-            if not edge.copies or key not in following:
+            if not edge.copies or key not in following or edge.dst not in firsts:
                 continue
-            start = point(key[0])
-            if start is None:
-                continue
-            last = start
+            start = last = firsts[edge.dst]
             reader = key
             while reader in following:
                 reader = following[reader]
-                last = max(last, point(reader[0]) or last)
+                last = max(last, firsts.get(node_of[reader[0]], last))
             if last > start:
                 edges[e] = replace(edge, held=(start, last))
         return replace(problem, edges=tuple(edges))
@@ -1178,7 +1159,6 @@ class _ProblemBuilder:
                 making.clear()
                 label = graph.ops[t].label if t < end else "end"
                 points.append(LivePoint((), fixed, label=f"after %{t} {label}"))
-                self.point_ops.append(t)
             for value_id in dying:
                 node = owner.get(value_id)
                 if node is not None:

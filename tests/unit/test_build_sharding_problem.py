@@ -69,29 +69,6 @@ def test_a_shared_copy_is_held_until_the_last_matmul_reading_it():
     assert len(again) == 1 and again[0].held is None
 
 
-def test_a_shared_copy_is_held_until_a_later_reader_whose_result_is_fused():
-    """On tpu-v5e both matmuls' results are computed inside the kernels that read them (tanh,
-    and the input gradient times tanh's derivative) and have no live point of their own; the
-    forward matmul's copy of the weight is still held from the check before it to the one
-    before the backward matmul (libtpu holds each
-    all-gathered weight from the forward to the backward matmul, haiku_transformer on
-    v5e:16x16)."""
-    s = jax.ShapeDtypeStruct
-    w = s((2048, 2048), jnp.float32)
-    data = export.export(jax.jit(_step))((w, w), s((8192, 2048), jnp.float32)).serialize()
-    state = hloplan.compile(data, "8", device="tpu-v5e", mesh_views="off").state
-    graph, space, problem = state.graph, state.space, state.problem
-    w = graph.arguments[1]
-    first, second = (space.node_of[u] for u in dict.fromkeys(graph.values[w].users)
-                     if graph.ops[u].name == "stablehlo.dot_general")
-    firsts = first_live_points(problem)
-    assert second not in firsts  # output-fused: no buffer of its own
-    arg_node = space.node_of[graph.values[w].producer]
-    read = [e for e in problem.edges if e.src == arg_node and e.dst == first]
-    assert len(read) == 1 and read[0].held is not None
-    assert first not in firsts and read[0].held[1] > read[0].held[0]
-
-
 def test_gradient_matmuls_share_one_reshard_of_the_output_gradient():
     """The backward pass reads the output gradient twice (the weight's gradient and the input's):
     XLA gathers it once for both, so the second matmul reads it as the first one does."""
