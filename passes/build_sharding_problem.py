@@ -65,6 +65,7 @@ from hloplan.strategies import (
     shards,
 )
 from hloplan.tpu_buffers import (
+    conv_loop_operand_elements,
     fused_selects,
     gathers_rows,
     operand_fused_values,
@@ -867,7 +868,7 @@ class _ProblemBuilder:
                 return replace(plain, memory=memory, transient=plain.transient + relaid,
                                compute_cost=plain.compute_cost
                                + 2 * relaid / self.comm.model.hbm_bandwidth)
-            return replace(plain, memory=memory,
+            return replace(plain, memory=memory, transient=self._loop_copy(op, strategy),
                            accumulators=2 * memory if plain.accumulators else 0.0)
         made = sum(self._held_bytes(t, spec, True) for t, spec in zip(types, strategy.results))
         n = len(op.results)
@@ -878,6 +879,24 @@ class _ProblemBuilder:
                 shape = scatter_updates_shape(local_shape(type_, spec, self.mesh), window)
                 made += tiled_elements(shape, type_.itemsize, True) * type_.itemsize
         return replace(plain, memory=memory, transient=plain.transient + made - memory)
+
+    def _loop_copy(self, op: Op, strategy: OpStrategy) -> float:
+        """`strategy.transient`, where it is the copy of a convolution's input that its
+        collective-matmul loop carries: in the MXU's input dtype and, with `[buffers]
+        tiled_layouts`, the loop's tiled layout (tpu_buffers.conv_loop_operand_elements: a
+        kernel gradient's loop can carry the activation with its images in the lanes)."""
+        if (strategy.copied != 0 or op.name != "stablehlo.convolution"
+                or not self.comm.model.tiled_layouts):
+            return strategy.transient
+        type_ = self.graph.type_of(op.operands[0])
+        result = self.graph.type_of(op.results[0])
+        spec = strategy.operands[0]
+        narrow = self.comm.model.matmul_input_dtype
+        itemsize = dtype_bytes(narrow) if narrow and type_.dtype == "f32" else type_.itemsize
+        chunk = local_shape(result, strategy.results[0], self.mesh)[op.attrs["output_batch"]]
+        return float(itemsize * conv_loop_operand_elements(
+            local_shape(type_, spec, self.mesh), op.attrs["input_feature"],
+            op.attrs["input_batch"], chunk))
 
     def _relaid_operand(self, op: Op, spec) -> float:
         """Bytes of the row-major copy a rows-reading gather (tpu_buffers.gathers_rows) makes
@@ -983,7 +1002,9 @@ class _ProblemBuilder:
         strategies = self.space.strategies[op_index]
         if not any(s.copied == position for s in strategies):
             return edge
-        loop_copy = tuple(s.transient if s.copied == position else 0.0 for s in strategies)
+        op = self.graph.ops[op_index]
+        loop_copy = tuple(self._loop_copy(op, s) if s.copied == position else 0.0
+                          for s in strategies)
         via = self.read_edges.get(previous) if previous is not None else None
         return replace(edge, loop_copy=loop_copy, via=via)
 

@@ -182,6 +182,32 @@ def minor_dims(shape: tuple[int, ...], row_major: bool = False,
     return best
 
 
+def conv_loop_operand_dims(shape: tuple[int, ...], feature: int, batch: int,
+                           chunk: int) -> tuple[int, int]:
+    """The (minor, second-minor) dims of the copy of a convolution's input (`shape`, local)
+    that a collective-matmul loop carries (libtpu 0.0.42 on v5e). The loop of a kernel
+    gradient reduce-scattered onto its input features computes `chunk` of them a step,
+    slicing the input's `batch` dim (the kernel gradient's lhs batch dim: the activation's
+    channels); its convolution contracts over the input's `feature` dim (the activation's
+    images). libtpu puts whichever of the two pads less in the lanes, the images on a tie; the
+    channels minor, the copy takes the default layout (minor_dims). Kernel gradients of 3x3
+    convolutions on v5e:2x4, images sharded over the 8 chips: 8 images, 64 channels (chunks
+    of 8) carry `bf16[8,64,64,64]{0,3,2,1:T(8,128)(2,1)}`, the 8 images padded to 128 lanes
+    (64 MiB for a 4 MiB array; linen_resnet's second block); 16 images and 64 channels, and 32
+    images and 256 channels, carry the images minor too; 8 images and 128 or 256 channels, 4
+    images and 64 channels, 32 images and 512 channels carry the channels minor."""
+    images = shape[feature]
+    if _round_up(images, 128) * chunk <= _round_up(chunk, 128) * images:
+        return feature, batch
+    return minor_dims(shape)
+
+
+def conv_loop_operand_elements(shape: tuple[int, ...], feature: int, batch: int,
+                               chunk: int) -> int:
+    """Elements of that copy (conv_loop_operand_dims) in libtpu's tiles."""
+    return _tiled_count(shape, *conv_loop_operand_dims(shape, feature, batch, chunk))
+
+
 def row_major_results(op_name: str) -> bool:
     """Ops libtpu computes in the program's order of dims: scatters. libtpu's scatter kernel
     writes its result with the updated rows' dims minor and reads its updates as
@@ -254,7 +280,10 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
     from the scores and their row max and sum, and the backward pass reads the exponentials
     again: libtpu keeps the f32 scores and the two row statistics and writes no buffer for
     the probabilities (gpt on v5e:16x16 and v5e:2x4: one `f32[b,h,q,k]` per layer at its
-    peak, no bf16 one). Only values an elementwise op makes (a weight's transpose is
+    peak, no bf16 one). For a value read only by convolutions, leaves smaller than it
+    (broadcast into it) are not sources either: libtpu's kernel gradients recompute a
+    pre-activation block's `relu(norm(h))` from h and the norm's per-channel statistics,
+    scale and bias (linen_resnet on v5e:2x4 and 4x8, libtpu 0.0.42). Only values an elementwise op makes (a weight's transpose is
     left to the other rules), and no pad on the way (a written-out pad is a kernel of its
     own: pad_operands). Value ids."""
     arguments = set(graph.arguments)
@@ -274,6 +303,11 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
         chain, leaves = found
         made = {r for index in chain for r in graph.ops[index].results}
         held = {v for v in leaves - free if not _statistic_of(graph, v, made | leaves, free)}
+        if all(graph.ops[u].name == "stablehlo.convolution" for u in value.users):
+            # A convolution's kernel recomputes its input from the one value of its size the
+            # chain reads, with the smaller ones broadcast into it (a norm's statistics,
+            # scale and bias): see _broadcast_into.
+            held = {v for v in held if not _broadcast_into(graph, v, value.type)}
         if len(held) != 1:
             continue
         (leaf,) = held
@@ -284,6 +318,13 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
         if leaf in arguments or any(u > last and u not in chain for u in readers):
             out.add(value.id)
     return out
+
+
+def _broadcast_into(graph: Graph, value_id: int, type_) -> bool:
+    """Whether `value_id` has fewer elements than a value of `type_` (it is broadcast into
+    the chain making it: per-channel statistics, scale and bias)."""
+    own = graph.type_of(value_id)
+    return own is not None and type_ is not None and own.elements < type_.elements
 
 
 def _fused_chain(graph: Graph, op, unmaterialized: set[int]) -> tuple[set[int], set[int]] | None:

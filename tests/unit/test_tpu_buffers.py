@@ -146,6 +146,40 @@ def test_matmul_operands_made_from_held_values_are_recomputed() -> None:
         assert (activation in tpu_unmaterialized(graph, fused)) == recomputed
 
 
+def _normed_conv(x, w1, w2, scale, bias, g, read):
+    """A pre-activation block: relu(norm(h)) of a convolution's output h, with per-channel
+    statistics, scale and bias, read by the next convolution and by its kernel gradient;
+    `read` is what reads h after both (the norm's backward pass)."""
+    dims = ("NHWC", "HWIO", "NHWC")
+    h = jax.lax.conv_general_dilated(x, w1, (1, 1), "SAME", dimension_numbers=dims)
+    mean = h.mean(axis=(1, 2), keepdims=True)
+    var = jnp.square(h).mean(axis=(1, 2), keepdims=True) - jnp.square(mean)
+    a = jax.nn.relu((h - mean) * jax.lax.rsqrt(var + 1e-5) * scale + bias)
+
+    def conv(kernel):
+        return jax.lax.conv_general_dilated(a, kernel, (1, 1), "SAME", dimension_numbers=dims)
+
+    y, vjp = jax.vjp(conv, w2)
+    return y, vjp(g)[0], read(h)
+
+
+def test_convolution_inputs_are_recomputed_with_their_norms() -> None:
+    """libtpu computes a convolution's input relu(norm(h)) inside each convolution reading it,
+    from h and the per-channel values broadcast into it (linen_resnet's pre-activation
+    blocks: no buffer for the relu, 8 MiB per block per device on v5e:4x8), where h is held
+    past them anyway; a dot's operand made with a bias is written out (`_gated`, GPT's
+    `gelu(x @ w + b)`)."""
+    f32 = jnp.float32
+    args = (S((8, 16, 16, 32), f32), S((3, 3, 32, 64), f32), S((3, 3, 64, 64), f32),
+            S((64,), f32), S((64,), f32), S((8, 16, 16, 64), f32))
+    for read, recomputed in ((lambda h: jnp.tanh(h) * 2.0, True), (lambda h: None, False)):
+        graph = _state(lambda *a, read=read: _normed_conv(*a, read), *args).graph
+        fused = fused_values(graph, folded_transposes(graph))
+        relu, = (op.results[0] for op in _ops(graph, "stablehlo.maximum")
+                 if len(graph.values[op.results[0]].users) == 2)
+        assert (relu in operand_fused_values(graph, fused, free_values(graph))) == recomputed
+
+
 def _padded(x, w, z):
     """An elementwise gradient padded back for two matmuls (Flax GPT-2's shifted logits)."""
     y = jnp.pad(jnp.tanh(x) * 2.0, ((0, 0), (0, 1), (0, 0)))

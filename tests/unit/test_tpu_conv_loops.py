@@ -1,0 +1,136 @@
+"""The copy of a convolution's input that libtpu's collective-matmul loop carries: a kernel
+gradient reduce-scattered onto its input channels carries the activation in bf16 with the
+images or the channels in the lanes, whichever pads less (hloplan.tpu_buffers
+conv_loop_operand_dims), and build-sharding-problem holds that copy's tiled bytes where the
+loop runs. The layouts are libtpu's (0.0.42, v5e:2x4), checked against libtpu where it is
+installed; planning runs on abstract shapes, no libtpu needed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export, lax
+
+from hloplan.compiler import compile_bytes, make_options
+from hloplan.strategies import local_shape
+from hloplan.tpu import libtpu_available
+from hloplan.tpu_buffers import conv_loop_operand_dims, conv_loop_operand_elements
+
+needs_libtpu = pytest.mark.skipif(not libtpu_available(),
+                                  reason="libtpu is not installed (pip install '.[tpu]')")
+
+# (images per device, image side, input channels, output channels, stride) of a 3x3 kernel
+# gradient, images sharded over the 8 chips of v5e:2x4 and the gradient reduce-scattered onto
+# its input channels (chunks of channels / 8): the dim libtpu's loop carries minor (0: the
+# images, 3: the channels), from its compiled HLO (the while loop's first tuple element).
+CASES = [
+    ((8, 64, 64, 128, 2), 0),    # linen_resnet's second block: 8 images, chunks of 8 channels
+    ((8, 64, 128, 128, 1), 3),   # chunks of 16: the channels pad less
+    ((16, 32, 64, 128, 2), 0),
+    ((8, 16, 256, 256, 1), 3),
+    ((32, 16, 256, 512, 2), 0),  # 32 images, chunks of 32: a tie, the images minor
+    ((4, 32, 64, 128, 1), 3),    # 4 images pad more than chunks of 8
+    ((32, 16, 512, 128, 1), 3),
+]
+
+
+@pytest.mark.parametrize(("case", "minor"), CASES)
+def test_loop_copy_layouts(case, minor) -> None:
+    images, side, channels, _, _ = case
+    shape = (images, side, side, channels)
+    assert conv_loop_operand_dims(shape, 0, 3, channels // 8)[0] == minor
+
+
+def test_loop_copy_bytes() -> None:
+    # bf16[8,64,64,64]{0,3,2,1:T(8,128)(2,1)}: the 8 images padded to 128 lanes, 64 MiB.
+    assert 2 * conv_loop_operand_elements((8, 64, 64, 64), 0, 3, 8) == 64 << 20
+    # bf16[32,16,16,256]{0,3,2,1}: 32 images padded to 128, 16 MiB (v5e:4x8, 32-channel chunks).
+    assert 2 * conv_loop_operand_elements((32, 16, 16, 256), 0, 3, 32) == 16 << 20
+    # Channels minor, no padding.
+    assert conv_loop_operand_elements((8, 32, 32, 128), 0, 3, 16) == 8 * 32 * 32 * 128
+
+
+def _kernel_gradient(images: int, side: int, channels: int, out: int, stride: int):
+    def step(w, x, g):
+        def conv(kernel):
+            return lax.conv_general_dilated(jax.nn.relu(x), kernel, (stride, stride), "SAME",
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+        _, vjp = jax.vjp(conv, w)
+        return w - 0.1 * vjp(g)[0]
+
+    f32 = jnp.float32
+    args = (jax.ShapeDtypeStruct((3, 3, channels, out), f32),
+            jax.ShapeDtypeStruct((images, side, side, channels), f32),
+            jax.ShapeDtypeStruct((images, side // stride, side // stride, out), f32))
+    return step, args
+
+
+def test_planner_holds_the_loops_copy_in_its_layout() -> None:
+    """linen_resnet's second block on v5e:2x4 (8 images per device, 64 channels, chunks of 8):
+    each looped strategy reading the activation sharded over its 8 images holds its loop's
+    bf16 copy with the images in the lanes, 64 MiB (4 MiB unpadded)."""
+    step, args = _kernel_gradient(64, 64, 64, 128, 2)
+    data = export.export(jax.jit(step))(*args).serialize()
+    state = compile_bytes(data, "step.jaxexport",
+                          make_options("8", device="tpu-v5e", mesh_views="off")).state
+    conv = next(op for op in state.graph.ops if op.name == "stablehlo.convolution")
+    node = state.problem.nodes[state.space.node_of[conv.index]]
+    mesh = state.options.mesh
+    checked = 0
+    for strategy, held in zip(state.space.strategies[conv.index], node.strategies, strict=True):
+        if strategy.copied != 0 or not strategy.accumulators:
+            continue
+        lhs = local_shape(state.graph.type_of(conv.operands[0]), strategy.operands[0], mesh)
+        chunk = local_shape(state.graph.type_of(conv.results[0]), strategy.results[0],
+                            mesh)[conv.attrs["output_batch"]]
+        assert held.transient == 2 * conv_loop_operand_elements(
+            lhs, conv.attrs["input_feature"], conv.attrs["input_batch"], chunk)
+        if lhs == (8, 64, 64, 64) and chunk == 8:
+            assert held.transient == 64 << 20
+            checked += 1
+    assert checked
+
+
+_LIBTPU_LOOPS = r"""
+import json, re, sys
+import numpy as np, jax, jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from hloplan.tpu import parse_topology, topology_devices
+
+mesh = Mesh(np.array(topology_devices(parse_topology("v5e:2x4"))), ("d",))
+out = []
+for images, side, channels, co, stride in json.loads(sys.argv[1]):
+    def step(w, x, g):
+        conv = lambda k: lax.conv_general_dilated(jax.nn.relu(x), k, (stride, stride), "SAME",
+                                                  dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return w - 0.1 * jax.vjp(conv, w)[1](g)[0]
+    ws = NamedSharding(mesh, P(None, None, "d", None))
+    batch = NamedSharding(mesh, P("d"))
+    n, h = 8 * images, side // stride
+    args = (jax.ShapeDtypeStruct((3, 3, channels, co), jnp.float32, sharding=ws),
+            jax.ShapeDtypeStruct((n, side, side, channels), jnp.float32, sharding=batch),
+            jax.ShapeDtypeStruct((n, h, h, co), jnp.float32, sharding=batch))
+    text = jax.jit(step, out_shardings=ws).lower(*args).compile().as_text()
+    found = re.search(r"= \(bf16\[[\d,]+\]\{(\d+),", text.partition(" while(")[0].rpartition("\n")[2])
+    out.append(int(found.group(1)) if found else None)
+print(json.dumps(out))
+"""
+
+
+@needs_libtpu
+def test_libtpu_carries_the_layout_the_planner_holds() -> None:
+    from hloplan.tpu import child_env
+
+    done = subprocess.run([sys.executable, "-c", _LIBTPU_LOOPS,
+                           json.dumps([case for case, _ in CASES])],
+                          env=child_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [minor for _, minor in CASES]
+
