@@ -105,7 +105,8 @@ def scatter_passes_updates(rule: OpRule, results, operands, reduced, operand_typ
     0.0.42 on v5e:4x8, ids [(x, y), -], updates [(x, y), -, -], result [-, (x, y)]: 8,192
     tokens of width 768 pass from 256 rows, 250 rows are reduce-scattered; 32,768 tokens from
     1,024 rows, 512 reduce-scattered; ids [y, -] and updates [y, -, x] pass at 2 rows; the ids'
-    own bytes do not count), where the ids are split over the summed axes on one dim. hf_bert's and hf_gpt2's embedding gradients on v5e:16x16, `[-, y]`
+    own bytes do not count), where the ids are split over the summed axes on one dim and the
+    result over every mesh axis. hf_bert's and hf_gpt2's embedding gradients on v5e:16x16, `[-, y]`
     partial over x onto `[-, (y, x)]`: an all-to-all(x) of the updates and an all-gather(x)
     of the ids (tests/unit/test_tpu_scatter_tiles.py)."""
     if rule.indexed != "scatter" or len(results) != 1 or len(operands) != 3 \
@@ -120,6 +121,11 @@ def scatter_passes_updates(rule: OpRule, results, operands, reduced, operand_typ
     updates_factors = {f for factors in rule.operands[2] for f in factors}
     if not set(rule.results[0][dims[0]]) & updates_factors:
         return False  # onto the indexed rows: the partial sums are reduced
+    if shards(spec, mesh) != mesh.size:
+        # A mesh axis the result is replicated over: the partitioner splits the ids over it
+        # too and all-reduces what each part scatters (hf_bert's `[-, y]` word-embedding
+        # gradient on v5e:2x4: a reduce-scatter over x, read through slices), not modelled.
+        return False
     if len([axes for axes in operands[1] if set(axes) & set(reduced)]) != 1:
         # Ids split over two dims (hf_gpt2's position ids `[y, x, -]` on v5e:2x4): libtpu
         # reduce-scatters (up to a table 0.5 x the whole updates at least; from some size

@@ -262,6 +262,14 @@ def test_scatter_passes_its_updates(rows, expected):
 _TWO_DIMS = ((((), (0, 1)),), (((1,), (0,), ()), ((1,), (0,), ())), (0, 1))
 
 
+def test_scatter_onto_a_replicated_axis_is_reduced():
+    # Tokens over y, the result [-, y]: x unused, the partitioner splits the ids over it.
+    comm = CommModel(load_device_model("tpu-v5e"), parse_mesh("x=4,y=8"))
+    key = ((((), (1,)),), (((1,), ()), ((1,), ())), (1,))
+    strategy = _scatter_add(comm, 1024)[key]
+    assert [kind for kind, _, _ in strategy.collectives] == ["reduce-scatter"]
+
+
 def test_scatter_of_ids_split_twice_is_reduced():
     comm = CommModel(load_device_model("tpu-v5e"), parse_mesh("x=4,y=8"))
     strategy = _scatter_add(comm, 1024, tokens=(64, 128))[_TWO_DIMS]
