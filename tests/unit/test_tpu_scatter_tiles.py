@@ -61,15 +61,16 @@ TILED = [
     ((513, 192), 0, 2, True, (798720, 5376)),  # a scatter's: row-major
     ((8, 511, 1), 0, 8, True, (130816, 0)),  # size-1 dims take no tile: [64, 511]
     # Over 8 (v5e:4x8, below): the permutes reach back past the next device (20 rows padded
-    # to 24: 7 x 4 rows, 24 + 4); a minor dim of an odd number of lane tiles pads the rows
-    # to 16 (24 to 32: hf_gpt2's output head, 393 lane tiles; 6 over 4 on 128 lanes stays
-    # unpadded, 16 being too many)
+    # to 24: 7 x 4 rows, 24 + 4); a minor dim of an odd number of whole lane tiles pads the
+    # rows to 16 (24 to 32 on 128 lanes; 6 over 4 stays unpadded, 16 being too many)
     ((20, 1024), 0, 8, False, (786432, 114688)),
     ((24, 128), 0, 8, False, (131072, 28672)),
     ((11, 128), 0, 8, False, (65536, 17920)),
     ((20, 128), 0, 8, False, (81920, 0)),
     ((6, 128), 0, 4, False, (12288, 0)),
-    ((50257, 24), 1, 8, False, (51463168, 11257568)),
+    ((24, 384), 0, 8, False, (393216, 86016)),
+    # partial lane tiles: whole row tiles (hf_bert's [30522, 192] head gradient, unpadded)
+    ((30522, 24), 1, 8, False, (23440896, 0)),
 ]
 
 
@@ -189,10 +190,10 @@ def test_tiled_scatters_as_libtpu_compiles_them():
 # Reduce-scattered matmuls on v5e:4x8 (x=4, y=8), f32, as above, with the model's arguments:
 # (the result's shard, the scattered dim, n).
 PROBES_4X8 = [
-    # hf_gpt2's output-head weight gradient: [50257, 192] partial sums kept 50,257 minor (393
-    # lane tiles, odd): 24 columns a device padded to 32, permutes of 24 and 32 columns
-    ("tv,td->vd", (1024, 50257), (1024, 768), (Y, None), (Y, X), (None, (X, Y)),
-     (45030272, 11257568), ((50257, 24), 1, 8)),
+    # hf_bert's output-head weight gradient: [30522, 192] partial sums kept 30,522 minor, 24
+    # columns a device, unpadded
+    ("tv,td->vd", (1024, 30522), (1024, 768), (Y, None), (Y, X), (None, (X, Y)),
+     (20510784, 0), ((30522, 24), 1, 8)),
     # 20 rows over 8 on 256 lanes: padded to 24, permutes of 24 and 4 rows
     ("br,bc->rc", (256, 160), (256, 1024), (Y, None), (Y, X), (Y, X), (172032, 28672),
      ((20, 256), 0, 8)),
