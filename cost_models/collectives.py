@@ -289,15 +289,22 @@ class CommModel:
             rows minor);
           - `dim` second-minor, the shard not whole row tiles: each shard is padded to P =
             whole tiles (S = 513 rows: P = 520), the all-reduce takes n x P rows and device k
-            sends the next one the rows it holds of the next shard, (k + 1)(P - S) of them: a
-            collective-permute of the largest, (n - 1)(P - S) rows; only while the padding is
-            under the shard and that fits one padded shard (P < 2S, (n - 1)(P - S) <= P;
-            elsewhere libtpu all-reduces and slices: 6 rows or 40 over 4);
+            lacks the first k(P - S) rows of its shard, which devices k - 1, k - 2, ... hold:
+            collective-permutes of (n - 1)(P - S) rows in all (one of P rows per device it
+            reaches back, the rest in the last: 24 + 4 rows for S = 20 over 8); only while
+            the padding is under half the shard (P < 1.5 S; elsewhere libtpu all-reduces and
+            slices: 6 rows or 40 over 4, 20 rows over 8 on 128 lanes). Where the minor dim
+            is an odd number of whole 128-lane tiles, P is a multiple of two row tiles (16
+            rows; 1 to 255 lane tiles measured over 8). Not modelled: rows of more lane tiles
+            sometimes take coarser multiples (32 to 128 rows at 259, 301, 391, 394, 514 or
+            640 tiles), and a minor dim of partial lane tiles is padded or not by no rule
+            found (24 of 192 columns over 8 padded to 32 with 50,257 or 16,383 rows, hf_gpt2's
+            output head; not with 30,522 or 40,000, which libtpu all-reduces with others);
           - `dim` major to both: the buffer's tiles (the second-minor dim padded to whole
             rows, the minor to whole lanes, each where longer than one tile: [16, 20, 100]
             as [16, 24, 100]; a gather's [16, 128, 192] as [16, 128, 256], where a matmul's
             is kept 128 minor and moves as it is).
-        Found by compiling reduce-scattered matmuls for v5e:2x4 (tests/unit/
+        Found by compiling reduce-scattered matmuls for v5e:2x4 and 4x8 (tests/unit/
         test_tpu_scatter_tiles.py)."""
         full = float(n * math.prod(shard) * itemsize)
         tiles = self.model.scatter_tiles
@@ -318,9 +325,12 @@ class CommModel:
             return full, 0.0
         if dim == second:
             size = shard[dim]
-            padded = -(-size // rows) * rows
+            step = rows
+            if partial[minor] % lanes == 0 and partial[minor] // lanes % 2:
+                step = 2 * rows  # an odd number of whole lane tiles: pairs of row tiles
+            padded = -(-size // step) * step
             extra = padded - size
-            if not extra or padded >= 2 * size or (n - 1) * extra > padded:
+            if not extra or 2 * padded >= 3 * size:
                 return full, 0.0
             row = full / n / size
             return n * padded * row, (n - 1) * extra * row

@@ -104,9 +104,10 @@ def resharded_type(type_: TensorType, consumer: Op, model, graph: Graph | None =
 def _feeds_matmuls(op: Op, graph: Graph | None, depth: int = 0) -> bool:
     """Whether `op` is a matmul at default precision, or (with `graph`) a transpose or reshape
     all of whose readers are (a few levels deep). A dot_general one of whose operands has only
-    batch and contracting dims (given `graph`) is not: libtpu computes it as a multiply and a
-    reduction in a loop fusion, reading its operands as they are (keras_moe's combine of its
-    experts' outputs, `bsed,bse->bsd`, exchanges them by all-to-all in f32)."""
+    batch and contracting dims, or which contracts nothing (given `graph`), is not: libtpu
+    computes it as a multiply (and a reduction) in a loop fusion, reading its operands as they
+    are (keras_moe's combine of its experts' outputs, `bsed,bse->bsd`, exchanges them by
+    all-to-all in f32)."""
     if op.name in MATMULS:
         return (all(p == "DEFAULT" for p in _precisions(op))
                 and not (graph is not None and _vector_product(op, graph)))
@@ -117,9 +118,15 @@ def _feeds_matmuls(op: Op, graph: Graph | None, depth: int = 0) -> bool:
 
 
 def _vector_product(op: Op, graph: Graph) -> bool:
-    """Whether `op` is a dot_general an operand of which has only batch and contracting dims."""
+    """Whether `op` is a dot_general an operand of which has only batch and contracting dims,
+    or one that contracts nothing (an outer product over its batch dims: keras_moe's gradient
+    of its experts' outputs, `[b, s, d] x [b, s, e] -> [b, s, d, e]`, whose `[b, s, d]` libtpu
+    gathers in f32 on v5e:16x16)."""
     if op.name != "stablehlo.dot_general":
         return False
+    if "lhs_contracting" in op.attrs and not op.attrs["lhs_contracting"] \
+            and not op.attrs.get("rhs_contracting"):
+        return True
     for side, operand in (("lhs", op.operands[0]), ("rhs", op.operands[1])):
         type_ = graph.type_of(operand)
         if type_ is not None and type_.rank == (len(op.attrs.get(f"{side}_batch", ()))

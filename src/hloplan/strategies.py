@@ -93,6 +93,53 @@ def scattered_bytes(comm: CommModel, type_: TensorType, spec: Spec, reduced: tup
     return local_bytes(type_, spec, mesh) * n, 0.0
 
 
+def scatter_passes_updates(rule: OpRule, results, operands, reduced, operand_types,
+                           result_types, mesh: MeshSpec) -> bool:
+    """Whether XLA's SPMD partitioner compiles a scatter whose summed updates are to be
+    reduce-scattered onto a window dim (one the updates share with the result) as an "operand
+    passthrough" scatter instead: it moves the reduced axes of the updates from their scatter
+    dims to that window dim (an all-to-all), gathers the indices over them and scatters into its
+    own shard, with no partial sums to reduce. It does so where the whole result and the
+    updates split as the indices are (what scattering each device's own updates into a whole
+    copy holds) are at least twice the updates split as the result's window dims are (libtpu
+    0.0.42 on v5e:4x8, ids [(x, y), -], updates [(x, y), -, -], result [-, (x, y)]: 8,192
+    tokens of width 768 pass from 256 rows, 250 rows are reduce-scattered; 32,768 tokens from
+    1,024 rows, 512 reduce-scattered; ids [y, -] and updates [y, -, x] pass at 2 rows; the ids'
+    own bytes do not count), where the ids are split over the summed axes on one dim and the
+    result over every mesh axis. hf_bert's and hf_gpt2's embedding gradients on v5e:16x16, `[-, y]`
+    partial over x onto `[-, (y, x)]`: an all-to-all(x) of the updates and an all-gather(x)
+    of the ids (tests/unit/test_tpu_scatter_tiles.py)."""
+    if rule.indexed != "scatter" or len(results) != 1 or len(operands) != 3 \
+            or any(t is None or s is None for t, s in zip(operand_types, operands)):
+        return False
+    spec = results[0]
+    n = len(reduced)
+    dims = [d for d, axes in enumerate(spec)
+            if len(axes) >= n and tuple(axes[len(axes) - n:]) == tuple(reduced)]
+    if not dims:
+        return False
+    updates_factors = {f for factors in rule.operands[2] for f in factors}
+    if not set(rule.results[0][dims[0]]) & updates_factors:
+        return False  # onto the indexed rows: the partial sums are reduced
+    if shards(spec, mesh) != mesh.size:
+        # A mesh axis the result is replicated over: the partitioner splits the ids over it
+        # too and all-reduces what each part scatters (hf_bert's `[-, y]` word-embedding
+        # gradient on v5e:2x4: a reduce-scatter over x, read through slices), not modelled.
+        return False
+    if len([axes for axes in operands[1] if set(axes) & set(reduced)]) != 1:
+        # Ids split over two dims (hf_gpt2's position ids `[y, x, -]` on v5e:2x4): libtpu
+        # reduce-scatters (up to a table 0.5 x the whole updates at least; from some size
+        # above that it gathers the whole updates instead, not modelled).
+        return False
+    window_split = 1
+    for d, factors in enumerate(rule.results[0]):
+        if set(factors) & updates_factors:
+            window_split *= shards((spec[d],), mesh)
+    updates = float(operand_types[2].nbytes)
+    return (result_types[0].nbytes + updates / shards(operands[1], mesh)
+            >= 2 * updates / window_split)
+
+
 def spec_text(spec: Spec, mesh: MeshSpec) -> str:
     """P-like text: [data, -] / [(data, model), -]; [] for scalars."""
     parts = []
@@ -412,8 +459,11 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
     reduce_split = 1
     for axis in reduced:
         reduce_split *= mesh.axis_sizes[axis]
+    passed = scatter and scatter_passes_updates(rule, results, operands, reduced, operand_types,
+                                                result_types, mesh)
     # The op itself computes the unscattered partial sums; the collective shrinks them.
-    computed_bytes = [b * reduce_split for b in result_bytes] if scatter else result_bytes
+    computed_bytes = ([b * reduce_split for b in result_bytes] if scatter and not passed
+                      else result_bytes)
     reads, writes = hbm if hbm is not None else ((True,) * len(operands),
                                                 (True,) * len(results))
     moved = sum(b for b, written in zip(computed_bytes, writes) if written)
@@ -462,7 +512,18 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
     communication = 0.0
     collectives = []
     kind = "reduce-scatter" if scatter else "all-reduce"
-    if reduced:
+    if passed:
+        # The updates' reduced axes moved onto the window dim, the indices gathered over them
+        # (scatter_passes_updates): what the scatter then holds beside its result.
+        kind = "all-to-all"
+        moved_updates = local_bytes(operand_types[2], operands[2], mesh)
+        gathered = local_bytes(operand_types[1], operands[1], mesh) * reduce_split
+        for what, nbytes in (("all-to-all", moved_updates), ("all-gather", gathered)):
+            communication += comm.collective(what, nbytes, reduced)
+            sent = comm.bytes_sent(what, nbytes, reduced)
+            if sent:
+                collectives.append((what, comm.axes_label(reduced), sent * multiplier))
+    elif reduced:
         for k, nbytes in enumerate(computed_bytes):
             if chunked is not None:
                 communication += comm.collective(kind, nbytes, reduced)
@@ -484,6 +545,8 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
                 collectives.append(("collective-permute", comm.axes_label(reduced),
                                     permuted * multiplier))
     transient = sum(computed_bytes) - sum(result_bytes)
+    if passed:
+        transient = moved_updates + gathered
     copied = -1
     if chunked is not None:
         # The loop sends each chunk's partial sums while the next chunk computes: only what

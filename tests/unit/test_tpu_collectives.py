@@ -234,6 +234,28 @@ def test_vector_product_operands_reshard_as_they_are():
     assert resharded_type(outs, dot, tpu, graph).dtype == "bf16"
 
 
+def test_outer_product_operands_reshard_as_they_are():
+    """A dot_general that contracts nothing (keras_moe's gradient of its experts' outputs,
+    `[b, s, d] x [b, s, e] -> [b, s, d, e]`) is a multiply in a loop fusion: libtpu gathers
+    its `[b, s, d]` in f32 (v5e:16x16)."""
+    grad, combine = TensorType((2, 128, 1024), "f32"), TensorType((2, 128, 8), "f32")
+    graph = Graph()
+    attrs = {"lhs_batch": (0, 1), "rhs_batch": (0, 1), "lhs_contracting": (),
+             "rhs_contracting": ()}
+    dot = Op(index=0, name="stablehlo.dot_general", operands=(0, 1), results=(2,), attrs=attrs)
+    graph.ops.append(dot)
+    graph.values += [Value(id=i, type=t, producer=0, result_index=0) for i, t in
+                     enumerate((grad, combine, TensorType((2, 128, 1024, 8), "f32")))]
+    tpu = load_device_model("tpu-v5e")
+    assert resharded_type(grad, dot, tpu, graph) == grad
+    assert resharded_type(combine, dot, tpu, graph) == combine
+    # A batched matmul (contracting d against a free dim on each side): bf16 operands.
+    dot.attrs.update(lhs_contracting=(3,), rhs_contracting=(2,))
+    graph.values[0].type = TensorType((2, 128, 8, 1024), "f32")
+    graph.values[1].type = TensorType((2, 128, 1024, 16), "f32")
+    assert resharded_type(graph.values[0].type, dot, tpu, graph).dtype == "bf16"
+
+
 # One async all-gather that libtpu overlaps with two compute fusions: the start fusion holds it,
 # a continuation fusion a copy (same channel, async_collective_fusion_config); another
 # all-gather on its own channel.

@@ -60,6 +60,17 @@ TILED = [
     ((8, 5, 256), 0, 2, False, (81920, 0)),  # rows shorter than a tile stay as they are
     ((513, 192), 0, 2, True, (798720, 5376)),  # a scatter's: row-major
     ((8, 511, 1), 0, 8, True, (130816, 0)),  # size-1 dims take no tile: [64, 511]
+    # Over 8 (v5e:4x8, below): the permutes reach back past the next device (20 rows padded
+    # to 24: 7 x 4 rows, 24 + 4); a minor dim of an odd number of whole lane tiles pads the
+    # rows to 16 (24 to 32 on 128 lanes; 6 over 4 stays unpadded, 16 being too many)
+    ((20, 1024), 0, 8, False, (786432, 114688)),
+    ((24, 128), 0, 8, False, (131072, 28672)),
+    ((11, 128), 0, 8, False, (65536, 17920)),
+    ((20, 128), 0, 8, False, (81920, 0)),
+    ((6, 128), 0, 4, False, (12288, 0)),
+    ((24, 384), 0, 8, False, (393216, 86016)),
+    # partial lane tiles: whole row tiles (hf_bert's [30522, 192] head gradient, unpadded)
+    ((30522, 24), 1, 8, False, (23440896, 0)),
 ]
 
 
@@ -129,17 +140,18 @@ import numpy as np, jax, jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from hloplan.hlo_stats import collective_stats
 from hloplan.tpu import parse_topology, topology_devices
-devices = topology_devices(parse_topology("v5e:2x4"))
-mesh = Mesh(np.array(devices).reshape(2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+x, y = json.loads(sys.argv[2])
+devices = topology_devices(parse_topology(f"v5e:{x}x{y}"))
+mesh = Mesh(np.array(devices).reshape(x, y), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
 def sp(spec):
-    return NamedSharding(mesh, P(*spec))
+    return NamedSharding(mesh, P(*[tuple(a) if isinstance(a, list) else a for a in spec]))
 out = []
 for eq, a, b, sa, sb, so in json.loads(sys.argv[1]):
     f = jax.jit(lambda u, v: jnp.einsum(eq, u, v), in_shardings=(sp(sa), sp(sb)),
                 out_shardings=sp(so))
     text = f.lower(jax.ShapeDtypeStruct(a, jnp.float32),
                    jax.ShapeDtypeStruct(b, jnp.float32)).compile().as_text()
-    stats = collective_stats(text, mesh_axes=[("x", 2), ("y", 4)])
+    stats = collective_stats(text, mesh_axes=[("x", x), ("y", y)])
     sent = {}
     for op in stats.ops:
         sent[op.kind] = sent.get(op.kind, 0) + op.total_bytes_sent
@@ -153,7 +165,7 @@ def test_tiled_scatters_as_libtpu_compiles_them():
     from hloplan.tpu import child_env
 
     cases = [probe[:6] for probe in PROBES]
-    done = subprocess.run([sys.executable, "-c", _LIBTPU_PROBES, json.dumps(cases)],
+    done = subprocess.run([sys.executable, "-c", _LIBTPU_PROBES, json.dumps(cases), "[2, 4]"],
                           env=child_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     compiled = json.loads(done.stdout.strip().splitlines()[-1])
@@ -173,3 +185,139 @@ def test_tiled_scatters_as_libtpu_compiles_them():
                  for k, c in enumerate(out)]
         partial, permute = comm.tiled_scatter(shard, 4, dim, n)
         assert (partial * (n - 1) / n, permute) == pytest.approx((scattered, permuted)), probe
+
+
+# Reduce-scattered matmuls on v5e:4x8 (x=4, y=8), f32, as above, with the model's arguments:
+# (the result's shard, the scattered dim, n).
+PROBES_4X8 = [
+    # hf_bert's output-head weight gradient: [30522, 192] partial sums kept 30,522 minor, 24
+    # columns a device, unpadded
+    ("tv,td->vd", (1024, 30522), (1024, 768), (Y, None), (Y, X), (None, (X, Y)),
+     (20510784, 0), ((30522, 24), 1, 8)),
+    # 20 rows over 8 on 256 lanes: padded to 24, permutes of 24 and 4 rows
+    ("br,bc->rc", (256, 160), (256, 1024), (Y, None), (Y, X), (Y, X), (172032, 28672),
+     ((20, 256), 0, 8)),
+    # on 128 lanes (one tile): whole pairs of row tiles, 24 rows padded to 32; 20 rows not
+    ("br,bc->rc", (256, 192), (256, 512), (Y, None), (Y, X), (Y, X), (114688, 28672),
+     ((24, 128), 0, 8)),
+    ("br,bc->rc", (256, 160), (256, 512), (Y, None), (Y, X), (Y, X), (71680, 0),
+     ((20, 128), 0, 8)),
+    ("br,bc->rc", (256, 24), (256, 1024), (X, None), (X, Y), (X, Y), (9216, 0),
+     ((6, 128), 0, 4)),
+]
+
+
+@needs_libtpu
+def test_tiled_scatters_over_8_as_libtpu_compiles_them():
+    from hloplan.tpu import child_env
+
+    cases = [probe[:6] for probe in PROBES_4X8]
+    done = subprocess.run([sys.executable, "-c", _LIBTPU_PROBES, json.dumps(cases), "[4, 8]"],
+                          env=child_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    compiled = json.loads(done.stdout.strip().splitlines()[-1])
+    comm = CommModel(load_device_model("tpu-v5e"), parse_mesh("x=4,y=8"))
+    for probe, sent in zip(PROBES_4X8, compiled, strict=True):
+        expected, (shard, dim, n) = probe[6], probe[7]
+        assert tuple(sent) == pytest.approx(expected), probe
+        partial, permute = comm.tiled_scatter(shard, 4, dim, n)
+        assert (partial * (n - 1) / n, permute) == pytest.approx(expected), probe
+
+
+def _scatter_add(comm, rows, tokens=(8192,), width=768):
+    """table[ids] += updates: an embedding gradient as op_rules reads a scatter-add (the
+    tokens, of one dim or of two, summed, the width passed through, the rows indexed)."""
+    count = 8192
+    summed = tuple(range(2, 2 + len(tokens)))
+    rule = OpRule(factors=(Factor(rows), Factor(width), *(Factor(t, "reduce") for t in tokens)),
+                  operands=(((0,), (1,)), (*((f,) for f in summed), ()),
+                            (*((f,) for f in summed), (1,))),
+                  results=(((0,), (1,)),), flops=float(count * width), indexed="scatter")
+    types = [TensorType((rows, width), "f32"), TensorType((*tokens, 1), "i32"),
+             TensorType((*tokens, width), "f32")]
+    strategies = enumerate_strategies(rule, types, [TensorType((rows, width), "f32")],
+                                      comm.mesh, comm)
+    return {(s.results, s.operands[1:], s.reduced_axes): s for s in strategies}
+
+
+# The tokens split over (x, y), the result's width over (x, y): passed through (all-to-all of
+# the updates, all-gather of the ids) from 256 rows, reduce-scattered below (v5e:4x8).
+_PASSED = ((((), (0, 1)),), (((0, 1), ()), ((0, 1), ())), (0, 1))
+
+
+@pytest.mark.parametrize("rows, expected", [
+    (1024, [("all-to-all", "x,y", 761856), ("all-gather", "x,y", 31744)]),
+    (256, [("all-to-all", "x,y", 761856), ("all-gather", "x,y", 31744)]),
+    (250, [("reduce-scatter", "x,y", 744000)]),
+])
+def test_scatter_passes_its_updates(rows, expected):
+    comm = CommModel(load_device_model("tpu-v5e"), parse_mesh("x=4,y=8"))
+    strategy = _scatter_add(comm, rows)[_PASSED]
+    assert [(kind, axes, pytest.approx(sent)) for kind, axes, sent in strategy.collectives] \
+        == expected
+    if expected[0][0] == "all-to-all":
+        assert "all-to-all(x,y)" in strategy.name and strategy.transient == 786432 + 32768
+
+
+# The ids split over two dims, [y, x, -]: reduce-scattered (v5e:4x8, 1,024 rows).
+_TWO_DIMS = ((((), (0, 1)),), (((1,), (0,), ()), ((1,), (0,), ())), (0, 1))
+
+
+def test_scatter_onto_a_replicated_axis_is_reduced():
+    # Tokens over y, the result [-, y]: x unused, the partitioner splits the ids over it.
+    comm = CommModel(load_device_model("tpu-v5e"), parse_mesh("x=4,y=8"))
+    key = ((((), (1,)),), (((1,), ()), ((1,), ())), (1,))
+    strategy = _scatter_add(comm, 1024)[key]
+    assert [kind for kind, _, _ in strategy.collectives] == ["reduce-scatter"]
+
+
+def test_scatter_of_ids_split_twice_is_reduced():
+    comm = CommModel(load_device_model("tpu-v5e"), parse_mesh("x=4,y=8"))
+    strategy = _scatter_add(comm, 1024, tokens=(64, 128))[_TWO_DIMS]
+    assert [(kind, axes, pytest.approx(sent)) for kind, axes, sent in strategy.collectives] \
+        == [("reduce-scatter", "x,y", 3047424)]
+
+
+_LIBTPU_SCATTERS = """
+import json, sys
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from hloplan.hlo_stats import collective_stats
+from hloplan.tpu import parse_topology, topology_devices
+devices = topology_devices(parse_topology("v5e:4x8"))
+mesh = Mesh(np.array(devices).reshape(4, 8), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+out = []
+for rows, tokens in json.loads(sys.argv[1]):
+    split = [("x", "y")] if len(tokens) == 1 else ["y", "x"]
+    f = jax.jit(lambda ids, upd: jnp.zeros((rows, 768), jnp.float32).at[ids[..., 0]].add(upd),
+                in_shardings=(NamedSharding(mesh, P(*split)), NamedSharding(mesh, P(*split))),
+                out_shardings=NamedSharding(mesh, P(None, ("x", "y"))))
+    text = f.lower(jax.ShapeDtypeStruct((*tokens, 1), jnp.int32),
+                   jax.ShapeDtypeStruct((*tokens, 768), jnp.float32)).compile().as_text()
+    stats = collective_stats(text, mesh_axes=[("x", 4), ("y", 8)])
+    sent = {}
+    for op in stats.ops:
+        key = op.kind + "(" + ",".join(op.axes) + ")"
+        sent[key] = sent.get(key, 0) + op.total_bytes_sent
+    out.append(sent)
+print(json.dumps(out))
+"""
+
+
+@needs_libtpu
+def test_scatters_pass_updates_as_libtpu_compiles_them():
+    from hloplan.tpu import child_env
+
+    cases = [(1024, (8192,)), (256, (8192,)), (250, (8192,)), (1024, (64, 128))]
+    done = subprocess.run([sys.executable, "-c", _LIBTPU_SCATTERS, json.dumps(cases)],
+                          env=child_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    compiled = json.loads(done.stdout.strip().splitlines()[-1])
+    comm = CommModel(load_device_model("tpu-v5e"), parse_mesh("x=4,y=8"))
+    for (rows, tokens), sent in zip(cases, compiled, strict=True):
+        key = _PASSED if len(tokens) == 1 else _TWO_DIMS
+        strategy = _scatter_add(comm, rows, tokens)[key]
+        predicted = {f"{kind}({axes})": nbytes for kind, axes, nbytes in strategy.collectives}
+        # hlo_stats names the axes of a group over both in the mesh's order or the ids'
+        sent = {key.replace("(y,x)", "(x,y)"): nbytes for key, nbytes in sent.items()}
+        assert sent == pytest.approx(predicted), (rows, tokens)
