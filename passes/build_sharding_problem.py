@@ -1379,6 +1379,48 @@ def scatter_first_reads(state: CompileState) -> dict[int, tuple]:
     return out
 
 
+
+def sliced_all_reduces(state: CompileState) -> dict[int, tuple]:
+    """Of the chosen plan, the all-reduces (other than scatter-first gathers') whose readers
+    all take one slice of the result over the summed axes: libtpu's reduce-scatter creator
+    compiles the all-reduce and the slice as one reduce-scatter (hf_bert's and hf_gpt2's
+    layer-norm row sums on v5e:4x8, `[y, -]` summed over x and read `[y, x]`), and hlo_stats
+    counts such an all-reduce so on the compiled side. Op index -> (the reduce-scattered
+    layout, its readers' op indices, True), as scatter_first_reads. The ILP still prices the
+    all-reduce and the slice."""
+    if state.comm.model.platform != "tpu":
+        return {}
+    graph = state.graph
+    outputs = set(graph.outputs)
+    out = {}
+    for op_index in state.space.strategies:
+        op = graph.ops[op_index]
+        if op_index in state.space.scatter_first or len(op.results) != 1:
+            continue
+        chosen = state.chosen(op_index)
+        if (not chosen.reduced_axes
+                or {kind for kind, _, _ in chosen.collectives} != {"all-reduce"}):
+            continue
+        value = graph.values[op.results[0]]
+        if not value.users or value.id in outputs or value.type is None:
+            continue
+        readers = [graph.ops[u] for u in dict.fromkeys(value.users)]
+        if any(r.index not in state.space.strategies or r.attrs.get("yield") == value.id
+               for r in readers):
+            continue
+        reads = [(r.index, k) for r in readers for k, v in enumerate(r.operands)
+                 if v == value.id]
+        dsts = {state.chosen(reader).operands[position] for reader, position in reads
+                if position < len(state.chosen(reader).operands)}
+        if len(dsts) != 1:
+            continue
+        dst = dsts.pop()
+        if scatter_first_layout(chosen.results[0], dst, chosen.reduced_axes, value.type.shape,
+                                state.options.mesh.axis_sizes) == dst:
+            out[op_index] = (dst, {reader for reader, _ in reads}, True)
+    return out
+
+
 # Ops whose every attribute the graph records (ir.op_attributes), so that two with the same
 # name, operands, attributes and result types compute the same value.
 _MERGEABLE = ({f"stablehlo.{name}" for name in ELEMENTWISE}

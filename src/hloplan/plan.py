@@ -66,6 +66,7 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
         scatter_first_bytes,
         scatter_first_reads,
         scatter_first_reshard,
+        sliced_all_reduces,
     )
 
     ops = []
@@ -74,6 +75,11 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
     # A masked lookup's all-reduce and its reader's slice, compiled as a reduce-scatter and a
     # reshard from the scattered layout (build_sharding_problem._scatter_first_gathers).
     scattered = scatter_first_reads(state)
+    # Likewise any all-reduce read only through one slice over its summed axes (not one
+    # summed into another's, which the fold lists).
+    folded_ops = {index for index, _, _ in folded}
+    scattered.update({index: entry for index, entry in sliced_all_reduces(state).items()
+                      if index not in folded_ops})
     for op_index in sorted(state.space.strategies):
         op = graph.ops[op_index]
         chosen = state.chosen(op_index)

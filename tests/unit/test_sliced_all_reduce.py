@@ -1,0 +1,92 @@
+"""An all-reduce whose readers all take one slice of it over the summed axes: libtpu's
+reduce-scatter creator compiles the two as one reduce-scatter (hf_bert's and hf_gpt2's
+layer-norm row sums on v5e:4x8, `[y, -]` summed over x and read `[y, x]`), so plan.json lists
+a reduce-scatter there on TPU device models (build_sharding_problem.sliced_all_reduces), and
+an all-reduce elsewhere."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+import hloplan
+from hloplan.plan import build_plan
+from hloplan.tpu import libtpu_available
+
+needs_libtpu = pytest.mark.skipif(not libtpu_available(),
+                                  reason="libtpu is not installed (pip install '.[tpu]')")
+
+SHAPE = (64, 128, 256)  # f32, summed over the last dim; mesh 2x4 as x=2, y=4
+
+
+def _row_sum(a):
+    return jnp.tanh(jnp.sum(a, axis=-1))
+
+
+def _listed(device: str, read: str) -> dict:
+    """plan.json's collectives for the row sum made `[y, -]` summed over x and read by the
+    strategy `read`."""
+    data = export.export(jax.jit(_row_sum))(jax.ShapeDtypeStruct(SHAPE, jnp.float32))
+    state = hloplan.compile(data.serialize(), "2x4", device=device, mesh_views="off").state
+    ops = {op.name: op.index for op in state.graph.ops if op.index in state.space.strategies}
+    wanted = {ops["arg"]: "[y, -, x]",
+              ops["stablehlo.reduce"]: "[y, -] + all-reduce(x) <- [y, -, x] []",
+              ops["stablehlo.tanh"]: read}
+    choice = list(state.solution.choice)
+    for op_index, name in wanted.items():
+        names = [s.name for s in state.space.strategies[op_index]]
+        choice[state.space.node_of[op_index]] = names.index(name)
+    state.solution = dataclasses.replace(state.solution, choice=tuple(choice))
+    plan = build_plan(state, b"", {})
+    return {f"{c['kind']}({c['axes']})": c["bytes"] for c in plan["estimate"]["collectives"]}
+
+
+def test_an_all_reduce_read_through_a_slice_is_listed_as_a_reduce_scatter():
+    shard = 64 * 128 * 4 / 4  # [y, -] on y=4
+    # Read [y, x]: the slice over x of the all-reduced rows, one reduce-scatter over x.
+    assert _listed("tpu-v5e", "[y, x] <- [y, x]") == {"reduce-scatter(x)": pytest.approx(shard / 2)}
+    # Read whole: the all-reduce stays one.
+    assert _listed("tpu-v5e", "[y, -] <- [y, -]") == {"all-reduce(x)": pytest.approx(shard)}
+    # Read in a layout without the summed axis: the all-reduce, then the reshard.
+    assert _listed("tpu-v5e", "[-, -]") == {"all-reduce(x)": pytest.approx(shard),
+                                            "all-gather(y)": pytest.approx(shard * 3)}
+
+
+def test_only_where_libtpu_compiles():
+    assert _listed("cpu", "[y, x] <- [y, x]") == {"all-reduce(x)": pytest.approx(64 * 128 * 4 / 4)}
+
+
+_LIBTPU_ROW_SUM = """
+import json
+import jax, numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from hloplan.hlo_stats import collective_stats
+from hloplan.tpu import parse_topology, topology_devices
+devices = topology_devices(parse_topology("v5e:2x4"))
+mesh = Mesh(np.array(devices).reshape(2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+def step(a):
+    rows = jax.lax.with_sharding_constraint(a.sum(-1), NamedSharding(mesh, P("y", None)))
+    return jax.numpy.tanh(jax.lax.with_sharding_constraint(rows, NamedSharding(mesh, P("y", "x"))))
+compiled = jax.jit(step, in_shardings=NamedSharding(mesh, P("y", None, "x"))).lower(
+    jax.ShapeDtypeStruct((64, 128, 256), np.float32)).compile()
+stats = collective_stats(compiled.as_text(), mesh_axes=[("x", 2), ("y", 4)])
+print(json.dumps([[op.kind, sorted(op.axes), op.total_bytes_sent] for op in stats.ops]))
+"""
+
+
+@needs_libtpu
+def test_libtpu_compiles_the_sliced_all_reduce_as_a_reduce_scatter():
+    from hloplan.tpu import child_env
+
+    done = subprocess.run([sys.executable, "-c", _LIBTPU_ROW_SUM], env=child_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ops = json.loads(done.stdout.strip().splitlines()[-1])
+    assert ops == [["reduce-scatter", ["x"], _listed("tpu-v5e", "[y, x] <- [y, x]")["reduce-scatter(x)"]]]
