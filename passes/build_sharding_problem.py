@@ -61,6 +61,7 @@ from hloplan.strategies import (
     local_bytes,
     local_matmul_dims,
     local_shape,
+    mxu_itemsize,
     replicated,
     shards,
 )
@@ -898,8 +899,7 @@ class _ProblemBuilder:
         type_ = self.graph.type_of(op.operands[0])
         result = self.graph.type_of(op.results[0])
         spec = strategy.operands[0]
-        narrow = self.comm.model.matmul_input_dtype
-        itemsize = dtype_bytes(narrow) if narrow and type_.dtype == "f32" else type_.itemsize
+        itemsize = mxu_itemsize(type_, self.comm.model)
         chunk = local_shape(result, strategy.results[0], self.mesh)[op.attrs["output_batch"]]
         return float(itemsize * conv_loop_operand_elements(
             local_shape(type_, spec, self.mesh), op.attrs["input_feature"],
@@ -1229,9 +1229,10 @@ def matmul_narrowed(graph: Graph, folded: set[int], dtype: str) -> dict[int, flo
     logit gradient, read by the bias gradient's reduce_sum and two matmuls, is one fusion
     writing `f32[vocab]` and the `bf16[b,s,vocab]` gradient; hf_bert on v5e:2x4, its f32
     logits in HBM; with logits small enough for VMEM it recomputes the gradient in each
-    reader instead and writes none, which the bf16 bytes bound). A transpose folded into matmuls holds bf16 too where it holds a buffer of its own (a reshard
-    into it): libtpu converts before the collective (Flax GPT-2's tied embedding, all-gathered
-    for the output head as `bf16[50257,768]`, 77 MB, not 154 in f32).
+    reader instead and writes none, which the bf16 bytes bound). A transpose folded into
+    matmuls holds bf16 too where it holds a buffer of its own (a reshard into it): libtpu
+    converts before the collective (Flax GPT-2's tied embedding, all-gathered for the output
+    head as `bf16[50257,768]`, 77 MB, not 154 in f32).
     Op index -> the bytes written per byte of the result type."""
     matmuls = ("stablehlo.dot_general", "stablehlo.convolution")
 
@@ -1410,8 +1411,9 @@ def sliced_all_reduces(state: CompileState) -> dict[int, tuple]:
             continue
         reads = [(r.index, k) for r in readers for k, v in enumerate(r.operands)
                  if v == value.id]
-        dsts = {state.chosen(reader).operands[position] for reader, position in reads
-                if position < len(state.chosen(reader).operands)}
+        layouts = {reader: state.chosen(reader).operands for reader, _ in reads}
+        dsts = {layouts[reader][position] for reader, position in reads
+                if position < len(layouts[reader])}
         if len(dsts) != 1:
             continue
         dst = dsts.pop()

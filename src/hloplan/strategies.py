@@ -399,7 +399,7 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     read = 0.0
     for i, (t, spec, reads_it) in enumerate(zip(operand_types, operands, reads)):
         if t is not None and spec is not None and reads_it:
-            scale = dtype_bytes(narrow) / t.itemsize if narrow and t.dtype == "f32" else 1.0
+            scale = mxu_itemsize(t, comm.model) / t.itemsize
             read += scale * local_bytes(t, spec, mesh) / (kernels if i == moving[0] else 1)
     chunk_bytes = read + partial_bytes / kernels
     dtype = narrow if narrow and flops_dtype == "f32" else flops_dtype
@@ -427,16 +427,22 @@ def collective_matmul_sends(partial_bytes: float, n: int, axes: str,
     return [("collective-permute", axes, partial_bytes / n * multiplier)] * (n + 1)
 
 
+def mxu_itemsize(type_: TensorType, model) -> int:
+    """Bytes per element of `type_` as the device's matmul units read it: an f32 value in the
+    model's matmul_input_dtype where it has one (XLA's TPU compiler converts it for the MXU)."""
+    narrow = model.matmul_input_dtype
+    return dtype_bytes(narrow) if narrow and type_.dtype == "f32" else type_.itemsize
+
+
 def collective_matmul_copy_bytes(operands, operand_types, mesh: MeshSpec,
                                  comm: CommModel) -> tuple[float, int]:
     """Bytes of the larger of a collective matmul's operands as its loop carries them (local,
     in the MXU's input dtype), and that operand's position (the first of equal ones; -1:
     none)."""
-    narrow = comm.model.matmul_input_dtype
     largest, position = 0.0, -1
     for k, (t, spec) in enumerate(zip(operand_types, operands)):
         if t is not None and spec is not None:
-            scale = dtype_bytes(narrow) / t.itemsize if narrow and t.dtype == "f32" else 1.0
+            scale = mxu_itemsize(t, comm.model) / t.itemsize
             nbytes = scale * local_bytes(t, spec, mesh)
             if nbytes > largest:
                 largest, position = nbytes, k

@@ -283,8 +283,8 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
     peak, no bf16 one). For a value read only by convolutions, leaves smaller than it
     (broadcast into it) are not sources either: libtpu's kernel gradients recompute a
     pre-activation block's `relu(norm(h))` from h and the norm's per-channel statistics,
-    scale and bias (linen_resnet on v5e:2x4 and 4x8, libtpu 0.0.42). Only values an elementwise op makes (a weight's transpose is
-    left to the other rules), and no pad on the way (a written-out pad is a kernel of its
+    scale and bias (linen_resnet on v5e:2x4 and 4x8, libtpu 0.0.42). Only values an
+    elementwise op makes (a weight's transpose is left to the other rules), and no pad on the way (a written-out pad is a kernel of its
     own: pad_operands). Value ids."""
     arguments = set(graph.arguments)
     out = set()
