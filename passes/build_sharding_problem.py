@@ -309,8 +309,9 @@ class _ProblemBuilder:
                 self._merge_identical(op)
         folds = self._reassociations()
         self._scatter_first_gathers(folds)
+        self._sliced_all_reduces(folds)
         nodes = self._nodes()
-        edges = self._edges() + self._fold_edges(folds)
+        edges = self._edges() + self._fold_edges(folds) + self._sliced_edges()
         points, ranges = self._live_points()
         problem = ShardingProblem(tuple(nodes), tuple(edges), tuple(points), budget,
                                   name=self.graph.name, live_ranges=tuple(ranges),
@@ -440,6 +441,71 @@ class _ProblemBuilder:
             return None
         return Edge(self.space.node_of[producer], self.space.node_of[consumer.index],
                     tuple(costs), label=f"%{value.id} -> %{consumer.index} scatter-first")
+
+    def _sliced_all_reduces(self, folds) -> None:
+        """All-reduces whose readers may take one slice of the result over the summed axes
+        (sliced_read): libtpu's reduce-scatter creator compiles the all-reduce and the slice
+        as one reduce-scatter (hf_bert's and hf_gpt2's layer-norm row sums on v5e:4x8, `[y, -]`
+        summed over x and read `[y, x]`). On v5e:4x8 that reduce-scatter pays its whole
+        latency ([combiner] reduce-scatter-apart), where the all-reduce pays its share of the
+        merged all-reduces' (3 us against 0.1 us for a 4 KiB row sum): each of the n reading
+        edges (_sliced_edges) charges 1/n of the difference where the reader's layout slices,
+        exact where every reader takes one slice (with readers that differ XLA keeps the
+        all-reduce, and the charge falls short of the reduce-scatter). Where the reduce-scatter
+        costs less, the slice keeps the all-reduce's price: the op's own reduce-scatter
+        strategies (strategies._scatter_variants) price those collectives, and the forms they
+        leave out cost what theirs do: priced lower, the slice only adds ties with them that
+        move plans for nothing (hf_bert's and hf_gpt2's weights to `[(x, y), -]` on v5e:4x8,
+        at no lower estimate). Left out: gathers (_scatter_first_gathers), the second of a reassociated
+        pair (its price is the fold's), outputs and values a loop carries."""
+        if self.comm.model.platform != "tpu":
+            return
+        taken = {second for _, second, _ in folds}
+        outputs = set(self.graph.outputs)
+        for op_index, strategies in self.space.strategies.items():
+            op = self.graph.ops[op_index]
+            if op_index in self.space.scatter_first or op_index in taken or len(op.results) != 1:
+                continue
+            value = self.graph.values[op.results[0]]
+            if not value.users or value.id in outputs or value.type is None:
+                continue
+            readers = [self.graph.ops[u] for u in dict.fromkeys(value.users)]
+            if any(r.index not in self.space.strategies or r.attrs.get("yield") == value.id
+                   for r in readers):
+                continue
+            reads = tuple((r.index, k) for r in readers
+                          for k, v in enumerate(r.operands) if v == value.id)
+            dsts = {c.operands[k] for r, k in reads for c in self.space.strategies[r]
+                    if k < len(c.operands)}
+            if any(sliced_read(s, dst, value.type, self.mesh)
+                   for s in strategies for dst in dsts):
+                self.space.sliced[op_index] = reads
+
+    def _sliced_edges(self) -> list[Edge]:
+        """Per read of a sliced all-reduce (_sliced_all_reduces) by a layout that slices it:
+        1/n of what the reduce-scatter costs beyond the all-reduce (sliced_charge)."""
+        edges = []
+        for producer, reads in self.space.sliced.items():
+            op = self.graph.ops[producer]
+            type_ = self.graph.values[op.results[0]].type
+            comm = self.unmerged if producer in self.chained else self.comm
+            for reader, position in reads:
+                costs = []
+                for s in self.space.strategies[producer]:
+                    charges: dict = {}
+                    row = []
+                    for c in self.space.strategies[reader]:
+                        dst = c.operands[position] if position < len(c.operands) else None
+                        if dst not in charges:
+                            charges[dst] = sliced_charge(comm, type_, s, dst, self.mesh,
+                                                         op.multiplier) / len(reads)
+                        row.append(charges[dst])
+                    costs.append(tuple(row))
+                if any(any(row) for row in costs):
+                    edges.append(Edge(self.space.node_of[producer], self.space.node_of[reader],
+                                      tuple(costs), label=f"%{op.results[0]} -> %{reader} "
+                                      "sliced all-reduce"))
+        return edges
 
     def _fold_edges(self, folds) -> list[Edge]:
         edges = []
@@ -1381,45 +1447,55 @@ def scatter_first_reads(state: CompileState) -> dict[int, tuple]:
 
 
 
+def sliced_read(strategy, dst, type_: TensorType, mesh) -> bool:
+    """Whether a reader taking layout `dst` of the result of `strategy`, an all-reduce over
+    its summed axes, takes one slice of it over those axes (the reduce-scattered layout
+    itself, scatter_first_layout): libtpu then compiles the all-reduce and the slice as one
+    reduce-scatter (_sliced_all_reduces). Only a slice along one dim: XLA's reduce-scatter
+    creator matches no other (MatchReduceScatter's allow_multiple_split_dims is false)."""
+    reduced = strategy.reduced_axes
+    if (dst is None or not reduced
+            or {kind for kind, _, _ in strategy.collectives} != {"all-reduce"}
+            or sum(any(axis in reduced for axis in axes) for axes in dst) != 1):
+        return False
+    return scatter_first_layout(strategy.results[0], dst, reduced, type_.shape,
+                                mesh.axis_sizes) == dst
+
+
+def sliced_charge(comm: CommModel, type_: TensorType, strategy, dst, mesh,
+                  multiplier: float) -> float:
+    """Seconds the reduce-scatter libtpu makes of `strategy`'s all-reduce and a reader's slice
+    `dst` of it (sliced_read) costs beyond the all-reduce (0 where it costs less, or where
+    `dst` does not slice): its partial sums and collective-permute as plan.json lists them
+    (scatter_first_bytes)."""
+    if not sliced_read(strategy, dst, type_, mesh):
+        return 0.0
+    reduced = strategy.reduced_axes
+    nbytes, permuted = scatter_first_bytes(comm, type_, strategy.results[0], reduced, dst)
+    seconds = comm.collective("reduce-scatter", nbytes, reduced)
+    if permuted:
+        seconds += comm.collective_permute(permuted, reduced)
+    return max(0.0, seconds * multiplier - strategy.communication)
+
+
 def sliced_all_reduces(state: CompileState) -> dict[int, tuple]:
-    """Of the chosen plan, the all-reduces (other than scatter-first gathers') whose readers
-    all take one slice of the result over the summed axes: libtpu's reduce-scatter creator
-    compiles the all-reduce and the slice as one reduce-scatter (hf_bert's and hf_gpt2's
-    layer-norm row sums on v5e:4x8, `[y, -]` summed over x and read `[y, x]`), and hlo_stats
+    """Of the chosen plan, the sliced all-reduces (_sliced_all_reduces) whose readers all take
+    one slice of the result over the summed axes (sliced_read): compiled as one reduce-scatter
+    (and priced so where it costs more than the all-reduce: sliced_charge), and hlo_stats
     counts such an all-reduce so on the compiled side. Op index -> (the reduce-scattered
-    layout, its readers' op indices, True), as scatter_first_reads. The ILP still prices the
-    all-reduce and the slice."""
-    if state.comm.model.platform != "tpu":
-        return {}
+    layout, its readers' op indices, True), as scatter_first_reads."""
     graph = state.graph
-    outputs = set(graph.outputs)
     out = {}
-    for op_index in state.space.strategies:
-        op = graph.ops[op_index]
-        if op_index in state.space.scatter_first or len(op.results) != 1:
-            continue
+    for op_index, reads in state.space.sliced.items():
         chosen = state.chosen(op_index)
-        if (not chosen.reduced_axes
-                or {kind for kind, _, _ in chosen.collectives} != {"all-reduce"}):
-            continue
-        value = graph.values[op.results[0]]
-        if not value.users or value.id in outputs or value.type is None:
-            continue
-        readers = [graph.ops[u] for u in dict.fromkeys(value.users)]
-        if any(r.index not in state.space.strategies or r.attrs.get("yield") == value.id
-               for r in readers):
-            continue
-        reads = [(r.index, k) for r in readers for k, v in enumerate(r.operands)
-                 if v == value.id]
+        value = graph.values[graph.ops[op_index].results[0]]
         layouts = {reader: state.chosen(reader).operands for reader, _ in reads}
-        dsts = {layouts[reader][position] for reader, position in reads
-                if position < len(layouts[reader])}
-        if len(dsts) != 1:
-            continue
-        dst = dsts.pop()
-        if scatter_first_layout(chosen.results[0], dst, chosen.reduced_axes, value.type.shape,
-                                state.options.mesh.axis_sizes) == dst:
-            out[op_index] = (dst, {reader for reader, _ in reads}, True)
+        dsts = {layouts[reader][position] if position < len(layouts[reader]) else None
+                for reader, position in reads}
+        if len(dsts) == 1:
+            dst = dsts.pop()
+            if sliced_read(chosen, dst, value.type, state.options.mesh):
+                out[op_index] = (dst, {reader for reader, _ in reads}, True)
     return out
 
 

@@ -69,6 +69,10 @@ class PlanSpace:
     # gather op index -> ((reader op index, operand position) per read, its strategies as
     # enumerated, with the all-reduce's price) (build_sharding_problem._scatter_first_gathers).
     scatter_first: dict[int, tuple] = field(default_factory=dict)
+    # An all-reduce a reader's layout may slice over the summed axes, which libtpu compiles as
+    # a reduce-scatter: op index -> (reader op index, operand position) per read
+    # (build_sharding_problem._sliced_all_reduces).
+    sliced: dict[int, tuple] = field(default_factory=dict)
 
 
 @dataclass
