@@ -18,6 +18,7 @@ from jax import export
 
 import hloplan
 from hloplan.plan import build_plan
+from hloplan.solver.evaluate import evaluate
 from hloplan.tpu import libtpu_available
 
 needs_libtpu = pytest.mark.skipif(not libtpu_available(),
@@ -30,11 +31,11 @@ def _row_sum(a):
     return jnp.tanh(jnp.sum(a, axis=-1))
 
 
-def _listed(device: str, read: str) -> dict:
-    """plan.json's collectives for the row sum made `[y, -]` summed over x and read by the
-    strategy `read`."""
+def _forced(device: str, read: str, mesh: str = "2x4"):
+    """The compile state of the row sum with the plan made `[y, -]` summed over x and read by
+    the strategy `read`."""
     data = export.export(jax.jit(_row_sum))(jax.ShapeDtypeStruct(SHAPE, jnp.float32))
-    state = hloplan.compile(data.serialize(), "2x4", device=device, mesh_views="off").state
+    state = hloplan.compile(data.serialize(), mesh, device=device, mesh_views="off").state
     ops = {op.name: op.index for op in state.graph.ops if op.index in state.space.strategies}
     wanted = {ops["arg"]: "[y, -, x]",
               ops["stablehlo.reduce"]: "[y, -] + all-reduce(x) <- [y, -, x] []",
@@ -44,7 +45,13 @@ def _listed(device: str, read: str) -> dict:
         names = [s.name for s in state.space.strategies[op_index]]
         choice[state.space.node_of[op_index]] = names.index(name)
     state.solution = dataclasses.replace(state.solution, choice=tuple(choice))
-    plan = build_plan(state, b"", {})
+    return state, ops
+
+
+def _listed(device: str, read: str) -> dict:
+    """plan.json's collectives for the row sum made `[y, -]` summed over x and read by the
+    strategy `read`."""
+    plan = build_plan(_forced(device, read)[0], b"", {})
     return {f"{c['kind']}({c['axes']})": c["bytes"] for c in plan["estimate"]["collectives"]}
 
 
@@ -61,6 +68,29 @@ def test_an_all_reduce_read_through_a_slice_is_listed_as_a_reduce_scatter():
 
 def test_only_where_libtpu_compiles():
     assert _listed("cpu", "[y, x] <- [y, x]") == {"all-reduce(x)": pytest.approx(64 * 128 * 4 / 4)}
+
+
+def _priced(read: str) -> tuple[float, float]:
+    """On v5e:4x8 (x=4, y=8): (what the plan's row sum and its reader cost in the evaluated
+    problem beyond their compute, what the reduce's own reduce-scatter strategy into `[y, x]`
+    costs)."""
+    state, ops = _forced("tpu-v5e", read, "4x8")
+    per_node = evaluate(state.problem, state.solution).per_node
+    reduce_, tanh = (state.space.node_of[ops[name]] for name in ("stablehlo.reduce",
+                                                                  "stablehlo.tanh"))
+    own = next(s for s in state.space.strategies[ops["stablehlo.reduce"]]
+               if s.name == "[y, x] + reduce-scatter(x) <- [y, -, x] []")
+    return per_node[reduce_][1] + per_node[tanh][2], own.communication
+
+
+def test_the_ilp_prices_a_sliced_all_reduce_as_its_reduce_scatter():
+    # On v5e:4x8 the reduce-scatter pays its whole latency ([combiner] reduce-scatter-apart),
+    # the all-reduce its share of the merged ones': read through the slice, the row sum costs
+    # what the reduce-scatter libtpu makes of it costs.
+    sliced, scattered = _priced("[y, x] <- [y, x]")
+    whole, _ = _priced("[y, -] <- [y, -]")
+    assert whole < scattered / 10
+    assert sliced == pytest.approx(scattered)
 
 
 _LIBTPU_ROW_SUM = """
