@@ -456,8 +456,8 @@ class _ProblemBuilder:
         strategies (strategies._scatter_variants) price those collectives, and the forms they
         leave out cost what theirs do: priced lower, the slice only adds ties with them that
         move plans for nothing (hf_bert's and hf_gpt2's weights to `[(x, y), -]` on v5e:4x8,
-        at no lower estimate). Left out: gathers (_scatter_first_gathers), the second of a reassociated
-        pair (its price is the fold's), outputs and values a loop carries."""
+        at no lower estimate). Left out: gathers (_scatter_first_gathers), the second of a
+        reassociated pair (its price is the fold's), outputs and values a loop carries."""
         if self.comm.model.platform != "tpu":
             return
         taken = {second for _, second, _ in folds}
