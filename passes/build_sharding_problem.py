@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import bisect
 import functools
 import re
 from dataclasses import dataclass, replace
@@ -200,6 +201,7 @@ class _ProblemBuilder:
         self.copies_cache: dict = {}  # (type, layouts id) -> bytes of a copy in each layout
         self.relayout_cache: dict = {}  # _relayout's answers
         self.read_edges: dict[tuple[int, int], int] = {}  # (op, operand) -> its edge's index
+        self.point_ops: list[int] = []  # live point -> the op after which it is checked
         self.plain_of: dict[int, Strategy] = {}  # id(OpStrategy) -> Strategy (cached ones live)
         self.folded = folded_transposes(graph)  # transposes a GEMM reads through: no kernel
         matmul_fusion = fuses_matmuls(comm.model.platform)
@@ -318,6 +320,8 @@ class _ProblemBuilder:
                                   launches=self._launches(nodes))
         problem = self._hold_shared_copies(problem)
         problem = hold_copies_across_loops(problem)
+        if self.comm.model.fused_reductions:  # TPU device models (see the method)
+            problem = self._hold_weight_copies(problem)
         problem.validate()
         return self.space, problem
 
@@ -1103,6 +1107,50 @@ class _ProblemBuilder:
                 edges[e] = replace(edge, held=(start, last))
         return replace(problem, edges=tuple(edges))
 
+    def _hold_weight_copies(self, problem: ShardingProblem) -> ShardingProblem:
+        """Edge.held on every resharded copy of a program argument (a weight) that a matmul
+        reads, to the last matmul of its region reading that argument, less the points where
+        a matmul that reads no argument and can hold partial sums (a weight gradient) is made
+        (Edge.released).
+
+        libtpu gathers each weight once, for its forward matmul, and holds that copy until
+        the backward input-gradient matmul reads it, also where that matmul's result is
+        fused into its reader (no live point of its own, so _hold_shared_copies stops at the
+        forward matmul): every weight of haiku_transformer, hf_llama and hf_bart in their
+        v5e:16x16 dumps. It runs the weight-gradient matmuls after the whole input-gradient
+        chain, when the copies are gone (hf_bart on v5e:16x16), so their partial sums are not
+        held beside them."""
+        graph, space = self.graph, self.space
+        arguments = set(graph.arguments)
+        made = first_live_points(problem)
+        late = set()
+        for op_index, node in space.node_of.items():
+            op = graph.ops[op_index]
+            if (op.name in MATMULS and node in made
+                    and not any(v in arguments for v in op.operands)
+                    and any(s.transient for s in problem.nodes[node].strategies)):
+                late.add(made[node])
+        spans = {e: (start, end) for e, start, end in copy_spans(problem, made)}
+        edges = list(problem.edges)
+        for (op_index, position), e in self.read_edges.items():
+            op = graph.ops[op_index]
+            value_id = op.operands[position]
+            if (e not in spans or op.name not in MATMULS or value_id not in arguments):
+                continue
+            where = (op.parent, op.region)
+            last_reader = max(u for u in graph.values[value_id].users
+                              if graph.ops[u].name in MATMULS
+                              and (graph.ops[u].parent, graph.ops[u].region) == where)
+            # The last point checked at or before that reader: the copy is live there.
+            last = bisect.bisect_right(self.point_ops, last_reader) - 1
+            start, end = spans[e]
+            if last <= end:
+                continue
+            released = tuple(sorted(p for p in late if end < p <= last))
+            edges[e] = replace(edges[e], held=(start, last),
+                               released=edges[e].released + released)
+        return replace(problem, edges=tuple(edges))
+
     # -- memory -------------------------------------------------------------------------------
 
     @functools.cached_property
@@ -1248,6 +1296,7 @@ class _ProblemBuilder:
                 making.clear()
                 label = graph.ops[t].label if t < end else "end"
                 points.append(LivePoint((), fixed, label=f"after %{t} {label}"))
+                self.point_ops.append(t)
             for value_id in dying:
                 node = owner.get(value_id)
                 if node is not None:

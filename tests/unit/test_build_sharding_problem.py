@@ -248,3 +248,43 @@ def test_values_made_from_a_lookup_are_decided_apart_from_it():
     names = [s.name for s in space.strategies[gather.index]]
     assert any("all-reduce" in n for n in names)
     assert not any("reduce-scatter" in n for n in names)
+
+
+def _residual_gelu_step(ws, x):
+    def loss(ws):
+        h = x
+        for w in ws:
+            h = jax.nn.gelu(h @ w) + h
+        return jnp.mean(h ** 2)
+
+    return jax.tree.map(lambda w, g: w - 1e-3 * g, ws, jax.grad(loss)(ws))
+
+
+def test_tpu_holds_a_weights_copy_until_its_fused_input_gradient_matmul():
+    """On TPU (libtpu gathers each weight once for its forward matmul and holds the copy until
+    the backward input-gradient matmul reads it) the copy is held to the last point checked
+    before that matmul, also where the matmul's result is fused into its reader and it has no
+    live point of its own; on H100 it is held while the forward matmul runs."""
+    s = jax.ShapeDtypeStruct
+    w = s((1024, 1024), jnp.float32)
+    data = export.export(jax.jit(_residual_gelu_step))(
+        (w, w, w), s((4096, 1024), jnp.float32)).serialize()
+    spans = {}
+    for device, mesh in (("tpu-v5e", "2x4"), ("h100", "8")):
+        state = hloplan.compile(data, mesh, device=device, mesh_views="off").state
+        graph, space, problem = state.graph, state.space, state.problem
+        firsts = first_live_points(problem)
+        weight = graph.arguments[1]
+        forward, backward = (u for u in dict.fromkeys(graph.values[weight].users)
+                             if graph.ops[u].name == "stablehlo.dot_general")
+        # The backward matmul is fused on TPU: no point of its own.
+        assert (space.node_of[backward] in firsts) == (device == "h100")
+        (read,) = (e for e in problem.edges if e.dst == space.node_of[forward]
+                   and e.label.startswith(f"%{weight} "))
+        after = [int(p.label.split()[1][1:]) for p in problem.live_points]
+        last = max(k for k, op in enumerate(after) if op <= backward)
+        spans[device] = (read.held, firsts[space.node_of[forward]], last)
+    held, first, last = spans["tpu-v5e"]
+    assert held == (first, last) and last > first
+    held, first, _ = spans["h100"]
+    assert held is None or held[0] == first

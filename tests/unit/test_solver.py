@@ -723,3 +723,29 @@ def test_flow_rounding_follows_one_layout_of_the_lp(backend):
     assert model.objective(followed) == pytest.approx(2 * MS)
     _, stats = solve(problem, solver=backend)
     assert stats.objective == pytest.approx(2 * MS) and stats.status == "optimal"
+
+
+def test_a_copy_is_not_held_at_the_points_its_edge_releases():
+    """Edge.released: points inside the span where the compiler has run the copy's last reader
+    already (libtpu's weight-gradient matmuls, after the input-gradient chain)."""
+    from hloplan.solver.evaluate import point_contents
+
+    base = _copy_problem(float("inf"))
+    c = Node("C", (Strategy("c", memory=30.0),))
+    points = (LivePoint((0,)), LivePoint((0, 1)), LivePoint((0, 1, 2)), LivePoint((0, 1)))
+    problem = dataclasses.replace(
+        base, nodes=(*base.nodes, c), live_points=points,
+        edges=(dataclasses.replace(base.edges[0], held=(1, 3), released=(2,)),))
+    problem.validate()
+    assert evaluate(problem, Solution((0, 0, 0))).memory == (10.0, 60.0, 50.0, 60.0)
+    assert [h.kind for h in point_contents(problem, Solution((0, 0, 0)), 2)] == [
+        "result", "result", "result"]
+    assert "copy" in [h.kind for h in point_contents(problem, Solution((0, 0, 0)), 3)]
+    # Kept points only: the released point keeps its place among them.
+    kept = problem.with_live_points([0, 2, 3])
+    assert kept.edges[0].held == (1, 2) and kept.edges[0].released == (1,)
+    assert evaluate(kept, Solution((0, 0, 0))).memory == (10.0, 50.0, 60.0)
+    bad = dataclasses.replace(problem, edges=(dataclasses.replace(problem.edges[0],
+                                                                  released=(0,)),))
+    with pytest.raises(ValueError, match="releases its copy"):
+        bad.validate()

@@ -237,7 +237,7 @@ def point_contents(problem: ShardingProblem, solution: Solution, point: int) -> 
              for n, made in liveness.made.items() if made == point and picked[n].transient]
     held += [Held("accumulators", n, picked[n].accumulators)
              for n, start, end in liveness.accumulators if start <= point <= end]
-    for e, start, end in liveness.spans:
+    for e, start, end in liveness.runs:
         edge = problem.edges[e]
         made = copy_bytes(edge, solution.choice[edge.src], solution.choice[edge.dst])
         if start <= point <= end and made:

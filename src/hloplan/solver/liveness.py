@@ -8,7 +8,8 @@ The memory rules of a `ShardingProblem`, defined here and nowhere else:
   are made only (`first_live_points`: the first point that lists it, or its range's made point;
   none when that point is no longer checked), gone at the next.
 - resharded copies: the copy an edge's reader needs (`Edge.copies`) is held over the edge's span
-  (`copy_spans`: `Edge.held`, or the reader's made point).
+  (`copy_spans`: `Edge.held`, or the reader's made point), less the points it releases
+  (`Edge.released`; `held_runs`).
 - loop accumulators: a node holds its strategy's `accumulators` bytes (a collective-matmul
   loop's) from the made point of the first node that can loop to its own made point
   (`accumulator_spans`): libtpu allocates every loop's accumulators before the first loop
@@ -31,7 +32,8 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     from hloplan.solver.problem import ShardingProblem
 
-__all__ = ["PointEvents", "accumulator_spans", "copy_spans", "first_live_points", "sweep"]
+__all__ = ["PointEvents", "accumulator_spans", "copy_spans", "first_live_points", "held_runs",
+           "sweep"]
 
 
 def first_live_points(problem: ShardingProblem) -> dict[int, int]:
@@ -65,6 +67,18 @@ def copy_spans(problem: ShardingProblem, made: dict[int, int] | None = None
         if edge.dst in made:
             spans.append((e, made[edge.dst], made[edge.dst]))
     return spans
+
+
+def held_runs(start: int, end: int, released: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The runs of consecutive points from `start` to `end` (inclusive) less `released`."""
+    runs, first = [], start
+    for point in sorted(p for p in set(released) if start <= p <= end):
+        if point > first:
+            runs.append((first, point - 1))
+        first = point + 1
+    if first <= end:
+        runs.append((first, end))
+    return runs
 
 
 def accumulator_spans(problem: ShardingProblem, made: dict[int, int] | None = None
@@ -116,6 +130,10 @@ class Liveness:
         self.made = first_live_points(problem)
         self.spans = copy_spans(problem, self.made) if copies else []
         self.span_of = {e: (start, end) for e, start, end in self.spans}  # edge -> its span
+        # (edge, first, last) of each run of points where the copy is held (its span less the
+        # points it releases, Edge.released).
+        self.runs = [(e, first, last) for e, start, end in self.spans
+                     for first, last in held_runs(start, end, problem.edges[e].released)]
         self.accumulators = accumulator_spans(problem, self.made)
 
     def sweep(self) -> Iterator[PointEvents]:
@@ -142,8 +160,8 @@ class Liveness:
                 flashing.append((made, index))
         flash_in = at(flashing)
         flash_out = at((made + 1, index) for made, index in flashing)
-        copy_in = at((start, e) for e, start, _ in self.spans)
-        copy_out = at((end + 1, e) for e, _, end in self.spans)
+        copy_in = at((start, e) for e, start, _ in self.runs)
+        copy_out = at((end + 1, e) for e, _, end in self.runs)
         loop_in = at((start, node) for node, start, _ in self.accumulators)
         loop_out = at((end + 1, node) for node, _, end in self.accumulators)
         previous: set[int] = set()

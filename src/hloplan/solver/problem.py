@@ -92,6 +92,9 @@ class Edge:
     # FSDP-stored weight share one all-gather) and keeps the copy until the last of them
     # reads it. None: dst's first live point only (liveness.copy_spans).
     held: tuple[int, int] | None = None
+    # Live points inside `held` where the copy is not held: the compiler runs the ops of those
+    # points after the copy's last reader (liveness.held_runs). Empty: held over all of `held`.
+    released: tuple[int, ...] = ()
     # loop_copy[j]: bytes of dst's strategy j's transient that are a collective-matmul loop's
     # copy of this edge's value in j's layout (strategies.collective_matmul_copy_bytes). Where
     # the value reaches dst as a resharded copy held at dst's made point, the loop reads that
@@ -183,11 +186,14 @@ class ShardingProblem:
                                         made if made_here and made != first else None))
         # Copies keep their spans over the kept points; one no kept point holds is dropped.
         edges = list(self.edges)
+        index_of = {p: k for k, p in enumerate(kept)}
         for e, start, end in copy_spans(self):
             first = bisect.bisect_left(kept, start)
             last = bisect.bisect_right(kept, end) - 1
-            edges[e] = (replace(edges[e], held=(first, last)) if first <= last
-                        else replace(edges[e], copies=(), held=None))
+            released = tuple(index_of[p] for p in edges[e].released if p in index_of)
+            edges[e] = (replace(edges[e], held=(first, last), released=released)
+                        if first <= last else replace(edges[e], copies=(), held=None,
+                                                      released=()))
         return replace(self, edges=tuple(edges),
                        live_points=tuple(self.live_points[p] for p in kept),
                        live_ranges=tuple(ranges))
@@ -245,6 +251,10 @@ class ShardingProblem:
                     self.live_points):
                 raise ValueError(f"edge {edge.label!r} holds its copy over {edge.held}, not "
                                  f"within the {len(self.live_points)} live points")
+            if edge.released and (edge.held is None or not all(
+                    edge.held[0] <= p <= edge.held[1] for p in edge.released)):
+                raise ValueError(f"edge {edge.label!r} releases its copy at {edge.released}, "
+                                 f"not within its span {edge.held}")
         ranged: dict[int, LiveRange] = {}
         for r in self.live_ranges:
             if not 0 <= r.node < len(self.nodes):
