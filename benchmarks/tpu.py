@@ -40,6 +40,13 @@ with the topology; exported for tpu) for tpu-v5e on the topology's mesh (v5e:2x4
 benchmarks/tpu_corpus_results.json, the rows of v5e:2x4 under "programs" and those of other
 topologies under "topologies"; a run replaces only the rows it measures. `--keep-plans DIR`
 keeps each plan in DIR/PROGRAM (`hloplan verify DIR/PROGRAM` compiles it again).
+
+    .venv/bin/python benchmarks/tpu.py --corpus --corpus-size realistic --topology v5e:4x8
+
+does the same at the sizes users train at (CORPUS_REALISTIC_SIZES: 8 sequences of 512 tokens
+per device, 4 layers, resnet 32 images per device; a batch that does not fit a v5e device is
+halved, down to 2 sequences, and the row says which did not fit): rows under
+"realistic" -> topology of tpu_corpus_results.json.
 """
 
 from __future__ import annotations
