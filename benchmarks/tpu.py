@@ -40,6 +40,13 @@ with the topology; exported for tpu) for tpu-v5e on the topology's mesh (v5e:2x4
 benchmarks/tpu_corpus_results.json, the rows of v5e:2x4 under "programs" and those of other
 topologies under "topologies"; a run replaces only the rows it measures. `--keep-plans DIR`
 keeps each plan in DIR/PROGRAM (`hloplan verify DIR/PROGRAM` compiles it again).
+
+    .venv/bin/python benchmarks/tpu.py --corpus --corpus-size realistic --topology v5e:4x8
+
+does the same at the sizes users train at (CORPUS_REALISTIC_SIZES: 8 sequences of 512 tokens
+per device, 4 layers, resnet 32 images per device; a batch that does not fit a v5e device is
+halved, down to 2 sequences, and the row says which did not fit): rows under
+"realistic" -> topology of tpu_corpus_results.json.
 """
 
 from __future__ import annotations
@@ -73,6 +80,14 @@ CORPUS_PROGRAMS = ["hf_gpt2", "hf_bert", "hf_llama", "hf_bart", "haiku_transform
 # parallelism. `batch` is per device: the program grows with the topology.
 CORPUS_SIZES = {"*": dict(size="real", batch=2, seq=128, layers=2),
                 "linen_resnet": dict(size="real", batch=8)}
+# The sizes users train at (those of benchmarks/corpus.py --bench, which cannot be imported
+# here: it sets XLA_FLAGS for simulated devices): 8 sequences of 512 tokens per device,
+# 4 layers, resnet 32 images per device. Where that does not fit a device's memory, the batch
+# per device is halved, at most CORPUS_HALVINGS times (8, 4, 2 sequences).
+CORPUS_REALISTIC_SIZES = {"*": dict(size="real", batch=8, seq=512, layers=4),
+                          "linen_resnet": dict(size="real", batch=32)}
+CORPUS_SIZE_TABLES = {"small": CORPUS_SIZES, "realistic": CORPUS_REALISTIC_SIZES}
+CORPUS_HALVINGS = {"small": 0, "realistic": 2}
 CORPUS_TOPOLOGY = "v5e:2x4"  # the rows under "programs" of tpu_corpus_results.json
 DEFAULT_CASES = ["mlp:v5e:2x4", "gpt:v5e:2x4", "llama:v5e:2x4", "bert:v5e:2x4", "moe:v5e:2x4",
                  "resnet:v5e:2x4", "mlp:v5e:4x8", "gpt:v5e:4x8"]
@@ -226,31 +241,76 @@ def run_case(case: str) -> dict:
     return out
 
 
-def corpus_sizes(name: str, devices: int) -> dict:
-    """corpus.py's build arguments of a program for `devices` devices (CORPUS_SIZES)."""
-    sizes = dict(CORPUS_SIZES.get(name, CORPUS_SIZES["*"]))
+def corpus_sizes(name: str, devices: int, size: str = "small") -> dict:
+    """corpus.py's build arguments of a program for `devices` devices (CORPUS_SIZE_TABLES)."""
+    table = CORPUS_SIZE_TABLES[size]
+    sizes = dict(table.get(name, table["*"]))
     sizes["batch"] *= devices
     return sizes
 
 
+def corpus_size_candidates(name: str, devices: int, size: str = "small") -> list[dict]:
+    """The build arguments to try, largest first: the size's, then its batch per device halved
+    (CORPUS_HALVINGS) for programs that do not fit a device at the full batch."""
+    sizes = corpus_sizes(name, devices, size)
+    return [dict(sizes, batch=sizes["batch"] >> k) for k in range(CORPUS_HALVINGS[size] + 1)
+            if sizes["batch"] >> k >= devices]
+
+
+def does_not_fit(error: Exception) -> bool:
+    """Whether planning or libtpu failed for want of device memory (hloplan found no plan
+    within the budget, or libtpu ran out of HBM), rather than for another reason."""
+    from hloplan.diagnostics import NoPlanFits
+
+    text = str(error)
+    return isinstance(error, NoPlanFits) or "RESOURCE_EXHAUSTED" in text or \
+        "ran out of memory" in text.lower()
+
+
 def corpus_case(name: str, topology_name: str = CORPUS_TOPOLOGY,
-                keep: Path | None = None) -> dict:
+                keep: Path | None = None, size: str = "small") -> dict:
     """A corpus program planned for tpu-v5e on the topology's mesh and verified by libtpu:
     predicted and compiled collectives per kind and mesh axes (bytes per device per step) and
-    peak per device. With `keep`, the plan is written there (and kept)."""
+    peak per device. With `keep`, the plan is written there (and kept). A batch that does not
+    fit the device (does_not_fit, or libtpu's peak over its memory) is retried halved where
+    the size allows (corpus_size_candidates); the row says which batches did not fit."""
+    from hloplan.cost_models import load_device_model
+    from hloplan.tpu import parse_topology
+
+    topology = parse_topology(topology_name)
+    capacity = load_device_model("tpu-v5e").memory_bytes
+    candidates = corpus_size_candidates(name, topology.devices, size)
+    too_big: list[dict] = []
+    for i, sizes in enumerate(candidates):
+        last = i == len(candidates) - 1
+        try:
+            row = _corpus_case_at(name, topology, sizes, keep)
+        except Exception as error:
+            if last or not does_not_fit(error):
+                raise
+            too_big.append({"sizes": sizes, "why": str(error).strip().splitlines()[-1][:300]})
+            continue
+        if row["peak_bytes"]["compiled"] > capacity and not last:
+            too_big.append({"sizes": sizes, "why": f"libtpu's peak per device "
+                            f"{row['peak_bytes']['compiled']:.0f} B is over {capacity:.0f} B"})
+            continue
+        if too_big:
+            row["did_not_fit"] = too_big
+        return row
+    raise AssertionError("unreachable: the last candidate returns or raises")
+
+
+def _corpus_case_at(name: str, topology, sizes: dict, keep: Path | None) -> dict:
     import jax
 
     from hloplan.compiler import compile_bytes, make_options
-    from hloplan.tpu import parse_topology
     from hloplan.verify import verify_plan
 
     sys.path.insert(0, str(HERE.parent / "examples" / "third_party"))
     import corpus
 
-    topology = parse_topology(topology_name)
     mesh_text = "x".join(map(str, topology.shape))
     program = corpus.BY_NAME[name]
-    sizes = corpus_sizes(name, topology.devices)
     step, args = program.build(**sizes)
     donated = getattr(step, "donate_argnums", (0, 1) if len(args) == 4 else (0,))
     exported = jax.export.export(jax.jit(step, donate_argnums=donated), platforms=("tpu",))(*args)
@@ -276,18 +336,26 @@ def corpus_case(name: str, topology_name: str = CORPUS_TOPOLOGY,
     return {"program": name, "library": program.library, "topology": report["topology"],
             "sizes": sizes, "planning_s": planning_s,
             "collectives": table, "collective_bytes_ratio": predicted / compiled if compiled
-            else None, "peak_ratio": entry["peak_ratio"], "notes": report["notes"]}
+            else None, "peak_ratio": entry["peak_ratio"],
+            "peak_bytes": {"predicted": entry["predicted"]["peak_bytes"],
+                           "compiled": entry["compiled"]["peak_bytes"]},
+            "notes": report["notes"]}
 
 
 def corpus_main(names: list[str], output: str, topology_name: str = CORPUS_TOPOLOGY,
-                keep: Path | None = None) -> None:
+                keep: Path | None = None, size: str = "small") -> None:
     """Measures `names` on the topology and writes their rows into `output`, keeping the rows
-    it does not measure (those of other programs and topologies)."""
+    it does not measure (those of other programs, topologies and sizes): the small size's
+    under "programs" (v5e:2x4) and "topologies", the realistic size's under "realistic"."""
     command = "JAX_PLATFORMS=cpu .venv/bin/python benchmarks/tpu.py --corpus" + (
-        f" --topology {topology_name}" if topology_name != CORPUS_TOPOLOGY else "")
+        f" --corpus-size {size}" if size != "small" else "") + (
+        f" --topology {topology_name}" if topology_name != CORPUS_TOPOLOGY or size != "small"
+        else "")
     path = Path(output)
     results = json.loads(path.read_text()) if path.exists() else {}
-    if topology_name == CORPUS_TOPOLOGY:
+    if size != "small":
+        section = results.setdefault(size, {}).setdefault(topology_name, {})
+    elif topology_name == CORPUS_TOPOLOGY:
         section = results
     else:
         section = results.setdefault("topologies", {}).setdefault(topology_name, {})
@@ -296,7 +364,7 @@ def corpus_main(names: list[str], output: str, topology_name: str = CORPUS_TOPOL
     for name in names:
         started = time.perf_counter()
         try:
-            row = corpus_case(name, topology_name, keep / name if keep else None)
+            row = corpus_case(name, topology_name, keep / name if keep else None, size)
         except Exception:  # reported; the others still run
             row = {"program": name, "error": traceback.format_exc().strip().splitlines()[-1]}
         row["seconds"] = time.perf_counter() - started
@@ -309,7 +377,8 @@ def corpus_main(names: list[str], output: str, topology_name: str = CORPUS_TOPOL
                    if v["ratio"] is None or abs(v["ratio"] - 1) > 0.05}
             print(f"{name} on {topology_name}: collective bytes predicted / compiled "
                   f"{row['collective_bytes_ratio'] or 0:.3f}; off by more than 5%: {off}; "
-                  f"{row['seconds']:.0f} s", flush=True)
+                  f"peak predicted / compiled {row['peak_ratio'] or 0:.3f}; batch "
+                  f"{row['sizes']['batch']}; {row['seconds']:.0f} s", flush=True)
         path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
 
 
@@ -321,12 +390,16 @@ def main() -> None:
                         help="third-party corpus programs (comma-separated; default: all)")
     parser.add_argument("--topology", default=CORPUS_TOPOLOGY,
                         help="--corpus: the TPU topology (KIND:SHAPE) to plan and compile for")
+    parser.add_argument("--corpus-size", choices=sorted(CORPUS_SIZE_TABLES), default="small",
+                        help="--corpus: small (2 sequences of 128 tokens per device, 2 layers) "
+                        "or realistic (8 sequences of 512 tokens per device, 4 layers; the "
+                        "batch halved, down to 2, where it does not fit)")
     parser.add_argument("--keep-plans", metavar="DIR",
                         help="--corpus: write each program's plan to DIR/PROGRAM and keep it")
     args = parser.parse_args()
     if args.corpus is not None:
         corpus_main(args.corpus.split(","), args.output or str(CORPUS_RESULTS), args.topology,
-                    Path(args.keep_plans) if args.keep_plans else None)
+                    Path(args.keep_plans) if args.keep_plans else None, args.corpus_size)
         return
     args.output = args.output or str(RESULTS)
     results = {"command": "JAX_PLATFORMS=cpu .venv/bin/python benchmarks/tpu.py"
