@@ -109,3 +109,34 @@ def test_a_cut_solve_of_a_plan_not_kept_makes_plan_json_not_deterministic(tmp_pa
     warnings = [d["message"] for d in plan["diagnostics"] if d["severity"] == "warning"]
     assert any("made while choosing the plan" in m for m in warnings), warnings
     assert "made while choosing the plan" in slow.output
+
+
+class _FastClock:
+    """Stands for the `time` module: a minute passes between perf_counter reads."""
+
+    def __init__(self) -> None:
+        self.now = time.perf_counter()
+
+    def perf_counter(self) -> float:
+        self.now += 60.0
+        return self.now
+
+
+def test_the_clock_changes_nothing_but_whether_the_limit_is_reached(monkeypatch):
+    """The same plan, bound and status on a clock running far ahead, as long as the time
+    limit is not reached: elapsed time is compared with the deadline and nothing else."""
+    from test_solver import random_problem
+
+    from hloplan.solver import axes, backends, heuristics
+
+    # Fractional LP, heuristics and branch and bound stopped at the root by a count.
+    problem = random_problem(11, n=60, k=4, m=150)
+    kwargs = dict(time_limit=1e9, node_limit=0)
+    first, stats = ilp.solve(problem, **kwargs)
+    for module in (ilp, axes, backends, heuristics):
+        monkeypatch.setattr(module, "time", _FastClock())
+    again, fast = ilp.solve(problem, **kwargs)
+    assert again == first
+    assert (fast.status, fast.objective, fast.bound) == (stats.status, stats.objective,
+                                                         stats.bound)
+    assert fast.extra["deterministic"] is stats.extra["deterministic"] is True
