@@ -333,8 +333,12 @@ def _corpus_case_at(name: str, topology, sizes: dict, keep: Path | None) -> dict
         slot["ratio"] = slot["predicted"] / slot["compiled"] if slot["compiled"] else None
     predicted = sum(v["predicted"] for v in table.values())
     compiled = sum(v["compiled"] for v in table.values())
+    solver = result.plan["solver"]
     return {"program": name, "library": program.library, "topology": report["topology"],
             "sizes": sizes, "planning_s": planning_s,
+            # A plan the time limit cut (a loaded machine) differs from the quiet one's.
+            "solver": {"status": solver["status"], "deterministic": solver["deterministic"],
+                       "step_s": result.plan["estimate"]["step_time_s"]},
             "collectives": table, "collective_bytes_ratio": predicted / compiled if compiled
             else None, "peak_ratio": entry["peak_ratio"],
             "peak_bytes": {"predicted": entry["predicted"]["peak_bytes"],

@@ -10,7 +10,7 @@ import numpy as np
 
 from hloplan.canonical import allowed_strategies, restrict, widen
 from hloplan.diagnostics import Diagnostic, HloplanError, NoPlanFits
-from hloplan.solver import axes
+from hloplan.solver import axes, clock
 from hloplan.solver.backends import MIP_NODE_LIMIT as NODE_LIMIT
 from hloplan.solver.evaluate import copy_bytes, evaluate
 from hloplan.solver.ilp import InfeasibleError, SolverError
@@ -49,6 +49,51 @@ class SolveSharding:
             allowed, unrestricted = allowed_strategies(state, self.canonical)
             original = restrict(original, allowed)
             state.facts["canonical"] = {"plan": self.canonical, "unrestricted_nodes": unrestricted}
+        with clock.watch() as cuts:
+            attempt = self._solve(state, original, links)
+        # An earlier attempt the clock cut shaped the problem of the later ones (`seen`, the
+        # lowered budget): the plan then depends on the machine even if the last is not cut.
+        earlier_cut = bool(cuts) and state.stats.extra.get("deterministic", True)
+        if cuts:
+            state.stats.extra["deterministic"] = False
+        state.facts["memory_tightened"] = attempt
+        if allowed is not None:
+            state.solution = widen(state.solution, allowed)
+        if state.stats.status == "decomposed":
+            steps = state.stats.extra.get("steps", [])
+            state.log.remark(
+                f"solve-sharding: {state.stats.extra.get('full_variables', 0):,}-variable ILP "
+                f"planned on two-axis views in {len(steps)} steps (not proven optimal)")
+        elif state.stats.status == "within_gap":
+            state.log.remark(
+                f"solve-sharding: plan within {state.stats.gap:.2%} of the optimum (stopped "
+                f"inside the {options.gap:.2%} relative gap)")
+        elif state.stats.status == "node_limit":
+            state.log.warn(
+                f"branch and bound stopped at its node limit ({NODE_LIMIT} nodes per solve) with "
+                f"a feasible plan; gap to the best bound {_gap_text(state.stats.gap)}",
+                notes=("a limit on work, not time: the same plan on any machine",))
+        elif state.stats.status != "optimal":
+            state.log.warn(
+                f"solver stopped at its time limit ({options.time_limit:g} s) with a feasible plan; "
+                f"gap to the best bound {_gap_text(state.stats.gap)}; the plan depends on this "
+                "machine's speed", notes=("raise --time-limit for a proven optimum",))
+        if (not state.stats.extra.get("deterministic", True)
+                and state.stats.status in ("optimal", "within_gap")):
+            state.log.warn(
+                f"the time limit ({options.time_limit:g} s) cut the solver's search short: the "
+                "plan is proven within the gap, but another machine may find another one",
+                notes=("raise --time-limit for the same plan on any machine",))
+        if earlier_cut:
+            state.log.warn(
+                f"the time limit ({options.time_limit:g} s) cut the search of an earlier solve "
+                f"({cuts[0]}): the plan solved again after it depends on this machine's speed",
+                notes=("raise --time-limit for the same plan on any machine",))
+
+    def _solve(self, state: CompileState, original: ShardingProblem, links) -> int:
+        """Plan `original` into state.solution and state.stats, solving again with the copies
+        read held while the plan is over the budget; how many times it was solved again."""
+        options = state.options
         budget = original.memory_budget
         problem = original
         seen: dict[int, np.ndarray] = {}  # edge -> largest copy bytes per reader strategy yet
@@ -85,34 +130,7 @@ class SolveSharding:
                  f"{self.max_tightening + 1} times, counting the copies the previous plans "
                  f"read; last peak {format_bytes(peak)})",
                  "raise --memory-budget, use a larger mesh, or shrink the program")), peak)
-        state.facts["memory_tightened"] = attempt
-        if allowed is not None:
-            state.solution = widen(state.solution, allowed)
-        if state.stats.status == "decomposed":
-            steps = state.stats.extra.get("steps", [])
-            state.log.remark(
-                f"solve-sharding: {state.stats.extra.get('full_variables', 0):,}-variable ILP "
-                f"planned on two-axis views in {len(steps)} steps (not proven optimal)")
-        elif state.stats.status == "within_gap":
-            state.log.remark(
-                f"solve-sharding: plan within {state.stats.gap:.2%} of the optimum (stopped "
-                f"inside the {options.gap:.2%} relative gap)")
-        elif state.stats.status == "node_limit":
-            state.log.warn(
-                f"branch and bound stopped at its node limit ({NODE_LIMIT} nodes per solve) with "
-                f"a feasible plan; gap to the best bound {_gap_text(state.stats.gap)}",
-                notes=("a limit on work, not time: the same plan on any machine",))
-        elif state.stats.status != "optimal":
-            state.log.warn(
-                f"solver stopped at its time limit ({options.time_limit:g} s) with a feasible plan; "
-                f"gap to the best bound {_gap_text(state.stats.gap)}; the plan depends on this "
-                "machine's speed", notes=("raise --time-limit for a proven optimum",))
-        if (not state.stats.extra.get("deterministic", True)
-                and state.stats.status in ("optimal", "within_gap")):
-            state.log.warn(
-                f"the time limit ({options.time_limit:g} s) cut the solver's search short: the "
-                "plan is proven within the gap, but another machine may find another one",
-                notes=("raise --time-limit for the same plan on any machine",))
+        return attempt
 
 
 def _gap_text(gap: float) -> str:

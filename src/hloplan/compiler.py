@@ -44,6 +44,7 @@ from hloplan.passes.rematerialize import Rematerialize
 from hloplan.passmanager import pass_pipeline, run_passes
 from hloplan.pipeline_parallel import NoPipeline, PipelineOptions, PipelinePlan, plan_pipeline
 from hloplan.plan import dumps
+from hloplan.solver import clock
 from hloplan.solver.evaluate import evaluate
 from hloplan.state import CompileOptions, CompileState
 from hloplan.units import format_bytes, format_seconds, parse_bytes
@@ -161,7 +162,10 @@ def compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pas
     with some passes' options changed (default: passmanager.pass_pipeline()). `after_pass`:
     called with (pass name, state) after each pass of the single-program plans."""
     job = Job(Source(data, filename), pipeline, passes, after_pass)
-    with _cyclic_gc_paused():
+    # Every solve of the compile is watched: one the clock cut may have decided which plan is
+    # kept (a candidate, view or stage plan dropped; tying's comparison) though the kept plan's
+    # own solve was not cut.
+    with _cyclic_gc_paused(), clock.watch() as cuts:
         chosen, views = plan_on_views(job, options)
         selected = None
         if options.select == "compiled":
@@ -170,7 +174,7 @@ def compile_bytes(data: bytes, filename: str, options: CompileOptions, after_pas
         checked = None
         if options.verify_memory:
             checked = verify(job, chosen, dataclasses.replace(options, mesh=chosen.mesh))
-        return emit(job, chosen, views, checked, selected)
+        return emit(job, chosen, views, checked, selected, cuts)
 
 
 # ------------------------------------------------------------------------------ what is planned
@@ -803,10 +807,11 @@ def _remark_near_budget(state: CompileState, peak: float) -> None:
 
 
 def emit(job: Job, chosen: Candidate, views: dict | None, checked: Verified | None,
-         selected: Selected | None = None) -> CompileResult:
+         selected: Selected | None = None, cuts: Sequence[str] = ()) -> CompileResult:
     """The plan kept, rendered once (--verify-memory or --select compiled rendered it to
     compile it), with the views tried, the candidates compiled and the memory check in
-    plan.json; plan.json dumped last."""
+    plan.json; plan.json dumped last. `cuts`: the solves of the compile that the time limit
+    cut (clock.watch); plan.json says the plan is not deterministic when there is one."""
     if checked is not None:
         rendered = checked.rendered
     elif selected is not None:
@@ -836,6 +841,19 @@ def emit(job: Job, chosen: Candidate, views: dict | None, checked: Verified | No
     if checked is not None:
         timings["verify"] = checked.seconds
         plan["memory_check"] = checked.memory_check
+    solver = plan.get("solver")
+    if cuts and solver is not None and solver.get("deterministic", True):
+        # The kept plan's own solves were not cut (solve-sharding says so when they were).
+        solver["deterministic"] = False
+        if state.stats is not None:
+            state.stats.extra["deterministic"] = False
+        warning = Diagnostic(
+            "warning", f"the time limit ({state.options.time_limit:g} s) cut "
+            f"{len(cuts)} solve{'s' if len(cuts) > 1 else ''} made while choosing the plan "
+            f"({cuts[0]}): another machine may keep another plan", None,
+            ("raise --time-limit for the same plan on any machine",))
+        state.log.entries.append(warning)
+        plan["diagnostics"].append(warning.to_json())
     files[PLAN_FILE] = dumps(plan).encode()
     return CompileResult(state, files, timings)
 

@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from hloplan.solver import backends, ilp
+from hloplan.solver import backends, clock, ilp
 from hloplan.solver.evaluate import memory_fits
 from hloplan.solver.model import ModelInfeasible, compile_model
 from hloplan.solver.problem import ShardingProblem, Solution, SolveStats
@@ -136,13 +136,16 @@ def solve(
     search.descend(pairs, branch=False, rounds=LP_ROUNDS)
     search.descend(pairs, branch=True, rounds=exact_rounds)
     status = "decomposed" if time.perf_counter() < deadline else "time_limit"
+    deterministic = status == "decomposed" and not search.clocked
+    if not deterministic:
+        clock.cut("the axis-view search")
     return ilp.solve_stats(
         problem, model.to_choice(search.choice), solver=backend, status=status,
         bound=-math.inf, started=started, variables=search.variables,
         constraints=search.constraints,
         extra={"backend": backend, "source": "axis views", "steps": search.steps,
                "full_variables": full_problem_variables(model),
-               "deterministic": status == "decomposed"})
+               "deterministic": deterministic})
 
 
 class _Search:
@@ -154,6 +157,7 @@ class _Search:
         self.objective = math.inf
         self.steps: list[dict] = []
         self.variables = self.constraints = 0
+        self.clocked = False  # whether a backend run stopped at the time limit
 
     def _solve(self, allowed: list[np.ndarray], label: str, branch: bool = True) -> bool:
         """Solve the restriction; adopt its plan if it is better. Whether it was."""
@@ -178,6 +182,7 @@ class _Search:
             step.update(result=f"no solution: {exc}", seconds=time.perf_counter() - started)
             self.steps.append(step)
             return False
+        self.clocked |= bool(outcome.extra.get("time_limited", False))
         choice = [int(keep[i]) for keep, i in zip(allowed, outcome.choice, strict=True)]
         objective = self.model.objective(choice)
         better = self.choice is None or objective < self.objective - 1e-12 * abs(self.objective)

@@ -398,7 +398,12 @@ def _highs_run(built: Built, *, time_limit: float, threads: int, mip: bool,
             kind = highspy.HighsVarType.kInteger if mip else highspy.HighsVarType.kContinuous
             h.changeColsIntegrality(len(columns), columns, np.array([kind] * len(columns)))
             built.integer = mip
-        h.setOptionValue("time_limit", max(float(time_limit), 0.01))
+        # HiGHS (1.16) holds an LP to its time limit counted over every run of its object
+        # (the LP relaxation, the lazy rounds, the MIP and the bound LP after it all run on
+        # one), a MIP to its own run's time: either way the limit given is this run's.
+        spent = h.getRunTime()
+        limit = max(float(time_limit), 0.01)
+        h.setOptionValue("time_limit", limit if mip else spent + limit)
         h.setOptionValue("threads", int(threads))
         h.setOptionValue("mip_rel_gap", built.gap)
         h.setOptionValue("mip_max_nodes", int(built.node_limit))
@@ -419,7 +424,9 @@ def _highs_run(built: Built, *, time_limit: float, threads: int, mip: bool,
     status = h.getModelStatus()
     info = h.getInfo()
     ok = highspy.HighsModelStatus
-    if status == ok.kTimeLimit:
+    # A run that reached its limit may have stopped part of its search there (a MIP's
+    # sub-MIPs run on the time left) even when it reports a proven optimum.
+    if status == ok.kTimeLimit or h.getRunTime() - spent >= limit:
         built.time_limited = True
     if mip:
         built.nodes += max(int(info.mip_node_count), 0)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
-from hloplan.solver import backends, heuristics
+from hloplan.solver import backends, clock, heuristics
 from hloplan.solver.backends import (
     INTEGRALITY_TOL,
     MEMORY_SCALE,
@@ -120,6 +120,8 @@ def _min_peak_choice(
         lp.row(f"peak_{p}", [load, built.peak], [1.0, -1.0], -math.inf,
                -float(memory.constant[p]) * MEMORY_SCALE)
     status = backends.run(built, backend, time_limit=time_limit, threads=threads)
+    if built.time_limited:  # the smallest peak reported (and searched on by pipelines) varies
+        clock.cut("the smallest-peak ILP of an infeasible budget")
     if status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         return None, False
     return backends.read_choice(built), status == pulp.LpSolutionOptimal
@@ -560,6 +562,8 @@ def _solve_ilp(
     # or when the solve ran past the deadline (a heuristic then skips its remaining rounds).
     clocked = bool(outcome.extra.pop("time_limited", False)) or time.perf_counter() >= deadline
     outcome.extra["deterministic"] = not clocked
+    if clocked:
+        clock.cut(f"a {len(model.groups)}-decision ILP")
     status = outcome.status
     if clocked and status == "node_limit":
         status = "time_limit"
