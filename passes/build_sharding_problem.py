@@ -74,6 +74,7 @@ from hloplan.tpu_buffers import (
     output_fused_matmuls,
     pad_operands,
     recomputed_sources,
+    relaid_reshapes,
     relaid_rows,
     row_major_results,
     scatter_updates_shape,
@@ -1324,12 +1325,13 @@ def tpu_unmaterialized(graph: Graph, kept_fused: set[int]) -> set[int]:
     fuse the elementwise work they read), the one-element scatters into splats it rewrites as
     fused selects (tpu_buffers.fused_selects), matmul results it slices through
     (tpu_buffers.sliced_matmuls), matmul operands computed inside the matmuls
-    (tpu_buffers.operand_fused_values), less the operands of written-out pads."""
+    (tpu_buffers.operand_fused_values), less the operands of written-out pads and the
+    reshapes it copies into their own layout (tpu_buffers.relaid_reshapes)."""
     free = free_values(graph)
     out = set(kept_fused) | fused_selects(graph, free) | sliced_matmuls(graph)
     out |= output_fused_matmuls(graph, out)
     out |= operand_fused_values(graph, out, free)
-    return out - pad_operands(graph, out)
+    return out - pad_operands(graph, out) - relaid_reshapes(graph)
 
 
 def matmul_narrowed(graph: Graph, folded: set[int], dtype: str) -> dict[int, float]:
