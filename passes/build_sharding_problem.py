@@ -462,15 +462,19 @@ class _ProblemBuilder:
         leave out cost what theirs do: priced lower, the slice only adds ties with them that
         move plans for nothing (hf_bert's and hf_gpt2's weights to `[(x, y), -]` on v5e:4x8,
         at no lower estimate). Left out: gathers (_scatter_first_gathers), the second of a
-        reassociated pair (its price is the fold's), outputs and values a loop carries."""
+        reassociated pair (its price is the fold's: listed where the plan does not fold it, not
+        charged here), outputs and values a loop carries."""
+        self._unpriced_slices = set()
         if self.comm.model.platform != "tpu":
             return
         taken = {second for _, second, _ in folds}
         outputs = set(self.graph.outputs)
         for op_index, strategies in self.space.strategies.items():
             op = self.graph.ops[op_index]
-            if op_index in self.space.scatter_first or op_index in taken or len(op.results) != 1:
+            if op_index in self.space.scatter_first or len(op.results) != 1:
                 continue
+            if op_index in taken:
+                self._unpriced_slices.add(op_index)
             value = self.graph.values[op.results[0]]
             if not value.users or value.id in outputs or value.type is None:
                 continue
@@ -482,7 +486,9 @@ class _ProblemBuilder:
                           for k, v in enumerate(r.operands) if v == value.id)
             dsts = {c.operands[k] for r, k in reads for c in self.space.strategies[r]
                     if k < len(c.operands)}
-            if any(sliced_read(s, dst, value.type, self.mesh)
+            # Permuted slices too, for the listing (sliced_all_reduces); their price is the
+            # all-reduce's and the reshard's (sliced_charge: 0).
+            if any(sliced_read(s, dst, value.type, self.mesh, permuted=True)
                    for s in strategies for dst in dsts):
                 self.space.sliced[op_index] = reads
 
@@ -491,6 +497,8 @@ class _ProblemBuilder:
         1/n of what the reduce-scatter costs beyond the all-reduce (sliced_charge)."""
         edges = []
         for producer, reads in self.space.sliced.items():
+            if producer in self._unpriced_slices:
+                continue
             op = self.graph.ops[producer]
             type_ = self.graph.values[op.results[0]].type
             comm = self.unmerged if producer in self.chained else self.comm
@@ -1498,19 +1506,31 @@ def scatter_first_reads(state: CompileState) -> dict[int, tuple]:
 
 
 
-def sliced_read(strategy, dst, type_: TensorType, mesh) -> bool:
+def sliced_read(strategy, dst, type_: TensorType, mesh, permuted: bool = False) -> bool:
     """Whether a reader taking layout `dst` of the result of `strategy`, an all-reduce over
     its summed axes, takes one slice of it over those axes (the reduce-scattered layout
     itself, scatter_first_layout): libtpu then compiles the all-reduce and the slice as one
     reduce-scatter (_sliced_all_reduces). Only a slice along one dim: XLA's reduce-scatter
-    creator matches no other (MatchReduceScatter's allow_multiple_split_dims is false)."""
+    creator matches no other (MatchReduceScatter's allow_multiple_split_dims is false).
+    With `permuted`, also a `dst` with the same axes on each dim in another order
+    (permuted_slice)."""
     reduced = strategy.reduced_axes
     if (dst is None or not reduced
             or {kind for kind, _, _ in strategy.collectives} != {"all-reduce"}
             or sum(any(axis in reduced for axis in axes) for axes in dst) != 1):
         return False
-    return scatter_first_layout(strategy.results[0], dst, reduced, type_.shape,
-                                mesh.axis_sizes) == dst
+    mid = scatter_first_layout(strategy.results[0], dst, reduced, type_.shape, mesh.axis_sizes)
+    return mid == dst or (permuted and permuted_slice(mid, dst))
+
+
+def permuted_slice(mid, dst) -> bool:
+    """Whether `dst` has `mid`'s axes on each dim in another order: libtpu takes the slice
+    `mid` of the all-reduce, which hlo_stats counts as a reduce-scatter, and a
+    collective-permute puts the shards in `dst`'s order (hf_bert's word-embedding gradient on
+    v5e:16x16, `[-, y]` summed over x and read `[-, (x, y)]`: all-reduced over x, sliced to
+    `[-, (y, x)]`, permuted)."""
+    return (mid is not None and mid != dst and len(mid) == len(dst)
+            and all(sorted(a) == sorted(b) for a, b in zip(mid, dst)))
 
 
 def sliced_charge(comm: CommModel, type_: TensorType, strategy, dst, mesh,
@@ -1545,8 +1565,10 @@ def sliced_all_reduces(state: CompileState) -> dict[int, tuple]:
                 for reader, position in reads}
         if len(dsts) == 1:
             dst = dsts.pop()
-            if sliced_read(chosen, dst, value.type, state.options.mesh):
-                out[op_index] = (dst, {reader for reader, _ in reads}, True)
+            if sliced_read(chosen, dst, value.type, state.options.mesh, permuted=True):
+                mid = scatter_first_layout(chosen.results[0], dst, chosen.reduced_axes,
+                                           value.type.shape, state.options.mesh.axis_sizes)
+                out[op_index] = (mid, {reader for reader, _ in reads}, True)
     return out
 
 

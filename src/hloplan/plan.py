@@ -124,17 +124,23 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
     seen_reshards: set = set()
     for op, value_id, src, dst, multiplier in chosen_reshards(state):
         producer = graph.values[value_id].producer
-        mid = None
+        mid, direct = None, False
         if producer in scattered and op.index in scattered[producer][1]:
-            mid = scattered[producer][0]
+            mid, _, direct = scattered[producer]
         key = (value_id, src, dst, multiplier, op.parent, op.region)
         if key in seen_reshards:
             continue
         seen_reshards.add(key)
         type_ = resharded_type(graph.type_of(value_id), op, options.device, graph)
-        reshard = (state.comm.reshard(type_.shape, type_.itemsize, src, dst) if mid is None else
-                   scatter_first_reshard(state.comm, type_, state.chosen(producer).reduced_axes,
-                                         mid, dst))
+        if mid is None:
+            reshard = state.comm.reshard(type_.shape, type_.itemsize, src, dst)
+        elif direct:
+            # scattered onto `mid`'s own dims: the rest goes from there (nothing where the
+            # reader takes `mid`, a collective-permute where it orders the axes otherwise)
+            reshard = state.comm.reshard(type_.shape, type_.itemsize, mid, dst)
+        else:
+            reshard = scatter_first_reshard(state.comm, type_,
+                                            state.chosen(producer).reduced_axes, mid, dst)
         for kind, axes, sent in reshard.collectives:
             label = state.comm.axes_label(axes)
             entry = collectives.setdefault(f"{kind}({label})", {"kind": kind, "axes": label,

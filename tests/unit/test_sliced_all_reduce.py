@@ -66,6 +66,17 @@ def test_an_all_reduce_read_through_a_slice_is_listed_as_a_reduce_scatter():
                                             "all-gather(y)": pytest.approx(shard * 3)}
 
 
+def test_a_slice_permuted_into_the_readers_order_is_listed_as_a_reduce_scatter():
+    # Read [(x, y), -]: libtpu slices the all-reduced rows [(y, x), -] (a reduce-scatter over
+    # x to hlo_stats) and permutes the shards into the reader's order (hf_bert's
+    # word-embedding gradient on v5e:16x16).
+    shard = 64 * 128 * 4 / 4
+    assert _listed("tpu-v5e", "[(x, y), -] <- [(x, y), -]") == {
+        "reduce-scatter(x)": pytest.approx(shard / 2),
+        "collective-permute(x,y)": pytest.approx(shard / 2)}
+    assert _listed("cpu", "[(x, y), -] <- [(x, y), -]")["all-reduce(x)"] == pytest.approx(shard)
+
+
 def test_only_where_libtpu_compiles():
     assert _listed("cpu", "[y, x] <- [y, x]") == {"all-reduce(x)": pytest.approx(64 * 128 * 4 / 4)}
 
@@ -94,16 +105,17 @@ def test_the_ilp_prices_a_sliced_all_reduce_as_its_reduce_scatter():
 
 
 _LIBTPU_ROW_SUM = """
-import json
+import json, sys
 import jax, numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from hloplan.hlo_stats import collective_stats
 from hloplan.tpu import parse_topology, topology_devices
 devices = topology_devices(parse_topology("v5e:2x4"))
 mesh = Mesh(np.array(devices).reshape(2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+READ = P(*json.loads(sys.argv[1]))
 def step(a):
     rows = jax.lax.with_sharding_constraint(a.sum(-1), NamedSharding(mesh, P("y", None)))
-    return jax.numpy.tanh(jax.lax.with_sharding_constraint(rows, NamedSharding(mesh, P("y", "x"))))
+    return jax.numpy.tanh(jax.lax.with_sharding_constraint(rows, NamedSharding(mesh, READ)))
 compiled = jax.jit(step, in_shardings=NamedSharding(mesh, P("y", None, "x"))).lower(
     jax.ShapeDtypeStruct((64, 128, 256), np.float32)).compile()
 stats = collective_stats(compiled.as_text(), mesh_axes=[("x", 2), ("y", 4)])
@@ -111,12 +123,27 @@ print(json.dumps([[op.kind, sorted(op.axes), op.total_bytes_sent] for op in stat
 """
 
 
-@needs_libtpu
-def test_libtpu_compiles_the_sliced_all_reduce_as_a_reduce_scatter():
+def _libtpu_row_sum(read: list) -> list:
+    """[kind, axes, bytes] of each collective libtpu compiles of the row sum read in `read`."""
     from hloplan.tpu import child_env
 
-    done = subprocess.run([sys.executable, "-c", _LIBTPU_ROW_SUM], env=child_env(),
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", _LIBTPU_ROW_SUM, json.dumps(read)],
+                          env=child_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    ops = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@needs_libtpu
+def test_libtpu_compiles_the_sliced_all_reduce_as_a_reduce_scatter():
+    ops = _libtpu_row_sum(["y", "x"])
     assert ops == [["reduce-scatter", ["x"], _listed("tpu-v5e", "[y, x] <- [y, x]")["reduce-scatter(x)"]]]
+
+
+@needs_libtpu
+def test_libtpu_compiles_the_permuted_slice_as_listed():
+    listed = _listed("tpu-v5e", "[(x, y), -] <- [(x, y), -]")
+    compiled = {}
+    for kind, axes, sent in _libtpu_row_sum([["x", "y"], None]):
+        key = f"{kind}({','.join(sorted(axes))})"
+        compiled[key] = compiled.get(key, 0) + sent
+    assert compiled == {key: pytest.approx(sent) for key, sent in listed.items()}
