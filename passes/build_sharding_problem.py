@@ -314,7 +314,7 @@ class _ProblemBuilder:
         self._scatter_first_gathers(folds)
         self._sliced_all_reduces(folds)
         nodes = self._nodes()
-        edges = self._edges() + self._fold_edges(folds) + self._sliced_edges()
+        edges = self._edges() + self._fold_edges(folds) + self._sliced_edges(folds)
         points, ranges = self._live_points()
         problem = ShardingProblem(tuple(nodes), tuple(edges), tuple(points), budget,
                                   name=self.graph.name, live_ranges=tuple(ranges),
@@ -389,13 +389,13 @@ class _ProblemBuilder:
             if (not value.users or value.id in self.fused or value.id in self.unmaterialized
                     or value.type is None):
                 continue
-            readers = [self.graph.ops[u] for u in dict.fromkeys(value.users)]
-            # Matmuls that share one reshard of the value (_shared_reshards) are left out.
-            if any(r.index not in self.space.strategies or r.attrs.get("yield") == value.id
-                   or (r.name in MATMULS and len(readers) > 1) for r in readers):
+            reads = self._planned_reads(value)
+            if reads is None:
                 continue
-            reads = tuple((r.index, k) for r in readers
-                          for k, v in enumerate(r.operands) if v == value.id)
+            # Matmuls that share one reshard of the value (_shared_reshards) are left out.
+            readers = {reader for reader, _ in reads}
+            if len(readers) > 1 and any(self.graph.ops[r].name in MATMULS for r in readers):
+                continue
             comm = self.unmerged if op_index in self.chained else self.comm
             priced = []
             for s in strategies:
@@ -464,26 +464,19 @@ class _ProblemBuilder:
         at no lower estimate). Left out: gathers (_scatter_first_gathers), the second of a
         reassociated pair (its price is the fold's: listed where the plan does not fold it, not
         charged here), outputs and values a loop carries."""
-        self._unpriced_slices = set()
         if self.comm.model.platform != "tpu":
             return
-        taken = {second for _, second, _ in folds}
         outputs = set(self.graph.outputs)
         for op_index, strategies in self.space.strategies.items():
             op = self.graph.ops[op_index]
             if op_index in self.space.scatter_first or len(op.results) != 1:
                 continue
-            if op_index in taken:
-                self._unpriced_slices.add(op_index)
             value = self.graph.values[op.results[0]]
             if not value.users or value.id in outputs or value.type is None:
                 continue
-            readers = [self.graph.ops[u] for u in dict.fromkeys(value.users)]
-            if any(r.index not in self.space.strategies or r.attrs.get("yield") == value.id
-                   for r in readers):
+            reads = self._planned_reads(value)
+            if reads is None:
                 continue
-            reads = tuple((r.index, k) for r in readers
-                          for k, v in enumerate(r.operands) if v == value.id)
             dsts = {c.operands[k] for r, k in reads for c in self.space.strategies[r]
                     if k < len(c.operands)}
             # Permuted slices too, for the listing (sliced_all_reduces); their price is the
@@ -492,12 +485,24 @@ class _ProblemBuilder:
                    for s in strategies for dst in dsts):
                 self.space.sliced[op_index] = reads
 
-    def _sliced_edges(self) -> list[Edge]:
+    def _planned_reads(self, value) -> tuple | None:
+        """(reader op index, operand position) of each read of `value`; None where a reader
+        is not planned (no strategies) or a loop carries the value (yields it)."""
+        readers = [self.graph.ops[u] for u in dict.fromkeys(value.users)]
+        if any(r.index not in self.space.strategies or r.attrs.get("yield") == value.id
+               for r in readers):
+            return None
+        return tuple((r.index, k) for r in readers
+                     for k, v in enumerate(r.operands) if v == value.id)
+
+    def _sliced_edges(self, folds) -> list[Edge]:
         """Per read of a sliced all-reduce (_sliced_all_reduces) by a layout that slices it:
-        1/n of what the reduce-scatter costs beyond the all-reduce (sliced_charge)."""
+        1/n of what the reduce-scatter costs beyond the all-reduce (sliced_charge); none for
+        the second of a reassociated pair (the fold prices it)."""
+        taken = {second for _, second, _ in folds}
         edges = []
         for producer, reads in self.space.sliced.items():
-            if producer in self._unpriced_slices:
+            if producer in taken:
                 continue
             op = self.graph.ops[producer]
             type_ = self.graph.values[op.results[0]].type
@@ -1506,21 +1511,27 @@ def scatter_first_reads(state: CompileState) -> dict[int, tuple]:
 
 
 
-def sliced_read(strategy, dst, type_: TensorType, mesh, permuted: bool = False) -> bool:
-    """Whether a reader taking layout `dst` of the result of `strategy`, an all-reduce over
-    its summed axes, takes one slice of it over those axes (the reduce-scattered layout
-    itself, scatter_first_layout): libtpu then compiles the all-reduce and the slice as one
-    reduce-scatter (_sliced_all_reduces). Only a slice along one dim: XLA's reduce-scatter
-    creator matches no other (MatchReduceScatter's allow_multiple_split_dims is false).
-    With `permuted`, also a `dst` with the same axes on each dim in another order
-    (permuted_slice)."""
+def sliced_layout(strategy, dst, type_: TensorType, mesh, permuted: bool = False):
+    """The reduce-scattered layout (scatter_first_layout) of the result of `strategy`, an
+    all-reduce over its summed axes, where a reader taking layout `dst` takes one slice of it
+    over those axes (`dst` itself): libtpu then compiles the all-reduce and the slice as one
+    reduce-scatter (_sliced_all_reduces). None elsewhere. Only a slice along one dim: XLA's
+    reduce-scatter creator matches no other (MatchReduceScatter's allow_multiple_split_dims
+    is false). With `permuted`, also where `dst` has the same axes on each dim in another
+    order (permuted_slice)."""
     reduced = strategy.reduced_axes
     if (dst is None or not reduced
             or {kind for kind, _, _ in strategy.collectives} != {"all-reduce"}
             or sum(any(axis in reduced for axis in axes) for axes in dst) != 1):
-        return False
+        return None
     mid = scatter_first_layout(strategy.results[0], dst, reduced, type_.shape, mesh.axis_sizes)
-    return mid == dst or (permuted and permuted_slice(mid, dst))
+    return mid if mid == dst or (permuted and permuted_slice(mid, dst)) else None
+
+
+def sliced_read(strategy, dst, type_: TensorType, mesh, permuted: bool = False) -> bool:
+    """Whether a reader taking layout `dst` takes one slice of `strategy`'s all-reduce over
+    its summed axes (sliced_layout)."""
+    return sliced_layout(strategy, dst, type_, mesh, permuted) is not None
 
 
 def permuted_slice(mid, dst) -> bool:
@@ -1564,10 +1575,9 @@ def sliced_all_reduces(state: CompileState) -> dict[int, tuple]:
         dsts = {layouts[reader][position] if position < len(layouts[reader]) else None
                 for reader, position in reads}
         if len(dsts) == 1:
-            dst = dsts.pop()
-            if sliced_read(chosen, dst, value.type, state.options.mesh, permuted=True):
-                mid = scatter_first_layout(chosen.results[0], dst, chosen.reduced_axes,
-                                           value.type.shape, state.options.mesh.axis_sizes)
+            mid = sliced_layout(chosen, dsts.pop(), value.type, state.options.mesh,
+                                permuted=True)
+            if mid is not None:
                 out[op_index] = (mid, {reader for reader, _ in reads}, True)
     return out
 

@@ -8,6 +8,8 @@ holds no buffer for (build-sharding-problem's `unmaterialized`).
 
 from __future__ import annotations
 
+import math
+
 from hloplan.graph import Graph
 from hloplan.op_rules import ELEMENTWISE, fusible_consumer, fusible_producer
 
@@ -275,10 +277,7 @@ def splits_lanes(operand: tuple[int, ...], result: tuple[int, ...]) -> bool:
     if result[:last] != operand[:last]:
         return False
     tail = result[last:]
-    count = 1
-    for size in tail:
-        count *= size
-    if count != operand[last] or len(tail) < 2 or min(tail) < 2:
+    if math.prod(tail) != operand[last] or len(tail) < 2 or min(tail) < 2:
         return False
     # Lanes padded per element: the split dim's against the operand's last dim's.
     return _round_up(tail[-1], 128) * operand[last] > _round_up(operand[last], 128) * tail[-1]
@@ -333,8 +332,8 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
     (broadcast into it) are not sources either: libtpu's kernel gradients recompute a
     pre-activation block's `relu(norm(h))` from h and the norm's per-channel statistics,
     scale and bias (linen_resnet on v5e:2x4 and 4x8, libtpu 0.0.42). Only values an
-    elementwise op makes (a weight's transpose is left to the other rules), and no pad on the way (a written-out pad is a kernel of its
-    own: pad_operands). Value ids."""
+    elementwise op makes (a weight's transpose is left to the other rules), and no pad on the
+    way (a written-out pad is a kernel of its own: pad_operands). Value ids."""
     arguments = set(graph.arguments)
     out = set()
     for op in graph.ops:
