@@ -204,7 +204,8 @@ def run_case(case: str) -> dict:
         models.abstract(state_spec), models.abstract(batch_spec))
     started = time.perf_counter()
     result = compile_bytes(bytes(exported.serialize()), f"{name}.jaxexport",
-                           make_options(mesh_text, device="tpu-v5e", mesh_views="off"))
+                           make_options(mesh_text, device=corpus_device(topology),
+                                        mesh_views="off"))
     plan_s = time.perf_counter() - started
     plan = result.plan
     with tempfile.TemporaryDirectory() as tmp:
@@ -267,9 +268,15 @@ def does_not_fit(error: Exception) -> bool:
         "ran out of memory" in text.lower()
 
 
+def corpus_device(topology) -> str:
+    """The shipped device model of the topology's TPU kind (tpu-v5e, tpu-v6e, tpu-v5p)."""
+    return f"tpu-{topology.kind.name}"
+
+
 def corpus_case(name: str, topology_name: str = CORPUS_TOPOLOGY,
                 keep: Path | None = None, size: str = "small") -> dict:
-    """A corpus program planned for tpu-v5e on the topology's mesh and verified by libtpu:
+    """A corpus program planned for the topology's TPU kind (corpus_device) on its mesh and
+    verified by libtpu:
     predicted and compiled collectives per kind and mesh axes (bytes per device per step) and
     peak per device. With `keep`, the plan is written there (and kept). A batch that does not
     fit the device (does_not_fit, or libtpu's peak over its memory) is retried halved where
@@ -278,7 +285,7 @@ def corpus_case(name: str, topology_name: str = CORPUS_TOPOLOGY,
     from hloplan.tpu import parse_topology
 
     topology = parse_topology(topology_name)
-    capacity = load_device_model("tpu-v5e").memory_bytes
+    capacity = load_device_model(corpus_device(topology)).memory_bytes
     candidates = corpus_size_candidates(name, topology.devices, size)
     too_big: list[dict] = []
     for i, sizes in enumerate(candidates):
@@ -316,7 +323,8 @@ def _corpus_case_at(name: str, topology, sizes: dict, keep: Path | None) -> dict
     exported = jax.export.export(jax.jit(step, donate_argnums=donated), platforms=("tpu",))(*args)
     started = time.perf_counter()
     result = compile_bytes(bytes(exported.serialize()), f"{name}.jaxexport",
-                           make_options(mesh_text, device="tpu-v5e", mesh_views="off"))
+                           make_options(mesh_text, device=corpus_device(topology),
+                                        mesh_views="off"))
     planning_s = time.perf_counter() - started
     with tempfile.TemporaryDirectory() as tmp:
         plan_dir = keep if keep is not None else Path(tmp) / "plan"
