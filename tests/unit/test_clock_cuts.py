@@ -80,6 +80,19 @@ def test_unwatched_solves_report_nothing_and_quiet_solves_stay_deterministic():
     assert not state.log.warnings
 
 
+def test_a_watch_nested_in_another_leaves_the_outer_one_watching():
+    """A cut inside a nested watch, then one after it: the outer watch receives both and ends
+    cleanly (the inner one's list equals the outer's when it ends; it is removed, not the
+    outer's)."""
+    with clock.watch() as outer:
+        with clock.watch() as inner:
+            clock.cut("inner solve")
+        clock.cut("outer solve")
+    assert outer == ["inner solve", "outer solve"]
+    assert inner == ["inner solve"]
+    assert not clock._watchers
+
+
 def test_a_cut_solve_of_a_plan_not_kept_makes_plan_json_not_deterministic(tmp_path,
                                                                           monkeypatch):
     """tie-repeated-layers' comparison solves the program twice more on a slow clock; the
