@@ -6,8 +6,9 @@
 Needs libtpu (`pip install -e ".[tpu]"`). For each case (a benchmark program of models.py at a
 modest size, exported for the tpu platform, on a TPU v5e topology):
 
-- hloplan plans it (`--device tpu-v5e`, the topology's mesh) and the plan's own loader compiles
-  it for the topology (`loader.load(plan, devices=topology devices).compile_abstract()`);
+- hloplan plans it (`--device tpu-v5e`: the device model of the topology's kind; the
+  topology's mesh) and the plan's own loader compiles it for the topology
+  (`loader.load(plan, devices=topology devices).compile_abstract()`);
 - the hand plans of hand_plans.py (DP, FSDP, Megatron TP + DP, FSDP + TP, expert parallel for
   the MoE) are compiled by jax.jit for the same devices;
 - every compiled program is scored by one formula on its TPU-compiled per-device HLO, with
@@ -34,9 +35,9 @@ Writes benchmarks/tpu_results.json (docs/tpu.md shows the figures).
 
 plans programs of the third-party corpus (examples/third_party/corpus.py at realistic widths,
 2 layers, 2 sequences of 128 tokens per device, resnet 8 images per device: the batch grows
-with the topology; exported for tpu) for tpu-v5e on the topology's mesh (v5e:2x4 unless
-`--topology` says) and sets the plan's predicted collectives beside what libtpu compiled of it
-(hloplan.verify.verify_plan, as `hloplan verify PLAN --compiler tpu`):
+with the topology; exported for tpu) for the topology's kind (tpu-v5e, tpu-v6e, tpu-v5p) on
+its mesh (v5e:2x4 unless `--topology` says) and sets the plan's predicted collectives beside
+what libtpu compiled of it (hloplan.verify.verify_plan, as `hloplan verify PLAN --compiler tpu`):
 benchmarks/tpu_corpus_results.json, the rows of v5e:2x4 under "programs" and those of other
 topologies under "topologies"; a run replaces only the rows it measures. `--keep-plans DIR`
 keeps each plan in DIR/PROGRAM (`hloplan verify DIR/PROGRAM` compiles it again).
@@ -204,7 +205,7 @@ def run_case(case: str) -> dict:
         models.abstract(state_spec), models.abstract(batch_spec))
     started = time.perf_counter()
     result = compile_bytes(bytes(exported.serialize()), f"{name}.jaxexport",
-                           make_options(mesh_text, device=corpus_device(topology),
+                           make_options(mesh_text, device=device_model_for(topology),
                                         mesh_views="off"))
     plan_s = time.perf_counter() - started
     plan = result.plan
@@ -224,8 +225,8 @@ def run_case(case: str) -> dict:
     # lowest compiled score kept; scored here as every other plan.
     started = time.perf_counter()
     selected = compile_bytes(bytes(exported.serialize()), f"{name}.jaxexport",
-                             make_options(mesh_text, device="tpu-v5e", mesh_views="off",
-                                          select="compiled"))
+                             make_options(mesh_text, device=device_model_for(topology),
+                                          mesh_views="off", select="compiled"))
     select_s = time.perf_counter() - started
     with tempfile.TemporaryDirectory() as tmp:
         selected.write(Path(tmp) / "plan")
@@ -268,14 +269,14 @@ def does_not_fit(error: Exception) -> bool:
         "ran out of memory" in text.lower()
 
 
-def corpus_device(topology) -> str:
+def device_model_for(topology) -> str:
     """The shipped device model of the topology's TPU kind (tpu-v5e, tpu-v6e, tpu-v5p)."""
     return f"tpu-{topology.kind.name}"
 
 
 def corpus_case(name: str, topology_name: str = CORPUS_TOPOLOGY,
                 keep: Path | None = None, size: str = "small") -> dict:
-    """A corpus program planned for the topology's TPU kind (corpus_device) on its mesh and
+    """A corpus program planned for the topology's TPU kind (device_model_for) on its mesh and
     verified by libtpu:
     predicted and compiled collectives per kind and mesh axes (bytes per device per step) and
     peak per device. With `keep`, the plan is written there (and kept). A batch that does not
@@ -285,7 +286,7 @@ def corpus_case(name: str, topology_name: str = CORPUS_TOPOLOGY,
     from hloplan.tpu import parse_topology
 
     topology = parse_topology(topology_name)
-    capacity = load_device_model(corpus_device(topology)).memory_bytes
+    capacity = load_device_model(device_model_for(topology)).memory_bytes
     candidates = corpus_size_candidates(name, topology.devices, size)
     too_big: list[dict] = []
     for i, sizes in enumerate(candidates):
@@ -323,7 +324,7 @@ def _corpus_case_at(name: str, topology, sizes: dict, keep: Path | None) -> dict
     exported = jax.export.export(jax.jit(step, donate_argnums=donated), platforms=("tpu",))(*args)
     started = time.perf_counter()
     result = compile_bytes(bytes(exported.serialize()), f"{name}.jaxexport",
-                           make_options(mesh_text, device=corpus_device(topology),
+                           make_options(mesh_text, device=device_model_for(topology),
                                         mesh_views="off"))
     planning_s = time.perf_counter() - started
     with tempfile.TemporaryDirectory() as tmp:
