@@ -1090,13 +1090,15 @@ class _ProblemBuilder:
         the forward head matmul (`all-gather.282` in the loop's tuple, no copy of it; 128 MiB
         per device), where an operand read in its producer's layout is copied into the loop's
         (the MLP on v5e:2x4: `copy` of each weight gradient's operand before its loop)."""
+        # Every shared read names the read it shares, whether or not its own reader loops: a
+        # later loop finds the copy through a chain of such reads.
+        via = self.read_edges.get(previous) if previous is not None else None
         strategies = self.space.strategies[op_index]
         if not any(s.copied == position for s in strategies):
-            return edge
+            return replace(edge, via=via) if via is not None else edge
         op = self.graph.ops[op_index]
         loop_copy = tuple(self._loop_copy(op, s) if s.copied == position else 0.0
                           for s in strategies)
-        via = self.read_edges.get(previous) if previous is not None else None
         return replace(edge, loop_copy=loop_copy, via=via)
 
     def _hold_shared_copies(self, problem: ShardingProblem) -> ShardingProblem:

@@ -1234,19 +1234,19 @@ def _valid_taps(lhs: list[int], out: list[int], lhs_labels: str, out_labels: str
         if "pad" in fields else [(0, 0)] * len(sizes)
     strides, lhs_dilate, rhs_dilate = ([int(v) for v in per_dim(k, 1)]
                                        for k in ("stride", "lhs_dilate", "rhs_dilate"))
+    from hloplan.op_rules import window_taps
+
     taps = 1.0
     for d, size in enumerate(sizes):
         if str(d) not in lhs_labels or str(d) not in out_labels:
             return None
         n_in, n_out = lhs[lhs_labels.index(str(d))], out[out_labels.index(str(d))]
-        if size == 1 or n_out * size > 1 << 22:
+        if size == 1:
             continue
-        extent = (n_in - 1) * lhs_dilate[d] + 1
-        valid = 0
-        for o in range(n_out):
-            for k in range(size):
-                at = o * strides[d] + k * rhs_dilate[d] - pads[d][0]
-                valid += 0 <= at < extent and at % lhs_dilate[d] == 0
+        valid = window_taps(n_in, n_out, size, strides[d], pads[d][0], lhs_dilate[d],
+                            rhs_dilate[d])
+        if valid is None:
+            continue
         taps *= valid / max(n_out, 1)
     return taps
 

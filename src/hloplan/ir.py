@@ -1058,7 +1058,8 @@ def op_attributes(op) -> dict:
     for key in ("dimensions", "broadcast_dimensions", "permutation", "start_indices",
                 "limit_indices", "strides", "edge_padding_low", "edge_padding_high",
                 "interior_padding", "slice_sizes", "window_dimensions", "window_strides",
-                "padding", "base_dilations", "window_dilations"):
+                "padding", "base_dilations", "window_dilations", "lhs_dilation",
+                "rhs_dilation"):
         if key in attrs and key not in out:
             try:
                 out[key] = _i64s(attrs[key])

@@ -50,6 +50,9 @@ class OpRule:
     # operand when n is small) does not describe them: priced at the device's measured
     # convolution rates (conv_flops_for) where it has them.
     conv: tuple[tuple[tuple[int, ...], int], ...] | None = None
+    # Convolutions: the share of their window taps (output positions x kernel taps) that land
+    # on the input rather than in its padding (window_taps). 1: none in padding.
+    tap_fraction: float = 1.0
     # gather / scatter: "gather" or "scatter" (one operand). They touch operand 0 only at the
     # indexed rows, and a scatter updates it in place (TPU pricing: strategies._price).
     indexed: str | None = None
@@ -249,7 +252,44 @@ def _convolution(graph: Graph, op: Op) -> OpRule:
         gemm = (m, (feature, kernel_volume), (out_feature, 1))
         shape = {"matmul": gemm} if kernel_volume == 1 else {"conv": gemm}
     return b.rule([tuple(lhs_dims), tuple(rhs_dims)], [tuple(out_dims)],
-                  flops=2.0 * out.elements * kernel_volume * in_features, **shape)
+                  flops=2.0 * out.elements * kernel_volume * in_features,
+                  tap_fraction=_tap_fraction(a, lhs, rhs, out), **shape)
+
+
+def _tap_fraction(attrs: dict, lhs: TensorType, rhs: TensorType, out: TensorType) -> float:
+    """The share of a convolution's window taps that land on its input (window_taps)."""
+    spatial = len(attrs["kernel_spatial"])
+    padding = attrs.get("padding") or [0] * (2 * spatial)
+    fraction = 1.0
+    for d in range(spatial):
+        size = rhs.shape[attrs["kernel_spatial"][d]]
+        n_out = out.shape[attrs["output_spatial"][d]]
+        if size == 1 and not padding[2 * d]:
+            continue
+        valid = window_taps(lhs.shape[attrs["input_spatial"][d]], n_out, size,
+                            (attrs.get("window_strides") or [1] * spatial)[d], padding[2 * d],
+                            (attrs.get("lhs_dilation") or [1] * spatial)[d],
+                            (attrs.get("rhs_dilation") or [1] * spatial)[d])
+        if valid is None:
+            return 1.0
+        fraction *= valid / (n_out * size)
+    return fraction
+
+
+def window_taps(n_in: int, n_out: int, size: int, stride: int, pad_low: int,
+                lhs_dilate: int = 1, rhs_dilate: int = 1) -> int | None:
+    """Over one spatial dim of a convolution, the (output position, kernel tap) pairs that land
+    on an input element rather than in the padding or between dilated elements; None where
+    the dim is too long to count (over 4 M pairs)."""
+    if n_out * size > 1 << 22:
+        return None
+    extent = (n_in - 1) * lhs_dilate + 1
+    valid = 0
+    for o in range(n_out):
+        for k in range(size):
+            at = o * stride + k * rhs_dilate - pad_low
+            valid += 0 <= at < extent and at % lhs_dilate == 0
+    return valid
 
 
 def _reduce(graph: Graph, op: Op) -> OpRule:

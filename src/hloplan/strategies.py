@@ -356,8 +356,9 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     (dot_handler.cc's cost check, which prices the communication as an all-reduce of the
     partial sums), i.e. min(compute, communication) > 2 communication / n, over at most
     MAX_COLLECTIVE_MATMUL_DEVICES devices. Where the device model gives the intensity libtpu's
-    check works out to (`collective-matmul-intensity`), a dot loops where its FLOPs per device
-    per byte of one chunk of its partial sums reach it: libtpu's check depends on nothing else
+    check works out to (`collective-matmul-intensity`), a dot or a convolution (its FLOPs
+    without the window taps in the padding, OpRule.tap_fraction) loops where its FLOPs per
+    device per byte of one chunk of its partial sums reach it: libtpu's check depends on nothing else
     (not on the dims' sizes, the dtype or n apart from the chunk; the [matmul] table's rates,
     which do, would loop small dots libtpu keeps and keep long ones it loops).
     The device model may also limit the devices a loop spans
@@ -375,8 +376,10 @@ def collective_matmul_time(rule: OpRule, result: Spec, reduced: tuple[int, ...],
     if not comm.model.collective_matmul_spans(devices, n, replicated):
         return None
     intensity = comm.model.collective_matmul_intensity
-    if rule.matmul is not None and intensity is not None:
-        if rule.flops / split < intensity * partial_bytes / n:
+    if intensity is not None:
+        # A convolution's FLOPs as libtpu's check counts them: its taps in the padding left
+        # out (tap_fraction).
+        if rule.flops * rule.tap_fraction / split < intensity * partial_bytes / n:
             return None
     else:
         # dot_handler's cost check prices the communication as an all-reduce of the partial

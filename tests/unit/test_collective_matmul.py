@@ -362,3 +362,32 @@ def test_libtpu_loops_from_the_intensity():
             key = (kind, axes.replace(",", ""))
             predicted[key] = predicted.get(key, 0.0) + sent
         assert predicted == pytest.approx(compiled), case
+
+
+def test_every_read_of_a_shared_reshard_names_the_read_it_shares():
+    """A chain of matmuls reading one reshard: each read names the read whose copy it shares
+    (Edge.via), looping or not, so that a loop at the end of the chain finds the copy through
+    readers that cannot loop (linen_resnet on v5e:4x8: a forward convolution between the copy
+    and its kernel gradient's loop)."""
+    import jax
+    import jax.numpy as jnp
+
+    from hloplan.compiler import compile_bytes, make_options
+
+    def step(x, w1, w2, w3):
+        return jnp.tanh(x @ w1) @ w3 + jnp.tanh(x @ w2) @ w3
+
+    args = [jax.ShapeDtypeStruct((4096, 512), jnp.float32),
+            jax.ShapeDtypeStruct((512, 512), jnp.float32),
+            jax.ShapeDtypeStruct((512, 512), jnp.float32),
+            jax.ShapeDtypeStruct((512, 512), jnp.float32)]
+    exported = jax.export.export(jax.jit(step), platforms=("tpu",))(*args)
+    state = compile_bytes(bytes(exported.serialize()), "step.jaxexport",
+                          make_options("2x4", device="tpu-v5e", mesh_views="off")).state
+    shared = state.space.reads_via
+    assert shared
+    node_of, edges = state.space.node_of, state.problem.edges
+    for (op_index, _), (source, _) in shared.items():
+        (edge,) = [e for e in edges if e.dst == node_of[op_index] and e.src == node_of[source]
+                   and f"reads it) -> %{op_index}" in e.label]
+        assert edge.via is not None and edges[edge.via].dst == node_of[source]
