@@ -10,7 +10,10 @@ The LP relaxation of this formulation is usually integral, and is solved first. 
 fractional, branch and bound starts from its rounding, repaired to fit the budget and improved
 by local search, dives and neighbourhood search (`heuristics.py`); binaries whose reduced costs
 price them out of any plan better than that start are fixed first (exact; a Llama3-8B step
-fixes 1,560 of 5,196).
+fixes 1,560 of 5,196). Before branch and bound, `_probe` solves the LP once per strategy of
+the groups with the most pairwise neighbours: the smallest of those bounds the optimum, often
+close enough to stop there, and an integral branch is a plan no rounding of the root LP
+reaches.
 
 `solve_model` works on a compiled model, so that `axes.py` can solve restrictions of one
 (`Model.restrict`) without rebuilding the problem; `solve_compiled` is `solve` for a model
@@ -584,8 +587,8 @@ def _probe(model: Model, budget: float, built: Built, relaxed: list[np.ndarray],
     root LP 0.99% under its optimum, and held at the optimum's strategy for the group with the
     most pairwise neighbours (a broadcast that 31 groups read) the LP comes out integral at
     the optimum, which no rounding of the root LP's layouts reaches; the other strategies'
-    LPs bound the optimum within 0.34%. Branch LPs are small (the held group drops out, and
-    `reduce.eliminate` folds the chains it split). Groups go by number of pairwise neighbours,
+    LPs bound the optimum within 0.34%. A branch LP is smaller than the root's (the held
+    group drops out, and `reduce.eliminate` folds the chains it split). Groups go by number of pairwise neighbours,
     at most PROBE_GROUPS of them and PROBE_LPS LPs, until the incumbent is proven within
     `gap`. Strategies that reduced costs price out of any plan better than the incumbent
     (`backends.fix_by_reduced_costs`, run again whenever probing improves it) are left out of
