@@ -319,8 +319,13 @@ def test_separable_edges_fold_into_linear_terms():
 # --------------------------------------------------------------------------- backends
 
 
+@pytest.mark.parametrize("probe", [True, False])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_backends_agree_with_brute_force(seed):
+def test_backends_agree_with_brute_force(seed, probe, monkeypatch):
+    from hloplan.solver import ilp
+
+    if not probe:  # branch and bound itself, without the root's probing
+        monkeypatch.setattr(ilp, "PROBE_GROUPS", 0)
     problem = random_problem(seed, n=7, k=3, m=12, ties=True, tight=0.4)
     expected, _ = brute_force(problem)
     objectives = {}
@@ -331,8 +336,10 @@ def test_backends_agree_with_brute_force(seed):
         assert evaluation.feasible
         # The reported objective is evaluate()'s arithmetic; the solver's own agrees.
         assert stats.objective == evaluation.total
-        assert stats.extra["solver_objective"] == pytest.approx(evaluation.total, rel=1e-6)
+        if "nodes" in stats.extra or not probe:  # branch and bound ran
+            assert stats.extra["solver_objective"] == pytest.approx(evaluation.total, rel=1e-6)
         assert stats.bound <= stats.objective
+        assert stats.bound <= expected * (1 + 1e-9)
         objectives[backend] = stats.objective
     assert objectives
     for objective in objectives.values():
@@ -723,6 +730,87 @@ def test_flow_rounding_follows_one_layout_of_the_lp(backend):
     assert model.objective(followed) == pytest.approx(2 * MS)
     _, stats = solve(problem, solver=backend)
     assert stats.objective == pytest.approx(2 * MS) and stats.status == "optimal"
+
+
+def _wheel(hub_c_ms: float | None = None) -> ShardingProblem:
+    """A hub read by the five nodes of a ring. Neighbours on the ring pay 1 ms when they pick
+    the same strategy (a or b), the hub 0.5 ms with each ring node that picks its strategy. An
+    odd ring cannot alternate: every plan pays at least one ring edge. With `hub_c_ms`, the
+    hub has a third strategy c, costing that much, that no ring node shares."""
+    hub = [("a", 0, 0, 1), ("b", 0, 0, 1)]
+    if hub_c_ms is not None:
+        hub.append(("c", hub_c_ms, 0, 1))
+    k = len(hub)
+    nodes = (node("hub", *hub),) + tuple(node(f"n{i}", ("a", 0, 0, 1), ("b", 0, 0, 1))
+                                         for i in range(5))
+    ring = tuple(tuple(MS if i == j else 0.0 for j in range(2)) for i in range(2))
+    spoke = tuple(tuple(0.5 * MS if i == j else 0.0 for j in range(2)) for i in range(k))
+    return ShardingProblem(nodes, tuple(Edge(0, 1 + i, spoke) for i in range(5))
+                           + tuple(Edge(1 + i, 1 + (i + 1) % 5, ring) for i in range(5)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_probing_the_hub_proves_the_optimum_the_lp_relaxation_cannot(backend):
+    # The LP puts every node at 0.5/0.5 with all its flow on unequal pairs: 0 ms, while every
+    # plan pays at least 2 ms (a ring edge, and two spokes: the ring's three nodes of one
+    # strategy go with the hub's other). Held at a or at b, the hub leaves a ring whose chain
+    # `reduce.eliminate` solves exactly: both branch LPs bound the optimum at 2 ms, which
+    # proves it with no branch and bound.
+    import time
+
+    from hloplan.solver import backends
+    from hloplan.solver.model import compile_model
+
+    problem = _wheel()
+    model = compile_model(problem)
+    built = backends.build(model, [], math.inf, backend, backend == "highs")
+    assert backends.run_lazy(built, backend, math.inf, time.perf_counter() + 60, 1,
+                             mip=False) == pulp.LpSolutionOptimal
+    assert built.objective == pytest.approx(0.0, abs=1e-6)
+    expected, _ = brute_force(problem)
+    assert expected == pytest.approx(2 * MS)
+    solution, stats = solve(problem, solver=backend)
+    assert stats.objective == pytest.approx(expected)
+    assert stats.status == "optimal" and stats.bound == pytest.approx(expected)
+    assert stats.extra["raw_status"] == "within gap of the probed LP bound"
+    assert stats.extra["probed_groups"] == 1 and stats.extra["probe_lps"] == 2
+    assert "nodes" not in stats.extra  # no branch and bound
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_probing_finds_a_plan_on_a_strategy_the_lp_leaves_out(backend):
+    # The hub's strategy c (0.9 ms, read by no ring node for free) is at 0 in the LP, which
+    # averages a and b at 0 ms; the optimum takes it: 0.9 ms + one ring edge (1 ms) = 1.9 ms,
+    # against 2 ms with the hub at a or b. Probing the hub from a plan at a finds it.
+    import time
+
+    from hloplan.solver import backends, ilp
+    from hloplan.solver.model import compile_model
+
+    problem = _wheel(hub_c_ms=0.9)
+    expected, best = brute_force(problem)
+    assert expected == pytest.approx(1.9 * MS) and best[0] == 2
+    model = compile_model(problem)
+    built = backends.build(model, [], math.inf, backend, backend == "highs")
+    backends.run_lazy(built, backend, math.inf, time.perf_counter() + 60, 1, mip=False)
+    relaxed = backends.group_values(built)
+    assert relaxed[0][2] == pytest.approx(0.0, abs=1e-9)
+    start = [0, 1, 0, 1, 0, 1]  # hub a, the ring alternating but for one edge: 2 ms
+    assert model.objective(start) == pytest.approx(2 * MS)
+
+    def solve_branch(sub):
+        return ilp.solve_model(sub, math.inf, backend, time.perf_counter() + 60, 1,
+                               backend == "highs", branch=False, search=False)
+
+    probed = ilp._probe(model, math.inf, built, relaxed, start, 1e-6,
+                        time.perf_counter() + 60, solve_branch)
+    assert probed.choice is not None and probed.choice[0] == 2
+    assert model.objective(probed.choice) == pytest.approx(expected)
+    assert probed.bound == pytest.approx(expected)  # each branch's LP is exact here
+    # Branches a and b (2 ms) cannot beat 1.9 ms: fixed out of any MIP that follows.
+    assert probed.pruned == [(0, 0), (0, 1)]
+    _, stats = solve(problem, solver=backend)
+    assert stats.objective == pytest.approx(expected) and stats.status == "optimal"
 
 
 def test_a_copy_is_not_held_at_the_points_its_edge_releases():

@@ -45,7 +45,7 @@ from hloplan.solver.model import Model
 
 __all__ = ["INTEGRALITY_TOL", "MEMORY_SCALE", "MIP_NODE_LIMIT", "MIP_REL_GAP", "TIME_SCALE", "Built", "Lp",
            "SolverError", "add_chain", "add_memory_rows", "available_solvers", "build",
-           "classes", "fix_by_reduced_costs", "group_values", "pick_backend", "preseed_rows",
+           "classes", "fix_by_reduced_costs", "fix_columns", "group_values", "pick_backend", "preseed_rows",
            "read_choice", "run", "run_lazy", "seed_rows", "start_values"]
 
 TIME_SCALE = 1e6  # seconds -> microseconds inside the solver
@@ -595,6 +595,27 @@ def fix_by_reduced_costs(built: Built, incumbent: float) -> int:
             for j in columns.tolist():
                 built.lp.lower[j] = built.lp.upper[j] = value
     return len(zero) + len(one)
+
+
+def fix_columns(built: Built, branches: Sequence[tuple[int, int]]) -> int:
+    """Fix the binaries of (group, strategy) `branches` to 0 (branches probing showed hold no
+    plan better than the incumbent); how many were not fixed already."""
+    columns = sorted({built.s[g][i] for g, i in branches if built.lp.upper[built.s[g][i]] > 0})
+    if not columns:
+        return 0
+    for j in columns:
+        built.lp.lower[j] = built.lp.upper[j] = 0.0
+    if built.solver_model is None:  # built from built.lp when first run
+        return len(columns)
+    if built.backend == "highs":
+        zeros = np.zeros(len(columns))
+        built.solver_model.changeColsBounds(len(columns), np.array(columns, dtype=np.int32),
+                                            zeros, zeros)
+    else:
+        _, variables = built.solver_model
+        for j in columns:
+            variables[j].lowBound = variables[j].upBound = 0.0
+    return len(columns)
 
 
 def seed_rows(built: Built, budget: float, binding: Sequence[int]) -> None:
