@@ -71,6 +71,7 @@ from hloplan.tpu_buffers import (
     conv_loop_operand_elements,
     fused_selects,
     gathers_rows,
+    minor_dims,
     operand_fused_values,
     output_fused_matmuls,
     pad_operands,
@@ -1010,14 +1011,16 @@ class _ProblemBuilder:
         """Bytes a collective-matmul loop that stays a loop (_stays_loop) makes libtpu write of
         the operands it would otherwise recompute (reader_fused, tpu_buffers.reduced_fused_values):
         a loop carries its operands as buffers, so the value is written out, in the MXU's
-        input dtype for the loop (its copy, already the strategy's transient where it is the
-        copied operand), and once more in its own type for its other readers, which then read
-        that instead of recomputing it. The kernel writing both reads their source, so the
-        three are live together (hf_bert's logit gradient, 8 x 512 tokens per device on
-        v5e:4x8: `(bf16[8,512,30522], f32[8,512,30522])` from the f32 logits, the bf16 one
-        carried into the head weight gradient's loop over 32 devices; libtpu 0.0.42). Held
-        with the loop, where the estimate keeps the source live (the value's readers
-        recompute it)."""
+        input dtype for the loop. Where the loop carries it in the layout libtpu gives the
+        value itself (_loop_keeps_layout), one kernel writes it in bf16 for the loop and in
+        its own type for the other readers, which read that instead of recomputing it, from
+        its source, the three live together (hf_bert's logit gradient, 8 x 512 tokens per
+        device on v5e:4x8: `(bf16[8,512,30522], f32[8,512,30522])` from the f32 logits):
+        held with the loop, where the estimate keeps the source live. Where the loop wants
+        another layout, the bias gradient's reduction fuses into the kernel writing the
+        value in bf16, which the loop's copy is made from: that copy, already the strategy's
+        transient, is all it adds (haiku_transformer on v5e:2x4, `(f32[32000],
+        bf16[8,512,32000])` and a `copy` into the loop's layout; libtpu 0.0.42)."""
         if not self._stays_loop(strategy):
             return 0.0
         extra = 0.0
@@ -1028,9 +1031,38 @@ class _ProblemBuilder:
             held = self._held_bytes(type_, spec)
             if k != strategy.copied:
                 extra += held * mxu_itemsize(type_, self.comm.model) / type_.itemsize
-            if any(u != op.index for u in self.graph.values[value_id].users):
+            if (any(u != op.index for u in self.graph.values[value_id].users)
+                    and self._loop_keeps_layout(op, strategy, k)):
                 extra += held
         return extra
+
+    def _loop_keeps_layout(self, op: Op, strategy: OpStrategy, position: int) -> bool:
+        """Whether a collective-matmul loop carries dot operand `position` in the tiled layout
+        libtpu gives the value on its own (tpu_buffers.minor_dims: the dims that pad least).
+        The loop keeps the operand's last free dim minor where the result holds whole
+        128-lane tiles of it (per device, per chunk where the loop chunks that dim), else its
+        last contracted dim (the tokens a weight gradient sums over). Deviceless v5e:2x4 and
+        4x8 compiles of biased heads' weight gradients (libtpu 0.0.42): vocabularies of 32,000
+        (chunks of 4,000) carried tokens-minor, copied from the vocabulary-minor value;
+        30,720 (chunks of 3,840) and 4,096 (512) vocabulary-minor, 30,528 and 4,000
+        tokens-minor, hf_bert's 30,522 (the loop chunking the other operand) tokens-minor,
+        as the value is: no copy."""
+        if op.name != "stablehlo.dot_general" or position > 1:
+            return True
+        a = op.attrs
+        side = ("lhs", "rhs")[position]
+        type_ = self.graph.type_of(op.operands[position])
+        batch, contracting = a[f"{side}_batch"], a[f"{side}_contracting"]
+        free = [d for d in range(type_.rank) if d not in batch and d not in contracting]
+        if not free or not contracting:
+            return True
+        lhs_rank = self.graph.type_of(op.operands[0]).rank
+        lhs_free = lhs_rank - len(a["lhs_batch"]) - len(a["lhs_contracting"])
+        result_dim = len(batch) + (0 if position == 0 else lhs_free) + len(free) - 1
+        result = local_shape(self.graph.type_of(op.results[0]), strategy.results[0], self.mesh)
+        loop_minor = free[-1] if result[result_dim] % 128 == 0 else contracting[-1]
+        own = local_shape(type_, strategy.operands[position], self.mesh)
+        return minor_dims(own)[0] == loop_minor
 
     def _relaid_operand(self, op: Op, spec) -> float:
         """Bytes of the row-major copy a rows-reading gather (tpu_buffers.gathers_rows) makes
