@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
 import re
 from dataclasses import dataclass, replace
 
@@ -70,10 +71,12 @@ from hloplan.tpu_buffers import (
     conv_loop_operand_elements,
     fused_selects,
     gathers_rows,
+    minor_dims,
     operand_fused_values,
     output_fused_matmuls,
     pad_operands,
     recomputed_sources,
+    reduced_fused_values,
     relaid_reshapes,
     relaid_rows,
     row_major_results,
@@ -230,8 +233,9 @@ class _ProblemBuilder:
         # reductions fuse the elementwise work they read (TPU) writes no fused value out (a
         # softmax's exponentials, a cross entropy's one-hot products); otherwise only those it
         # recomputes in each consumer.
-        self.unmaterialized = (tpu_unmaterialized(graph, kept_fused) if device.fused_reductions
-                               else unmaterialized_values(graph, kept_fused))
+        self.unmaterialized, self.reader_fused = (
+            tpu_fusion(graph, kept_fused) if device.fused_reductions
+            else (unmaterialized_values(graph, kept_fused), set()))
         # Written-out values that a reshard makes again from their fused chain's source
         # (tpu_buffers.recomputed_sources): value id -> that source.
         self.recomputed = (recomputed_sources(graph, self.unmaterialized, free_values(graph))
@@ -960,7 +964,9 @@ class _ProblemBuilder:
                 return replace(plain, memory=memory, transient=plain.transient + relaid,
                                compute_cost=plain.compute_cost
                                + 2 * relaid / self.comm.model.hbm_bandwidth)
-            return replace(plain, memory=memory, transient=self._loop_copy(op, strategy),
+            return replace(plain, memory=memory,
+                           transient=self._loop_copy(op, strategy)
+                           + self._loop_written(op, strategy),
                            accumulators=2 * memory if plain.accumulators else 0.0)
         made = sum(self._held_bytes(t, spec, True) for t, spec in zip(types, strategy.results))
         n = len(op.results)
@@ -977,6 +983,9 @@ class _ProblemBuilder:
         collective-matmul loop carries: in the MXU's input dtype and, with `[buffers]
         tiled_layouts`, the loop's tiled layout (tpu_buffers.conv_loop_operand_elements: a
         kernel gradient's loop can carry the activation with its images in the lanes)."""
+        if (strategy.copied >= 0 and not self._stays_loop(strategy)
+                and op.operands[strategy.copied] in self.reader_fused):
+            return 0.0  # its chunk kernels recompute the operand, as any kernel would
         if (strategy.copied != 0 or op.name != "stablehlo.convolution"
                 or not self.comm.model.tiled_layouts):
             return strategy.transient
@@ -988,6 +997,72 @@ class _ProblemBuilder:
         return float(itemsize * conv_loop_operand_elements(
             local_shape(type_, spec, self.mesh), op.attrs["input_feature"],
             op.attrs["input_batch"], chunk))
+
+    def _stays_loop(self, strategy: OpStrategy) -> bool:
+        """Whether `strategy`'s collective-matmul loop stays a loop in libtpu's program: over
+        n devices it runs n / 2 chunk steps in a body unrolled twice, n / 4 trips, and a loop
+        of one trip (n = 4: the head's weight gradient reduce-scattered over y on v5e:2x4)
+        is inlined, its two chunk kernels in the program (hf_bert, libtpu 0.0.42; over 8 and
+        32 devices a `while` of `windowed_dot_general_body_rs`)."""
+        n = math.prod(self.mesh.axis_sizes[a] for a in strategy.reduced_axes)
+        return strategy.accumulators > 0 and n > 4
+
+    def _loop_written(self, op: Op, strategy: OpStrategy) -> float:
+        """Bytes a collective-matmul loop that stays a loop (_stays_loop) makes libtpu write of
+        the operands it would otherwise recompute (reader_fused, tpu_buffers.reduced_fused_values):
+        a loop carries its operands as buffers, so the value is written out, in the MXU's
+        input dtype for the loop. Where the loop carries it in the layout libtpu gives the
+        value itself (_loop_keeps_layout), one kernel writes it in bf16 for the loop and in
+        its own type for the other readers, which read that instead of recomputing it, from
+        its source, the three live together (hf_bert's logit gradient, 8 x 512 tokens per
+        device on v5e:4x8: `(bf16[8,512,30522], f32[8,512,30522])` from the f32 logits):
+        held with the loop, where the estimate keeps the source live. Where the loop wants
+        another layout, the bias gradient's reduction fuses into the kernel writing the
+        value in bf16, which the loop's copy is made from: that copy, already the strategy's
+        transient, is all it adds (haiku_transformer on v5e:2x4, `(f32[32000],
+        bf16[8,512,32000])` and a `copy` into the loop's layout; libtpu 0.0.42)."""
+        if not self._stays_loop(strategy):
+            return 0.0
+        extra = 0.0
+        for k, (value_id, spec) in enumerate(zip(op.operands, strategy.operands)):
+            type_ = self.graph.type_of(value_id)
+            if value_id not in self.reader_fused or spec is None or type_ is None:
+                continue
+            held = self._held_bytes(type_, spec)
+            if k != strategy.copied:
+                extra += held * mxu_itemsize(type_, self.comm.model) / type_.itemsize
+            if (any(u != op.index for u in self.graph.values[value_id].users)
+                    and self._loop_keeps_layout(op, strategy, k)):
+                extra += held
+        return extra
+
+    def _loop_keeps_layout(self, op: Op, strategy: OpStrategy, position: int) -> bool:
+        """Whether a collective-matmul loop carries dot operand `position` in the tiled layout
+        libtpu gives the value on its own (tpu_buffers.minor_dims: the dims that pad least).
+        The loop keeps the operand's last free dim minor where the result holds whole
+        128-lane tiles of it (per device, per chunk where the loop chunks that dim), else its
+        last contracted dim (the tokens a weight gradient sums over). Deviceless v5e:2x4 and
+        4x8 compiles of biased heads' weight gradients (libtpu 0.0.42): vocabularies of 32,000
+        (chunks of 4,000) carried tokens-minor, copied from the vocabulary-minor value;
+        30,720 (chunks of 3,840) and 4,096 (512) vocabulary-minor, 30,528 and 4,000
+        tokens-minor, hf_bert's 30,522 (the loop chunking the other operand) tokens-minor,
+        as the value is: no copy."""
+        if op.name != "stablehlo.dot_general" or position > 1:
+            return True
+        a = op.attrs
+        side = ("lhs", "rhs")[position]
+        type_ = self.graph.type_of(op.operands[position])
+        batch, contracting = a[f"{side}_batch"], a[f"{side}_contracting"]
+        free = [d for d in range(type_.rank) if d not in batch and d not in contracting]
+        if not free or not contracting:
+            return True
+        lhs_rank = self.graph.type_of(op.operands[0]).rank
+        lhs_free = lhs_rank - len(a["lhs_batch"]) - len(a["lhs_contracting"])
+        result_dim = len(batch) + (0 if position == 0 else lhs_free) + len(free) - 1
+        result = local_shape(self.graph.type_of(op.results[0]), strategy.results[0], self.mesh)
+        loop_minor = free[-1] if result[result_dim] % 128 == 0 else contracting[-1]
+        own = local_shape(type_, strategy.operands[position], self.mesh)
+        return minor_dims(own)[0] == loop_minor
 
     def _relaid_operand(self, op: Op, spec) -> float:
         """Bytes of the row-major copy a rows-reading gather (tpu_buffers.gathers_rows) makes
@@ -1340,13 +1415,23 @@ def tpu_unmaterialized(graph: Graph, kept_fused: set[int]) -> set[int]:
     fuse the elementwise work they read), the one-element scatters into splats it rewrites as
     fused selects (tpu_buffers.fused_selects), matmul results it slices through
     (tpu_buffers.sliced_matmuls), matmul operands computed inside the matmuls
-    (tpu_buffers.operand_fused_values), less the operands of written-out pads and the
+    (tpu_buffers.operand_fused_values), values read by reductions and matmuls that each of
+    them recomputes (tpu_buffers.reduced_fused_values), less the operands of written-out pads and the
     reshapes it copies into their own layout (tpu_buffers.relaid_reshapes)."""
+    return tpu_fusion(graph, kept_fused)[0]
+
+
+def tpu_fusion(graph: Graph, kept_fused: set[int]) -> tuple[set[int], set[int]]:
+    """(tpu_unmaterialized, the values of it that every reader recomputes beside reductions:
+    tpu_buffers.reduced_fused_values)."""
     free = free_values(graph)
     out = set(kept_fused) | fused_selects(graph, free) | sliced_matmuls(graph)
     out |= output_fused_matmuls(graph, out)
     out |= operand_fused_values(graph, out, free)
-    return out - pad_operands(graph, out) - relaid_reshapes(graph)
+    reduced = reduced_fused_values(graph, out, free)
+    out |= reduced
+    out -= pad_operands(graph, out) | relaid_reshapes(graph)
+    return out, reduced & out
 
 
 def matmul_narrowed(graph: Graph, folded: set[int], dtype: str) -> dict[int, float]:

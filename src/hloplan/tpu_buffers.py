@@ -368,6 +368,43 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
     return out
 
 
+def reduced_fused_values(graph: Graph, unmaterialized: set[int], free: set[int]) -> set[int]:
+    """Elementwise values read by reductions of their region and by matmuls, and by nothing
+    else, made by a fused chain from one written-out value of their own shape (besides values
+    free to make and smaller ones broadcast into it: row statistics, labels, a mask): XLA's
+    TPU compiler recomputes such a value inside each of its readers' kernels, the reductions'
+    and the matmuls', and writes no buffer for it, so its source stays live until the last of
+    them. A cross entropy's logit gradient under an output head with a bias (Flax BERT's,
+    haiku's): the bias gradient's reduce_sum and the head's input- and weight-gradient matmuls
+    each recompute `softmax - one_hot` from the f32 logits (libtpu 0.0.42, hf_bert with 8 x
+    512 tokens per device on v5e:2x4 and 16x16: no logit-sized buffer but the logits). A
+    collective-matmul loop that stays a loop is the exception (build_sharding_problem's
+    `_loop_written`). Value ids."""
+    selects = frozenset(fused_selects(graph, free))  # a one-hot scatter is a fused select
+    out = set()
+    for op in graph.ops:
+        if (len(op.results) != 1 or not op.name.startswith("stablehlo.")
+                or op.name.removeprefix("stablehlo.") not in ELEMENTWISE):
+            continue
+        value = graph.values[op.results[0]]
+        if value.id in unmaterialized or value.id in graph.outputs or value.type is None:
+            continue
+        readers = [graph.ops[u] for u in value.users]
+        reduces = [u for u in readers if u.name == "stablehlo.reduce"
+                   and (u.parent, u.region) == (op.parent, op.region)]
+        if not reduces or not all(u in reduces or u.name in _MATMULS for u in readers) \
+                or len(reduces) == len(readers):
+            continue
+        found = _fused_chain(graph, op, unmaterialized, selects)
+        if found is None:
+            continue
+        sources = [v for v in found[1] - free
+                   if (graph.type_of(v) or value.type).shape == value.type.shape]
+        if len(sources) == 1:
+            out.add(value.id)
+    return out
+
+
 def _broadcast_into(graph: Graph, value_id: int, type_) -> bool:
     """Whether `value_id` has fewer elements than a value of `type_` (it is broadcast into
     the chain making it: per-channel statistics, scale and bias)."""
@@ -375,12 +412,13 @@ def _broadcast_into(graph: Graph, value_id: int, type_) -> bool:
     return own is not None and type_ is not None and own.elements < type_.elements
 
 
-def _fused_chain(graph: Graph, op, unmaterialized: set[int]) -> tuple[set[int], set[int]] | None:
+def _fused_chain(graph: Graph, op, unmaterialized: set[int], selects: frozenset[int] = frozenset()
+                 ) -> tuple[set[int], set[int]] | None:
     """The fused chain making `op`'s value and the written-out values it is made from, or
     None: the chain's ops (op indices) are `op` and the producers of the fused values
     (`unmaterialized`) it reads, back to written-out values (its leaves). None where the
-    chain leaves `op`'s region, holds a pad or an op no kernel fuses, or is longer than 64
-    ops."""
+    chain leaves `op`'s region, holds a pad or an op no kernel fuses (but the scatters of
+    `selects`, fused_selects' values), or is longer than 64 ops."""
     chain: set[int] = set()  # ops of the fused chain making the value
     leaves: set[int] = set()  # written-out values it is made from
     stack = [op.index]
@@ -391,7 +429,8 @@ def _fused_chain(graph: Graph, op, unmaterialized: set[int]) -> tuple[set[int], 
         chain.add(index)
         node = graph.ops[index]
         if ((node.parent, node.region) != (op.parent, op.region)
-                or not fusible_producer(node.name) or node.name == "stablehlo.pad"
+                or not (fusible_producer(node.name) or set(node.results) & selects)
+                or node.name == "stablehlo.pad"
                 or len(chain) > 64):
             return None
         for operand in node.operands:

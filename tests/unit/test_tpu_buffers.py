@@ -4,19 +4,24 @@ out. Tiny programs on abstract shapes; no libtpu needed."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import export
 
 import hloplan
+from hloplan.mesh import MeshSpec
 from hloplan.op_rules import folded_transposes, free_values, fused_values
 from hloplan.passes.build_sharding_problem import matmul_narrowed, tpu_unmaterialized
+from hloplan.strategies import local_bytes
 from hloplan.tpu_buffers import (
     fused_selects,
     operand_fused_values,
     output_fused_matmuls,
     pad_operands,
     recomputed_sources,
+    reduced_fused_values,
     select_scatters,
     sliced_matmuls,
 )
@@ -301,3 +306,81 @@ def test_reshards_splitting_to_one_element_hold_the_recomputed_source() -> None:
         cells = [cell for edge in state.problem.edges if edge.label.startswith(f"%{grad} ")
                  and edge.relayout for row in edge.relayout for cell in row]
         assert any(cells) == held
+
+
+def _biased_head_grads(x, w, b, labels):
+    """An output head with a bias (Flax BERT's, haiku's): the logits' gradient is read by the
+    bias gradient's reduce_sum and by the weight and input gradients' matmuls."""
+    def loss(x, w, b):
+        logp = jax.nn.log_softmax(x @ w + b, axis=-1)
+        return -jnp.mean(jnp.sum(logp * jax.nn.one_hot(labels, w.shape[1]), axis=-1))
+    return jax.grad(loss, argnums=(0, 1, 2))(x, w, b)
+
+
+def _logit_gradient(graph, vocab: int = 4096):
+    grad, = (op.results[0] for op in graph.ops if op.results
+             and {graph.ops[u].name for u in graph.values[op.results[0]].users}
+             == {"stablehlo.reduce", "stablehlo.dot_general"}
+             and graph.type_of(op.results[0]).rank == 2
+             and graph.type_of(op.results[0]).shape[1] == vocab)
+    return grad
+
+
+def test_a_gradient_reduced_beside_matmuls_is_recomputed_by_each_reader() -> None:
+    """libtpu writes no buffer for a biased head's logit gradient: the bias gradient's
+    reduction and both matmuls recompute it from the f32 logits (hf_bert on v5e:2x4 and
+    16x16); without the bias (matmul readers only) the rule does not apply."""
+    args = (S((2048, 256), F32), S((256, 4096), F32), S((4096,), F32), S((2048,), jnp.int32))
+    graph = _state(_biased_head_grads, *args).graph
+    fused = fused_values(graph, folded_transposes(graph))
+    grad = _logit_gradient(graph)
+    assert grad in reduced_fused_values(graph, fused | fused_selects(graph, free_values(graph)),
+                                        free_values(graph))
+    assert grad in tpu_unmaterialized(graph, fused)
+    plain = _state(_cross_entropy_grads, S((8, 64, 128), F32), S((128, 512), F32),
+                   S((8, 64), jnp.int32)).graph
+    assert not reduced_fused_values(plain, fused_values(plain, folded_transposes(plain)),
+                                    free_values(plain))
+
+
+def _looped_transients(vocab: int, shape: str, mesh: MeshSpec) -> dict[bool, set[float]]:
+    """The transients, in units of the logit gradient's local bf16 bytes, of the strategies of
+    the biased head's weight gradient that loop, copying the gradient, scattered onto the
+    vocabulary: {whether the loop is over more than 4 devices: the units seen}."""
+    args = (S((16384, 256), F32), S((256, vocab), F32), S((vocab,), F32),
+            S((16384,), jnp.int32))
+    data = export.export(jax.jit(_biased_head_grads))(*args).serialize()
+    state = hloplan.compile(data, shape, device="tpu-v5e", mesh_views="off").state
+    graph = state.graph
+    grad = _logit_gradient(graph, vocab)
+    seen: dict[bool, set[float]] = {}
+    for u in graph.values[grad].users:
+        if u not in state.space.strategies or graph.ops[u].name != "stablehlo.dot_general":
+            continue
+        node = state.problem.nodes[state.space.node_of[u]]
+        for op_strategy, strategy in zip(state.space.strategies[u], node.strategies, strict=True):
+            k = op_strategy.copied
+            if not strategy.accumulators or k < 0 or graph.ops[u].operands[k] != grad:
+                continue
+            if (graph.type_of(graph.ops[u].results[0]).shape != (vocab, 256)
+                    or not op_strategy.results[0][0]):
+                continue  # the input gradient, or the weight's scattered onto its other dim
+            n = math.prod(mesh.axis_sizes[a] for a in op_strategy.reduced_axes)
+            bf16 = local_bytes(graph.type_of(grad), op_strategy.operands[k], mesh) / 2
+            seen.setdefault(n > 4, set()).add(round(strategy.transient / bf16, 3))
+    return seen
+
+
+def test_a_loop_reading_a_recomputed_gradient_writes_it() -> None:
+    """A collective-matmul loop that stays a loop (over 8 devices: two trips of its unrolled
+    body) carries the logit gradient as a buffer. Where it carries it in the value's own
+    layout (4,096 words: chunks of 512, vocabulary-minor like the logits) libtpu writes it in
+    bf16 for the loop and in f32 for the other readers (hf_bert on v5e:4x8), held with the
+    loop (3 x the bf16 bytes); where it wants another (32,000 words: chunks of 4,000,
+    carried tokens-minor) the loop's bf16 copy is all (haiku_transformer on v5e:2x4). A loop
+    over 4 devices is inlined and its chunk kernels recompute the gradient, copying nothing
+    (v5e:2x4, over y)."""
+    one_axis = MeshSpec(("x",), (8,))
+    assert _looped_transients(4096, "8", one_axis) == {True: {3.0}}
+    assert _looped_transients(32000, "8", one_axis) == {True: {1.0}}
+    assert _looped_transients(4096, "2x4", MeshSpec(("x", "y"), (2, 4)))[False] == {0.0}
