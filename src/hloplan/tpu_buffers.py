@@ -350,11 +350,13 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
             continue
         chain, leaves = found
         made = {r for index in chain for r in graph.ops[index].results}
-        held = {v for v in leaves - free if not _statistic_of(graph, v, made | leaves, free)}
-        if all(graph.ops[u].name == "stablehlo.convolution" for u in value.users):
-            # A convolution's kernel recomputes its input from the one value of its size the
-            # chain reads, with the smaller ones broadcast into it (a norm's statistics,
-            # scale and bias): see _broadcast_into.
+        statistics = {v for v in leaves - free if _statistic_of(graph, v, made | leaves, free)}
+        held = leaves - free - statistics
+        if statistics or all(graph.ops[u].name == "stablehlo.convolution" for u in value.users):
+            # A normalization (a chain reading statistics of its own values: a softmax's row
+            # max and sum) and a convolution's input are recomputed from the one value of
+            # their size the chain reads, with the smaller ones broadcast into it (a padding
+            # mask added to the scores, a norm's scale and bias): see _broadcast_into.
             held = {v for v in held if not _broadcast_into(graph, v, value.type)}
         if len(held) != 1:
             continue
