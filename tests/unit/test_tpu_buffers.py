@@ -293,8 +293,15 @@ def _masked_activation(x, w1, w2, g, mask):
     return y, dw2, dh
 
 
+def _logit_grad_matmuls(logits, w, x, labels):
+    """A cross entropy's logit gradient `softmax - one_hot`, made from held logits (an
+    argument) and read by two matmuls."""
+    grad = jax.nn.softmax(logits, axis=-1) - jax.nn.one_hot(labels, logits.shape[-1])
+    return grad @ w, jnp.einsum("bsv,bsd->vd", grad, x)
+
+
 def test_masked_softmax_probabilities_are_recomputed() -> None:
-    """A padding mask broadcast into the scores is held beside the row statistics: libtpu
+    """A padding mask added to the scores before their row statistics is held with them: libtpu
     (hf_bart on v5e:16x16, 8 x 512 tokens per device) writes the masked f32 scores and their
     row max, recomputes the exponentials in every kernel reading them and writes no buffer
     for the probabilities. An activation with no statistics in its chain keeps counting the
@@ -316,6 +323,17 @@ def test_masked_softmax_probabilities_are_recomputed() -> None:
                    if len(graph.values[op.results[0]].users) == 2
                    and graph.type_of(op.results[0]).shape == (256, 512))
     assert activation not in operand_fused_values(graph, fused, free_values(graph))
+    # The labels enter a cross entropy's gradient after the row statistics: still a source.
+    args = (S((8, 64, 512), F32), S((512, 128), F32), S((8, 64, 128), F32),
+            S((8, 64), jnp.int32))
+    graph = _state(_logit_grad_matmuls, *args).graph
+    fused = fused_values(graph, folded_transposes(graph))
+    grad, = (op.results[0] for op in graph.ops if op.results
+             and graph.type_of(op.results[0]) is not None
+             and graph.type_of(op.results[0]).shape == (8, 64, 512)
+             and sum(graph.ops[u].name == "stablehlo.dot_general"
+                     for u in graph.values[op.results[0]].users) == 2)
+    assert grad not in operand_fused_values(graph, fused, free_values(graph))
 
 
 def _cross_entropy_grads(x, w, labels):
