@@ -1210,7 +1210,12 @@ class _ProblemBuilder:
         forward matmul): every weight of haiku_transformer, hf_llama and hf_bart in their
         v5e:16x16 dumps. It runs the weight-gradient matmuls after the whole input-gradient
         chain, when the copies are gone (hf_bart on v5e:16x16), so their partial sums are not
-        held beside them."""
+        held beside them. A matmul XLA slices through (tpu_buffers.sliced_matmuls: an output
+        head read as `logits[:, :-1]`) has no live point; its copy is held from the first
+        point after it (hf_llama on v5e:4x8, 8 x 512 tokens per device: the head weight
+        all-gathered, 125 MiB in bf16, live from the head's forward matmul to its input
+        gradient). The copies of other matmuls without a live point (attention projections
+        whose results are fused into their reshapes) are left out."""
         graph, space = self.graph, self.space
         arguments = set(graph.arguments)
         made = first_live_points(problem)
@@ -1222,11 +1227,20 @@ class _ProblemBuilder:
                     and any(s.transient for s in problem.nodes[node].strategies)):
                 late.add(made[node])
         spans = {e: (start, end) for e, start, end in copy_spans(problem, made)}
+        sliced = sliced_matmuls(graph)
         edges = list(problem.edges)
         for (op_index, position), e in self.read_edges.items():
             op = graph.ops[op_index]
             value_id = op.operands[position]
-            if (e not in spans or op.name not in MATMULS or value_id not in arguments):
+            if not edges[e].copies or op.name not in MATMULS or value_id not in arguments:
+                continue
+            if e not in spans and op.results[0] in sliced:
+                # A matmul XLA slices through has no live point: the kernel writing the slice
+                # computes it, at the first point checked after the matmul, and reads the
+                # copy there.
+                first = bisect.bisect_left(self.point_ops, op_index)
+                spans[e] = (first, first - 1)
+            if e not in spans:
                 continue
             where = (op.parent, op.region)
             last_reader = max(u for u in graph.values[value_id].users

@@ -350,12 +350,21 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
             continue
         chain, leaves = found
         made = {r for index in chain for r in graph.ops[index].results}
-        held = {v for v in leaves - free if not _statistic_of(graph, v, made | leaves, free)}
+        statistics = {v for v in leaves - free if _statistic_of(graph, v, made | leaves, free)}
+        held = leaves - free - statistics
         if all(graph.ops[u].name == "stablehlo.convolution" for u in value.users):
             # A convolution's kernel recomputes its input from the one value of its size the
             # chain reads, with the smaller ones broadcast into it (a norm's statistics,
             # scale and bias): see _broadcast_into.
             held = {v for v in held if not _broadcast_into(graph, v, value.type)}
+        elif statistics:
+            # Smaller values broadcast into what the statistics are taken of (a padding mask
+            # added to the scores before their row max and sum) are held with the
+            # statistics: libtpu writes the masked scores in the score matmul's kernel. A
+            # value that enters after them (a cross entropy's labels) is a source.
+            reduced = _statistics_sources(graph, statistics, made, leaves, free)
+            held = {v for v in held
+                    if not (v in reduced and _broadcast_into(graph, v, value.type))}
         if len(held) != 1:
             continue
         (leaf,) = held
@@ -470,6 +479,40 @@ def recomputed_sources(graph: Graph, unmaterialized: set[int], free: set[int]) -
         if len(sources) == 1:
             out[value.id] = sources[0]
     return out
+
+
+def _statistics_sources(graph: Graph, statistics: set[int], made: set[int], leaves: set[int],
+                        free: set[int]) -> set[int]:
+    """The written-out values (`leaves`) that the reductions making `statistics` read,
+    through the fused chain's values (`made`)."""
+    found: set[int] = set()
+    stack = [v for v in (_reduced_value(graph, s, made | leaves, free) for s in statistics)
+             if v is not None]
+    seen: set[int] = set()
+    while stack:
+        value_id = stack.pop()
+        if value_id in seen:
+            continue
+        seen.add(value_id)
+        if value_id in leaves:
+            found.add(value_id)
+        elif value_id in made:
+            stack.extend(graph.ops[graph.values[value_id].producer].operands)
+    return found
+
+
+def _reduced_value(graph: Graph, value_id: int, made: set[int], free: set[int],
+                   limit: int = 8) -> int | None:
+    """The value in `made` that `value_id` is a reduction of (as _statistic_of), or None."""
+    for _ in range(limit):
+        op = graph.ops[graph.values[value_id].producer]
+        if op.name == "stablehlo.reduce":
+            return op.operands[0] if op.operands[0] in made else None
+        operands = [v for v in op.operands if v not in free]
+        if op.name == "arg" or len(operands) != 1:
+            return None
+        value_id = operands[0]
+    return None
 
 
 def _statistic_of(graph: Graph, value_id: int, made: set[int], free: set[int],

@@ -288,3 +288,40 @@ def test_tpu_holds_a_weights_copy_until_its_fused_input_gradient_matmul():
     assert held == (first, last) and last > first
     held, first, _ = spans["h100"]
     assert held is None or held[0] == first
+
+
+def _sliced_head_step(ws, x):
+    def loss(ws):
+        w, head = ws
+        h = jnp.tanh(x @ w)
+        logits = jnp.einsum("bsd,dv->bsv", h, head)[:, :-1]
+        return jnp.mean(jax.nn.logsumexp(logits, axis=-1))
+
+    return jax.tree.map(lambda w, g: w - 1e-3 * g, ws, jax.grad(loss)(ws))
+
+
+def test_tpu_holds_the_copy_a_sliced_matmul_reads():
+    """An output head XLA slices through (`logits[:, :-1]`: the kernel writing the slice
+    computes the matmul, which has no live point of its own) reads the head weight's copy
+    there, and libtpu holds that copy until the backward input-gradient matmul reads it
+    (hf_llama on v5e:4x8, 8 x 512 tokens per device: the head weight all-gathered in bf16,
+    125 MiB, live from before the head's forward matmul across the logits' gradient)."""
+    s = jax.ShapeDtypeStruct
+    data = export.export(jax.jit(_sliced_head_step))(
+        (s((1024, 1024), jnp.float32), s((1024, 8192), jnp.float32)),
+        s((16, 128, 1024), jnp.float32)).serialize()
+    state = hloplan.compile(data, "2x4", device="tpu-v5e", mesh_views="off").state
+    graph, space, problem = state.graph, state.space, state.problem
+    firsts = first_live_points(problem)
+    head = graph.arguments[1]
+    forward, backward = (u for u in dict.fromkeys(graph.values[head].users)
+                         if graph.ops[u].name == "stablehlo.dot_general"
+                         and graph.values[graph.ops[u].results[0]].type.rank == 3)
+    assert space.node_of[forward] not in firsts  # computed inside the slice's kernel
+    (read,) = (e for e in problem.edges if e.dst == space.node_of[forward]
+               and e.label.startswith(f"%{head} "))
+    after = [int(p.label.split()[1][1:]) for p in problem.live_points]
+    first = min(k for k, op in enumerate(after) if op >= forward)
+    last = max(k for k, op in enumerate(after) if op <= backward)
+    assert last > first
+    assert read.held == (first, last)

@@ -278,6 +278,69 @@ def test_softmax_probabilities_are_recomputed_from_the_held_scores() -> None:
         assert (probs in tpu_unmaterialized(graph, fused)) == recomputed
 
 
+def _masked_attention(q, k, v, mask):
+    """_attention with a padding mask, one value per key, added to the scores."""
+    def loss(q, k, v):
+        scores = jnp.einsum("bqd,bkd->bqk", q, k) + mask[:, None, :]
+        probs = jax.nn.softmax(scores, axis=-1)
+        return jnp.sum(jnp.einsum("bqk,bkd->bqd", probs, v) ** 2)
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+def _masked_activation(x, w1, w2, g, mask):
+    """_activation_recomputed with a value per column broadcast into the activation and no
+    statistics of its own values: written out (two held values, as `_gated`)."""
+    h = x @ w1
+    a = h * jnp.tanh(h) + mask
+    y = a @ w2
+    dw2 = jnp.einsum("bf,bd->fd", a, g)
+    dh = (g @ w2.T) * (1.0 - jnp.square(jnp.tanh(h)))
+    return y, dw2, dh
+
+
+def _logit_grad_matmuls(logits, w, x, labels):
+    """A cross entropy's logit gradient `softmax - one_hot`, made from held logits (an
+    argument) and read by two matmuls."""
+    grad = jax.nn.softmax(logits, axis=-1) - jax.nn.one_hot(labels, logits.shape[-1])
+    return grad @ w, jnp.einsum("bsv,bsd->vd", grad, x)
+
+
+def test_masked_softmax_probabilities_are_recomputed() -> None:
+    """A padding mask added to the scores before their row statistics is held with them: libtpu
+    (hf_bart on v5e:16x16, 8 x 512 tokens per device) writes the masked f32 scores and their
+    row max, recomputes the exponentials in every kernel reading them and writes no buffer
+    for the probabilities. An activation with no statistics in its chain keeps counting the
+    broadcast value as a second source."""
+    args = (S((4, 256, 128), F32),) * 3 + (S((4, 256), F32),)
+    graph = _state(_masked_attention, *args).graph
+    fused = fused_values(graph, folded_transposes(graph))
+    probs, = (op.results[0] for op in _ops(graph, "stablehlo.divide")
+              if graph.type_of(op.results[0]).shape == (4, 256, 256)
+              and all(graph.ops[u].name == "stablehlo.dot_general"
+                      for u in graph.values[op.results[0]].users))
+    assert probs in operand_fused_values(graph, fused, free_values(graph))
+    assert probs in tpu_unmaterialized(graph, fused)
+    args = (S((256, 128), F32), S((128, 512), F32), S((512, 128), F32), S((256, 128), F32),
+            S((512,), F32))
+    graph = _state(_masked_activation, *args).graph
+    fused = fused_values(graph, folded_transposes(graph))
+    activation, = (op.results[0] for op in _ops(graph, "stablehlo.add")
+                   if len(graph.values[op.results[0]].users) == 2
+                   and graph.type_of(op.results[0]).shape == (256, 512))
+    assert activation not in operand_fused_values(graph, fused, free_values(graph))
+    # The labels enter a cross entropy's gradient after the row statistics: still a source.
+    args = (S((8, 64, 512), F32), S((512, 128), F32), S((8, 64, 128), F32),
+            S((8, 64), jnp.int32))
+    graph = _state(_logit_grad_matmuls, *args).graph
+    fused = fused_values(graph, folded_transposes(graph))
+    grad, = (op.results[0] for op in graph.ops if op.results
+             and graph.type_of(op.results[0]) is not None
+             and graph.type_of(op.results[0]).shape == (8, 64, 512)
+             and sum(graph.ops[u].name == "stablehlo.dot_general"
+                     for u in graph.values[op.results[0]].users) == 2)
+    assert grad not in operand_fused_values(graph, fused, free_values(graph))
+
+
 def _cross_entropy_grads(x, w, labels):
     """A cross entropy's gradients: the logits' gradient `softmax - one_hot`, an elementwise
     chain of the f32 logits, read by the input gradient's and the weight gradient's matmuls."""
