@@ -336,11 +336,7 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
     way (a written-out pad is a kernel of its own: pad_operands). Value ids."""
     arguments = set(graph.arguments)
     out = set()
-    for op in graph.ops:
-        if (len(op.results) != 1 or not op.name.startswith("stablehlo.")
-                or op.name.removeprefix("stablehlo.") not in ELEMENTWISE):
-            continue
-        value = graph.values[op.results[0]]
+    for op, value in _elementwise_results(graph):
         if (value.id in unmaterialized or value.id in graph.outputs or not value.users
                 or not all(graph.ops[u].name in _MATMULS for u in value.users)):
             continue
@@ -377,6 +373,14 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
     return out
 
 
+def _elementwise_results(graph: Graph):
+    """(op, its result value) of every single-result StableHLO elementwise op."""
+    for op in graph.ops:
+        if (len(op.results) == 1 and op.name.startswith("stablehlo.")
+                and op.name.removeprefix("stablehlo.") in ELEMENTWISE):
+            yield op, graph.values[op.results[0]]
+
+
 def reduced_fused_values(graph: Graph, unmaterialized: set[int], free: set[int]) -> set[int]:
     """Elementwise values read by reductions of their region and by matmuls, and by nothing
     else, made by a fused chain from one written-out value of their own shape (besides values
@@ -391,11 +395,7 @@ def reduced_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
     `_loop_written`). Value ids."""
     selects = frozenset(fused_selects(graph, free))  # a one-hot scatter is a fused select
     out = set()
-    for op in graph.ops:
-        if (len(op.results) != 1 or not op.name.startswith("stablehlo.")
-                or op.name.removeprefix("stablehlo.") not in ELEMENTWISE):
-            continue
-        value = graph.values[op.results[0]]
+    for op, value in _elementwise_results(graph):
         if value.id in unmaterialized or value.id in graph.outputs or value.type is None:
             continue
         readers = [graph.ops[u] for u in value.users]
@@ -464,11 +464,7 @@ def recomputed_sources(graph: Graph, unmaterialized: set[int], free: set[int]) -
     the head's weight gradient, and the f32 logits (1,051 MB per device) stay live until the
     second; made once and all-to-all'd, they would die as it is made."""
     out = {}
-    for op in graph.ops:
-        if (len(op.results) != 1 or not op.name.startswith("stablehlo.")
-                or op.name.removeprefix("stablehlo.") not in ELEMENTWISE):
-            continue
-        value = graph.values[op.results[0]]
+    for op, value in _elementwise_results(graph):
         if value.id in unmaterialized or value.type is None or not value.users:
             continue
         found = _fused_chain(graph, op, unmaterialized)
