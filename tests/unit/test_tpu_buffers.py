@@ -262,6 +262,15 @@ def _probs_kept(q, k, v):
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
 
+def _probabilities(graph):
+    """The attention probabilities: the one [4, 256, 256] divide read only by matmuls."""
+    probs, = (op.results[0] for op in _ops(graph, "stablehlo.divide")
+              if graph.type_of(op.results[0]).shape == (4, 256, 256)
+              and all(graph.ops[u].name == "stablehlo.dot_general"
+                      for u in graph.values[op.results[0]].users))
+    return probs
+
+
 def test_softmax_probabilities_are_recomputed_from_the_held_scores() -> None:
     """libtpu (gpt on v5e:16x16) keeps each layer's f32 scores and their row max and sum, and
     recomputes the probabilities in the kernels that read them: no buffer for them. A value
@@ -270,10 +279,7 @@ def test_softmax_probabilities_are_recomputed_from_the_held_scores() -> None:
     for step, recomputed in ((_attention, True), (_probs_kept, False)):
         graph = _state(step, *args).graph
         fused = fused_values(graph, folded_transposes(graph))
-        probs, = (op.results[0] for op in _ops(graph, "stablehlo.divide")
-                  if graph.type_of(op.results[0]).shape == (4, 256, 256)
-                  and all(graph.ops[u].name == "stablehlo.dot_general"
-                          for u in graph.values[op.results[0]].users))
+        probs = _probabilities(graph)
         assert (probs in operand_fused_values(graph, fused, free_values(graph))) == recomputed
         assert (probs in tpu_unmaterialized(graph, fused)) == recomputed
 
@@ -314,10 +320,7 @@ def test_masked_softmax_probabilities_are_recomputed() -> None:
     args = (S((4, 256, 128), F32),) * 3 + (S((4, 256), F32),)
     graph = _state(_masked_attention, *args).graph
     fused = fused_values(graph, folded_transposes(graph))
-    probs, = (op.results[0] for op in _ops(graph, "stablehlo.divide")
-              if graph.type_of(op.results[0]).shape == (4, 256, 256)
-              and all(graph.ops[u].name == "stablehlo.dot_general"
-                      for u in graph.values[op.results[0]].users))
+    probs = _probabilities(graph)
     assert probs in operand_fused_values(graph, fused, free_values(graph))
     assert probs in tpu_unmaterialized(graph, fused)
     args = (S((256, 128), F32), S((128, 512), F32), S((512, 128), F32), S((256, 128), F32),
