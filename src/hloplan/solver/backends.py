@@ -589,11 +589,7 @@ def fix_by_reduced_costs(built: Built, incumbent: float) -> int:
     zero = binaries[(values[binaries] <= 1e-9) & (reduced[binaries] > slack)]
     one = binaries[(values[binaries] >= 1.0 - 1e-9) & (-reduced[binaries] > slack)]
     for columns, value in ((zero, 0.0), (one, 1.0)):
-        if len(columns):
-            bound = np.full(len(columns), value)
-            h.changeColsBounds(len(columns), columns.astype(np.int32), bound, bound)
-            for j in columns.tolist():
-                built.lp.lower[j] = built.lp.upper[j] = value
+        _fix(built, columns.tolist(), value)
     return len(zero) + len(one)
 
 
@@ -601,21 +597,26 @@ def fix_columns(built: Built, branches: Sequence[tuple[int, int]]) -> int:
     """Fix the binaries of (group, strategy) `branches` to 0 (branches probing showed hold no
     plan better than the incumbent); how many were not fixed already."""
     columns = sorted({built.s[g][i] for g, i in branches if built.lp.upper[built.s[g][i]] > 0})
+    _fix(built, columns, 0.0)
+    return len(columns)
+
+
+def _fix(built: Built, columns: Sequence[int], value: float) -> None:
+    """Fix `columns` at `value` in built.lp and, once made, in the solver's model."""
     if not columns:
-        return 0
+        return
     for j in columns:
-        built.lp.lower[j] = built.lp.upper[j] = 0.0
+        built.lp.lower[j] = built.lp.upper[j] = value
     if built.solver_model is None:  # built from built.lp when first run
-        return len(columns)
+        return
     if built.backend == "highs":
-        zeros = np.zeros(len(columns))
+        bound = np.full(len(columns), value)
         built.solver_model.changeColsBounds(len(columns), np.array(columns, dtype=np.int32),
-                                            zeros, zeros)
+                                            bound, bound)
     else:
         _, variables = built.solver_model
         for j in columns:
-            variables[j].lowBound = variables[j].upBound = 0.0
-    return len(columns)
+            variables[j].lowBound = variables[j].upBound = value
 
 
 def seed_rows(built: Built, budget: float, binding: Sequence[int]) -> None:
