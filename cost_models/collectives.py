@@ -287,19 +287,24 @@ class CommModel:
         `row_major` ones, a scatter's or a gather's, in the program's order):
           - `dim` minor: its own bytes (an all-reduce and a slice: [1026, 192] over 2, 1,026
             rows minor);
-          - `dim` second-minor, the shard not whole row tiles: each shard is padded to P =
-            whole tiles (S = 513 rows: P = 520), the all-reduce takes n x P rows and device k
-            lacks the first k(P - S) rows of its shard, which devices k - 1, k - 2, ... hold:
-            collective-permutes of (n - 1)(P - S) rows in all (one of P rows per device it
-            reaches back, the rest in the last: 24 + 4 rows for S = 20 over 8); only while
-            the padding is under half the shard (P < 1.5 S; elsewhere libtpu all-reduces and
-            slices: 6 rows or 40 over 4, 20 rows over 8 on 128 lanes). Where the minor dim
-            is an odd number of whole 128-lane tiles, P is a multiple of two row tiles (16
-            rows; 1 to 255 lane tiles measured over 8). Not modelled: rows of more lane tiles
-            sometimes take coarser multiples (32 to 128 rows at 259, 301, 391, 394, 514 or
-            640 tiles), and a minor dim of partial lane tiles is padded or not by no rule
-            found (24 of 192 columns over 8 padded to 32 with 50,257 or 16,383 rows, hf_gpt2's
-            output head; not with 30,522 or 40,000, which libtpu all-reduces with others);
+          - `dim` second-minor: the kernel splits each shard into pieces of whole row
+            tiles, each piece P rows: the shard is padded to a multiple of P (S = 513 rows,
+            P = 8: 520), the all-reduce takes n x the padded shard and device k lacks the
+            first k(padded - S) rows of its shard, which devices k - 1, k - 2, ... hold:
+            collective-permutes of (n - 1)(padded - S) rows in all (one of P rows per device
+            it reaches back, the rest in the last: 24 + 4 rows for S = 20 over 8); only while
+            the padding is under half the shard (padded < 1.5 S; elsewhere libtpu all-reduces
+            and slices: 6 rows or 40 over 4, 20 rows over 8 on 128 lanes). The pieces: as few
+            as hold at most the device model's `scatter-chunk` tiles over n devices each
+            (ScatterChunk.tiles: 184 tiles over 16 devices of v5e, 444 over 4), doubled where
+            a row is an odd number of lane tiles (a partial lane tile counting as one), so
+            [2000, 64] over 16 (250 row tiles) takes 4 pieces and pads to 2,016 rows, [2048,
+            256] over 16 (256 x 2 tiles) 3 pieces, 2,064 rows; without `scatter-chunk`, one
+            piece (two for an odd number of lane tiles). Over more devices than its
+            `max-devices` the shards are not padded (256 of v5e:16x16). Not modelled: a minor
+            dim of partial lane tiles scattered is padded or not by no rule found (24 of 192
+            columns over 8 padded to 32 with 50,257 or 16,383 rows, hf_gpt2's output head;
+            not with 30,522 or 40,000, which libtpu all-reduces with others);
           - `dim` major to both: the buffer's tiles (the second-minor dim padded to whole
             rows, the minor to whole lanes, each where longer than one tile: [16, 20, 100]
             as [16, 24, 100]; a gather's [16, 128, 192] as [16, 128, 256], where a matmul's
@@ -324,10 +329,18 @@ class CommModel:
         if dim == minor:
             return full, 0.0
         if dim == second:
+            chunk = self.model.scatter_chunk
+            if chunk is not None and n > chunk.max_devices:
+                return full, 0.0
             size = shard[dim]
-            step = rows
-            if partial[minor] % lanes == 0 and partial[minor] // lanes % 2:
-                step = 2 * rows  # an odd number of whole lane tiles: pairs of row tiles
+            lane_tiles = -(-partial[minor] // lanes)  # a partial lane tile takes a whole one
+            pieces = 1
+            if chunk is not None:
+                row_tiles = -(-size // rows)
+                pieces = math.ceil(row_tiles * lane_tiles / chunk.tiles(n))
+            if lane_tiles % 2:
+                pieces *= 2  # an odd number of lane tiles: the rows split in pairs
+            step = rows * pieces
             padded = -(-size // step) * step
             extra = padded - size
             if not extra or 2 * padded >= 3 * size:

@@ -86,6 +86,9 @@ Schema (all fields required unless marked optional)::
     scatter-tiles = [8, 128]     # optional: a reduce-scatter runs on the (rows, lanes) tiles
                                  # of the partial sums' layout (libtpu: padded shards and a
                                  # collective-permute; collectives.CommModel.tiled_scatter)
+    scatter-chunk = {tiles = 1071, exponent = 0.635, max-devices = 32}
+                                 # optional: each padded shard is split in pieces of at most
+                                 # tiles x n^-exponent tiles over n devices (ScatterChunk)
     collective-matmul-intensity = 4224  # optional: a dot loops where its FLOPs per device reach
                                  # this per byte of one chunk (1/n) of its partial sums
                                  # (libtpu's check); absent: the estimated loop's time decides
@@ -162,7 +165,7 @@ _APART = "reduce-scatter-apart"  # [combiner] sub-table: slices where libtpu mer
 _LEVEL_FIELDS = {"name", "devices", "bandwidth", "latency"}
 _COLLECTIVES_FIELDS = ("gathers", "matmul-input-dtype", "reassociate", "collective-matmul",
                        "collective-matmul-intensity", "collective-matmul-side",
-                       "merge-identical", "scatter-tiles")
+                       "merge-identical", "scatter-tiles", "scatter-chunk")
 _GATHERS = ("per-dim", "one")
 
 
@@ -230,6 +233,22 @@ def normalize_dtype(dtype: object) -> str:
 
 
 @dataclass(frozen=True)
+class ScatterChunk:
+    """The pieces libtpu's all-reduce-scatter kernel splits each padded shard into: at most
+    `tiles_at_one` x n^-`exponent` tiles a piece over a group of n devices (deviceless v5e
+    compiles of scatter-adds over 2 to 32 devices: 690, 444, 286, 184 and 119 tiles over 2, 4,
+    8, 16 and 32, each within the range the probes bound), and no padding over more than
+    `max_devices` (256 of v5e:16x16 measured)."""
+
+    tiles_at_one: float
+    exponent: float
+    max_devices: int
+
+    def tiles(self, n: int) -> float:
+        return self.tiles_at_one * n ** -self.exponent
+
+
+@dataclass(frozen=True)
 class DeviceModel:
     """Per-device performance figures and the interconnect hierarchy (innermost level first)."""
 
@@ -284,6 +303,9 @@ class DeviceModel:
     # collective-permute of the rows one holds too many; CommModel.tiled_scatter); None: it
     # moves the partial sums' own bytes.
     scatter_tiles: tuple[int, int] | None = None
+    # [collectives]: how many of those tiles one piece of a padded reduce-scatter holds at most
+    # (ScatterChunk); None: every shard is one piece (two for rows of an odd number of lanes).
+    scatter_chunk: ScatterChunk | None = None
     # [buffers]: reductions fuse the elementwise values they read, so those are never written
     # out; and the dtype f32 values read only by matmuls are written in (None: f32).
     fused_reductions: bool = False
@@ -593,6 +615,9 @@ def _parse_collectives(table: Any, source: str) -> dict[str, Any]:
                                     f"[rows, lanes], got {value!r}")
             found["scatter_tiles"] = (value[0], value[1])
             continue
+        if name == "scatter-chunk":
+            found["scatter_chunk"] = _scatter_chunk(value, source, f"collectives.{key}")
+            continue
         value = _string(value, source, f"collectives.{key}")
         if name == "matmul-input-dtype":
             value = normalize_dtype(value)
@@ -601,6 +626,20 @@ def _parse_collectives(table: Any, source: str) -> dict[str, Any]:
                                 f"{', '.join(map(repr, _GATHERS))}, got {value!r}")
         found[name.replace("-", "_")] = value
     return found
+
+
+def _scatter_chunk(value: Any, source: str, where: str) -> ScatterChunk:
+    fields = {"tiles", "exponent", "max-devices"}
+    if not isinstance(value, dict) or set(value) != fields:
+        raise _fail(source, f"field '{where}' must be a table of {', '.join(sorted(fields))}, "
+                            f"got {value!r}")
+    tiles = _number(value["tiles"], source, f"{where}.tiles")
+    exponent = _number(value["exponent"], source, f"{where}.exponent", positive=False)
+    devices = value["max-devices"]
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 2:
+        raise _fail(source, f"field '{where}.max-devices' must be an integer of at least 2, "
+                            f"got {devices!r}")
+    return ScatterChunk(float(tiles), float(exponent), devices)
 
 
 _BUFFERS_FIELDS = {"fused_reductions", "matmul_operands", "tiled_layouts"}

@@ -71,6 +71,18 @@ TILED = [
     ((24, 384), 0, 8, False, (393216, 86016)),
     # partial lane tiles: whole row tiles (hf_bert's [30522, 192] head gradient, unpadded)
     ((30522, 24), 1, 8, False, (23440896, 0)),
+    # Pieces of at most 1071 x n^-0.635 tiles (the scatter-adds of CHUNKED below): 64 lanes
+    # count as one lane tile, odd, so [2000, 64] over 16 (250 row tiles) takes 2 x 2 pieces
+    # and pads to 2,016 rows (the corpus's embedding gradients on v5e:16x16); two lane tiles
+    # of 256 row tiles over 16, 3 pieces: 2,064 rows; 241 row tiles over 32: 6 pieces
+    ((2000, 64), 0, 16, True, (16 * 2016 * 256, 15 * 16 * 256)),
+    ((2048, 256), 0, 16, True, (16 * 2064 * 1024, 15 * 16 * 1024)),
+    ((1928, 128), 0, 32, True, (32 * 1968 * 512, 31 * 40 * 512)),
+    # over 4, 500 row tiles of one lane tile fit 2 pieces of 444; of two, 3 pieces
+    ((4000, 128), 0, 4, True, (4 * 4000 * 512, 0)),
+    ((4000, 256), 0, 4, True, (4 * 4008 * 1024, 3 * 8 * 1024)),
+    # over 256 devices (v5e:16x16's both axes) no shard is padded
+    ((136, 128), 0, 256, True, (256 * 136 * 512, 0)),
 ]
 
 
@@ -321,3 +333,56 @@ def test_scatters_pass_updates_as_libtpu_compiles_them():
         # hlo_stats names the axes of a group over both in the mesh's order or the ids'
         sent = {key.replace("(y,x)", "(x,y)"): nbytes for key, nbytes in sent.items()}
         assert sent == pytest.approx(predicted), (rows, tokens)
+
+
+# Scatter-adds reduce-scattered onto their rows (f32), as libtpu 0.0.42 compiles them: the
+# topology, the mesh (x, y), the axes the ids, the updates' rows and the result's rows are
+# split over, the table's shape, and the model's (shard, n).
+CHUNKED = [
+    ("v5e:16x16", (16, 16), ("x",), (32000, 1024), ((2000, 64), 16)),
+    ("v5e:16x16", (16, 16), ("x",), (32768, 4096), ((2048, 256), 16)),
+    ("v5e:16x16", (16, 16), ("x",), (16000, 2048), ((1000, 128), 16)),
+    ("v5e:4x8", (4, 8), ("x",), (16000, 2048), ((4000, 256), 4)),
+    ("v5e:4x8", (4, 8), ("x", "y"), (61696, 128), ((1928, 128), 32)),
+    ("v5e:16x16", (16, 16), ("x", "y"), (34816, 128), ((136, 128), 256)),
+]
+
+_LIBTPU_CHUNKED = """
+import json, sys
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from hloplan.hlo_stats import collective_stats
+from hloplan.tpu import parse_topology, topology_devices
+out = []
+for topology, (x, y), axes, (rows, width) in json.loads(sys.argv[1]):
+    devices = topology_devices(parse_topology(topology))
+    mesh = Mesh(np.array(devices).reshape(x, y), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+    split = tuple(axes)
+    cols = None if len(axes) == 2 else "y"
+    f = jax.jit(lambda ids, upd: jnp.zeros((rows, width), jnp.float32).at[ids].add(upd),
+                in_shardings=(NamedSharding(mesh, P(split)), NamedSharding(mesh, P(split, cols))),
+                out_shardings=NamedSharding(mesh, P(split, cols)))
+    text = f.lower(jax.ShapeDtypeStruct((262144,), jnp.int32),
+                   jax.ShapeDtypeStruct((262144, width), jnp.float32)).compile().as_text()
+    sent = {}
+    for op in collective_stats(text, mesh_axes=[("x", x), ("y", y)]).ops:
+        sent[op.kind] = sent.get(op.kind, 0) + op.total_bytes_sent
+    out.append([sent.get("reduce-scatter", 0), sent.get("collective-permute", 0)])
+print(json.dumps(out))
+"""
+
+
+@needs_libtpu
+def test_padded_scatters_split_in_pieces_as_libtpu_compiles_them():
+    from hloplan.tpu import child_env
+
+    cases = [list(case[:4]) for case in CHUNKED]
+    done = subprocess.run([sys.executable, "-c", _LIBTPU_CHUNKED, json.dumps(cases)],
+                          env=child_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    compiled = json.loads(done.stdout.strip().splitlines()[-1])
+    comm = CommModel(load_device_model("tpu-v5e"), parse_mesh("x=16,y=16"))
+    for case, (scattered, permuted) in zip(CHUNKED, compiled, strict=True):
+        shard, n = case[4]
+        partial, permute = comm.tiled_scatter(shard, 4, 0, n, row_major=True)
+        assert (partial * (n - 1) / n, permute) == pytest.approx((scattered, permuted)), case
