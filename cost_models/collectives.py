@@ -300,8 +300,11 @@ class CommModel:
             a row is an odd number of lane tiles (a partial lane tile counting as one), so
             [2000, 64] over 16 (250 row tiles) takes 4 pieces and pads to 2,016 rows, [2048,
             256] over 16 (256 x 2 tiles) 3 pieces, 2,064 rows; without `scatter-chunk`, one
-            piece (two for an odd number of lane tiles). Over more devices than its
-            `max-devices` the shards are not padded (256 of v5e:16x16). Not modelled: a minor
+            piece (two for an odd number of whole lane tiles), and so for rows of more lane
+            tiles than its `max-lane-tiles` (3), where the pieces follow no rule found (200 rows
+            of 63 lane tiles over 8 pad to 224; 24 rows of 255 are not padded). Over more
+            devices than its `max-devices` the shards are not padded (256 of v5e:16x16). Not
+            modelled: a minor
             dim of partial lane tiles scattered is padded or not by no rule found (24 of 192
             columns over 8 padded to 32 with 50,257 or 16,383 rows, hf_gpt2's output head;
             not with 30,522 or 40,000, which libtpu all-reduces with others);
@@ -333,13 +336,16 @@ class CommModel:
             if chunk is not None and n > chunk.max_devices:
                 return full, 0.0
             size = shard[dim]
-            lane_tiles = -(-partial[minor] // lanes)  # a partial lane tile takes a whole one
-            pieces = 1
-            if chunk is not None:
+            lane_tiles = -(-partial[minor] // lanes)
+            if chunk is not None and lane_tiles <= chunk.max_lane_tiles:
+                # A partial lane tile takes a whole one (64 columns pad as 128 do).
                 row_tiles = -(-size // rows)
                 pieces = math.ceil(row_tiles * lane_tiles / chunk.tiles(n))
-            if lane_tiles % 2:
-                pieces *= 2  # an odd number of lane tiles: the rows split in pairs
+                pieces *= 2 if lane_tiles % 2 else 1  # an odd number: the rows split in pairs
+            else:
+                # Wider rows (or no `scatter-chunk`): whole pairs of row tiles where the row
+                # is an odd number of whole lane tiles, else whole row tiles.
+                pieces = 2 if partial[minor] % lanes == 0 and lane_tiles % 2 else 1
             step = rows * pieces
             padded = -(-size // step) * step
             extra = padded - size

@@ -86,7 +86,7 @@ Schema (all fields required unless marked optional)::
     scatter-tiles = [8, 128]     # optional: a reduce-scatter runs on the (rows, lanes) tiles
                                  # of the partial sums' layout (libtpu: padded shards and a
                                  # collective-permute; collectives.CommModel.tiled_scatter)
-    scatter-chunk = {tiles = 1071, exponent = 0.635, max-devices = 32}
+    scatter-chunk = {tiles = 1071, exponent = 0.635, max-devices = 32, max-lane-tiles = 3}
                                  # optional: each padded shard is split in pieces of at most
                                  # tiles x n^-exponent tiles over n devices (ScatterChunk)
     collective-matmul-intensity = 4224  # optional: a dot loops where its FLOPs per device reach
@@ -238,11 +238,14 @@ class ScatterChunk:
     `tiles_at_one` x n^-`exponent` tiles a piece over a group of n devices (deviceless v5e
     compiles of scatter-adds over 2 to 32 devices: 690, 444, 286, 184 and 119 tiles over 2, 4,
     8, 16 and 32, each within the range the probes bound), and no padding over more than
-    `max_devices` (256 of v5e:16x16 measured)."""
+    `max_devices` (256 of v5e:16x16 measured). Rows of more than `max_lane_tiles` lane tiles
+    are one piece (two for an odd number): measured for rows of 1 to 3 lane tiles; wider rows
+    follow no rule found."""
 
     tiles_at_one: float
     exponent: float
     max_devices: int
+    max_lane_tiles: int
 
     def tiles(self, n: int) -> float:
         return self.tiles_at_one * n ** -self.exponent
@@ -629,17 +632,20 @@ def _parse_collectives(table: Any, source: str) -> dict[str, Any]:
 
 
 def _scatter_chunk(value: Any, source: str, where: str) -> ScatterChunk:
-    fields = {"tiles", "exponent", "max-devices"}
+    fields = {"tiles", "exponent", "max-devices", "max-lane-tiles"}
     if not isinstance(value, dict) or set(value) != fields:
         raise _fail(source, f"field '{where}' must be a table of {', '.join(sorted(fields))}, "
                             f"got {value!r}")
     tiles = _number(value["tiles"], source, f"{where}.tiles")
     exponent = _number(value["exponent"], source, f"{where}.exponent", positive=False)
-    devices = value["max-devices"]
-    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 2:
-        raise _fail(source, f"field '{where}.max-devices' must be an integer of at least 2, "
-                            f"got {devices!r}")
-    return ScatterChunk(float(tiles), float(exponent), devices)
+    counts = []
+    for name, least in (("max-devices", 2), ("max-lane-tiles", 1)):
+        count = value[name]
+        if not isinstance(count, int) or isinstance(count, bool) or count < least:
+            raise _fail(source, f"field '{where}.{name}' must be an integer of at least {least},"
+                                f" got {count!r}")
+        counts.append(count)
+    return ScatterChunk(float(tiles), float(exponent), *counts)
 
 
 _BUFFERS_FIELDS = {"fused_reductions", "matmul_operands", "tiled_layouts"}

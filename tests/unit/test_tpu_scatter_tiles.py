@@ -83,6 +83,11 @@ TILED = [
     ((4000, 256), 0, 4, True, (4 * 4008 * 1024, 3 * 8 * 1024)),
     # over 256 devices (v5e:16x16's both axes) no shard is padded
     ((136, 128), 0, 256, True, (256 * 136 * 512, 0)),
+    # rows of more than 3 lane tiles: a pair of pieces (127 tiles, 24 rows over 8: 32 rows,
+    # reduce-scattered matmuls on v5e:4x8); hf_gpt2's head gradient, 393 tiles, 96 rows over
+    # 2, whole pairs: unpadded (tests/unit/test_scatter_variants.py)
+    ((24, 127 * 128), 0, 8, False, (8 * 32 * 127 * 512, 7 * 8 * 127 * 512)),
+    ((96, 50257), 0, 2, False, (2 * 96 * 50257 * 4, 0)),
 ]
 
 
@@ -98,6 +103,17 @@ def test_scatter_tiles_table():
     for bad in ("[8]", "[8, 0]", '"8x128"', "[8.0, 128]"):
         with pytest.raises(DeviceModelError, match="must be two positive integers"):
             _load_text(text + f"scatter-tiles = {bad}\n", "bad.toml")
+    chunk = "{tiles = 1071, exponent = 0.635, max-devices = 32, max-lane-tiles = 3}"
+    read = _load_text(text + f"scatter-chunk = {chunk}\n", "ok.toml").scatter_chunk
+    assert (read.tiles(16), read.max_devices, read.max_lane_tiles) == (
+        pytest.approx(184.15, abs=0.01), 32, 3)
+    assert load_device_model("tpu-v5e").scatter_chunk == read
+    assert load_device_model("tpu-v6e").scatter_chunk is None
+    for bad, message in (("{tiles = 1071}", "must be a table of"),
+                         (chunk.replace("32", "1"), "max-devices' must be an integer"),
+                         (chunk.replace("1071", "-1"), "must be positive")):
+        with pytest.raises(DeviceModelError, match=message):
+            _load_text(text + f"scatter-chunk = {bad}\n", "bad.toml")
 
 
 @pytest.mark.parametrize("shard, dim, n, row_major, expected", TILED)
