@@ -68,6 +68,7 @@ from hloplan.strategies import (
     shards,
 )
 from hloplan.tpu_buffers import (
+    combined_values,
     conv_loop_operand_elements,
     fused_selects,
     gathers_rows,
@@ -227,8 +228,9 @@ class _ProblemBuilder:
         # Memory counts the values fused among elementwise ops and reductions only: those fused
         # into a matmul's kernel keep their buffers in libtpu's buffer assignment (the matmul
         # fusion is priced as HBM traffic only).
-        kept_fused = fused_values(graph, self.folded) if matmul_fusion else self.fused
         device = comm.model
+        kept_fused = (fused_values(graph, self.folded, outer_products=device.fused_reductions)
+                      if matmul_fusion else self.fused)
         # Of those, the values XLA never writes out: no memory either. A compiler whose
         # reductions fuse the elementwise work they read (TPU) writes no fused value out (a
         # softmax's exponentials, a cross entropy's one-hot products); otherwise only those it
@@ -1426,7 +1428,8 @@ _CONVERT_MOVERS = ("stablehlo.pad",)
 
 def tpu_unmaterialized(graph: Graph, kept_fused: set[int]) -> set[int]:
     """The values XLA's TPU compiler writes no buffer for: every fused value (reductions
-    fuse the elementwise work they read), the one-element scatters into splats it rewrites as
+    fuse the elementwise work they read) but the sums it writes once for several kernels
+    (tpu_buffers.combined_values), the one-element scatters into splats it rewrites as
     fused selects (tpu_buffers.fused_selects), matmul results it slices through
     (tpu_buffers.sliced_matmuls), matmul operands computed inside the matmuls
     (tpu_buffers.operand_fused_values), values read by reductions and matmuls that each of
@@ -1439,8 +1442,13 @@ def tpu_fusion(graph: Graph, kept_fused: set[int]) -> tuple[set[int], set[int]]:
     """(tpu_unmaterialized, the values of it that every reader recomputes beside reductions:
     tpu_buffers.reduced_fused_values)."""
     free = free_values(graph)
-    out = set(kept_fused) | fused_selects(graph, free) | sliced_matmuls(graph)
-    out |= output_fused_matmuls(graph, out)
+    combined = combined_values(graph, kept_fused, free)
+    out = set(kept_fused) - combined
+    out |= fused_selects(graph, free) | sliced_matmuls(graph)
+    # A matmul whose kernel writes a combined value (a residual sum) keeps its result's
+    # buffer until that value is made, its last reader: the node holds the matmul's copies
+    # and transient bytes there (a node with no value written out holds none).
+    out |= output_fused_matmuls(graph, out | combined)
     out |= operand_fused_values(graph, out, free)
     reduced = reduced_fused_values(graph, out, free)
     out |= reduced

@@ -609,11 +609,12 @@ def fuses_matmuls(platform: str) -> bool:
 
 
 def fused_values(graph: Graph, folded: set[int] | None = None,
-                 matmul_fusion: bool = False) -> set[int]:
+                 matmul_fusion: bool = False, outer_products: bool = False) -> set[int]:
     """Values that stay inside a fused kernel: made by a fusible op, not returned, and read
     only by fusible ops of the same region (a transpose folded into dots is not one: the
     dots read its operand). With `matmul_fusion` (fuses_matmuls), also a matmul's result read
-    by one fusible op, and a fusible op's result read by matmuls and fusible ops."""
+    by one fusible op, and a fusible op's result read by matmuls and fusible ops. With
+    `outer_products`, a dot_general that contracts nothing (outer_product) is a fusible op."""
     outputs = set(graph.outputs)
     folded = folded_transposes(graph) if folded is None else folded
     fused = set()
@@ -624,19 +625,34 @@ def fused_values(graph: Graph, folded: set[int] | None = None,
         # A matmul fuses its result into its one reader only (output fusion); read by several
         # kernels, the result is written out once.
         from_matmul = matmul_fusion and producer.name in MATMULS
-        if not (fusible_producer(producer.name) or (from_matmul and len(set(value.users)) == 1)):
+        if not (fusible_producer(producer.name) or (from_matmul and len(set(value.users)) == 1)
+                or (outer_products and outer_product(producer))):
             continue
-        if _readers_fuse(graph, value, producer, folded, matmul_fusion and not from_matmul):
+        if _readers_fuse(graph, value, producer, folded, matmul_fusion and not from_matmul,
+                         outer_products):
             fused.add(value.id)
     return fused
 
 
+def outer_product(op: Op) -> bool:
+    """Whether `op` is a dot_general that contracts nothing: each result element is the
+    product of one element of each operand, which XLA's algebraic simplifier rewrites as a
+    multiply of the two broadcast, an elementwise op libtpu fuses like any other (Flax
+    BERT's `einsum("...hqk,h->...hqk", probs, head_mask)` scales the attention
+    probabilities per head; hf_bert on v5e:16x16 and 2x4, libtpu 0.0.42: no buffer of the
+    scaled probabilities or of their gradient)."""
+    return (op.name == "stablehlo.dot_general" and "lhs_contracting" in op.attrs
+            and not op.attrs["lhs_contracting"] and not op.attrs.get("rhs_contracting"))
+
+
 def _readers_fuse(graph: Graph, value, producer: Op, folded: set[int],
-                  matmul_readers: bool) -> bool:
+                  matmul_readers: bool, outer_products: bool = False) -> bool:
     """Whether every reader of `value` can take it inside its kernel: a fusible op (or, with
-    `matmul_readers`, a matmul) of the producer's region, not a transpose folded into dots."""
+    `matmul_readers`, a matmul; with `outer_products`, an outer_product) of the producer's
+    region, not a transpose folded into dots."""
     return all((fusible_consumer(graph.ops[u].name)
-                or (matmul_readers and graph.ops[u].name in MATMULS))
+                or (matmul_readers and graph.ops[u].name in MATMULS)
+                or (outer_products and outer_product(graph.ops[u])))
                and u not in folded
                and (graph.ops[u].parent, graph.ops[u].region) == (producer.parent, producer.region)
                for u in value.users)
@@ -666,11 +682,13 @@ def output_fused_values(graph: Graph, folded: set[int] | None = None,
 
 
 def free_values(graph: Graph) -> set[int]:
-    """Values made from constants alone (splats, iotas): any shape of them is free to make."""
+    """Values made from constants alone (splats, iotas, and slices of them: a row of Flax
+    BERT's all-ones head mask `ones((layers, heads))[i]`, which XLA folds to a constant): any
+    shape of them is free to make."""
     free: set[int] = set()
     for op in graph.ops:
-        if op.name in FREE_OPS or (op.name in FREE_IF_INPUTS_FREE and op.operands
-                                   and all(v in free for v in op.operands)):
+        if op.name in FREE_OPS or (op.name in (*FREE_IF_INPUTS_FREE, "stablehlo.slice")
+                                   and op.operands and all(v in free for v in op.operands)):
             free.update(op.results)
     return free
 

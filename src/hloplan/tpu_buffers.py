@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from hloplan.graph import Graph
-from hloplan.op_rules import ELEMENTWISE, fusible_consumer, fusible_producer
+from hloplan.op_rules import ELEMENTWISE, fusible_consumer, fusible_producer, outer_product
 
 
 def select_scatters(graph: Graph, free: set[int]) -> set[int]:
@@ -336,12 +336,13 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
     way (a written-out pad is a kernel of its own: pad_operands). Value ids."""
     arguments = set(graph.arguments)
     out = set()
-    for op, value in _elementwise_results(graph):
-        if (value.id in unmaterialized or value.id in graph.outputs or not value.users
+    fused = set(unmaterialized)  # with the values found so far, in program order
+    for op, value in _elementwise_results(graph, fused):
+        if (value.id in fused or value.id in graph.outputs or not value.users
                 or not all(graph.ops[u].name in _MATMULS for u in value.users)):
             continue
         last = max(value.users)
-        found = _fused_chain(graph, op, unmaterialized)
+        found = _fused_chain(graph, op, fused)
         if found is None:
             continue
         chain, leaves = found
@@ -370,14 +371,78 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
         readers = [u for v in made - {value.id} | {leaf} for u in graph.values[v].users]
         if leaf in arguments or any(u > last and u not in chain for u in readers):
             out.add(value.id)
+            fused.add(value.id)
     return out
 
 
-def _elementwise_results(graph: Graph):
-    """(op, its result value) of every single-result StableHLO elementwise op."""
+def combined_values(graph: Graph, fused: set[int], free: set[int]) -> set[int]:
+    """Fused elementwise values made from two or more written-out values of their own shape
+    and read by a reduction and by another kernel (_reduced_and_read): XLA's TPU compiler
+    writes such a value out once, in the kernel making it, rather than recompute it in the
+    reduction's kernel and in the kernels after it, each of which would then read all its
+    sources. A residual sum `x + (h @ w + b)`, read
+    by a LayerNorm's statistics, by its normalization (in the next matmul's kernel) and by
+    the backward pass: libtpu writes it in the matmul's kernel with the statistics (an output
+    fusion), and the matmul result and x are not held for the later readers (hf_bert with 8 x
+    512 tokens per device on v5e:16x16: two `f32[8,512,768]` sums per layer at its peak, no
+    matmul result); the backward pass's residual gradient `dx + g @ w^T` likewise, read by a
+    LayerNorm gradient's reductions and its input gradient. A product of two such values
+    read only by reductions (the LayerNorm gradient's `dy * x_hat`, reduced twice) is made
+    inside their one kernel. In program order: a value made from such a sum counts the sum
+    as one source. Value ids."""
+    selects = frozenset(fused_selects(graph, free))  # a one-hot scatter is a fused select
+    fused = fused | selects
+    out: set[int] = set()
+    for op, value in _elementwise_results(graph):
+        if (value.id not in fused or value.type is None or value.id in graph.outputs
+                or len(set(value.users)) < 2):
+            continue
+        found = _fused_chain(graph, op, fused - out, selects)
+        if found is None:
+            continue
+        sources = [v for v in found[1] - free
+                   if (graph.type_of(v) or value.type).shape == value.type.shape]
+        if len(sources) >= 2 and _reduced_and_read(graph, value, fused - out):
+            out.add(value.id)
+    return out
+
+
+def _reduced_and_read(graph: Graph, value, fused: set[int], limit: int = 64) -> bool:
+    """Whether `value`, a fused value, is read by a reduction and by a kernel that is not
+    that reduction's: following the fused values made from it, a reduction and an op making
+    a written-out value (all reductions reading it are one multi-output kernel). True where
+    the walk is longer than `limit` ops."""
+    sinks = reduces = False
+    seen: set[int] = set()
+    stack = list(value.users)
+    while stack:
+        index = stack.pop()
+        if index in seen:
+            continue
+        seen.add(index)
+        if len(seen) > limit:
+            return True
+        user = graph.ops[index]
+        if user.name == "stablehlo.reduce":
+            reduces = True
+            continue
+        for result in user.results:
+            if result in fused:
+                stack.extend(graph.values[result].users)
+            else:
+                sinks = True
+    return sinks and reduces
+
+
+def _elementwise_results(graph: Graph, fused: set[int] = frozenset()):
+    """(op, its result value) of every single-result StableHLO elementwise op, and with
+    `fused` of every transpose of one of those values (a layout change of a fused chain, made
+    in the kernel that computes the chain: the attention probabilities transposed for the
+    value matmul)."""
     for op in graph.ops:
-        if (len(op.results) == 1 and op.name.startswith("stablehlo.")
-                and op.name.removeprefix("stablehlo.") in ELEMENTWISE):
+        if len(op.results) == 1 and op.name.startswith("stablehlo.") and (
+                op.name.removeprefix("stablehlo.") in ELEMENTWISE
+                or (op.name == "stablehlo.transpose" and op.operands[0] in fused)):
             yield op, graph.values[op.results[0]]
 
 
@@ -427,7 +492,8 @@ def _fused_chain(graph: Graph, op, unmaterialized: set[int], selects: frozenset[
     None: the chain's ops (op indices) are `op` and the producers of the fused values
     (`unmaterialized`) it reads, back to written-out values (its leaves). None where the
     chain leaves `op`'s region, holds a pad or an op no kernel fuses (but the scatters of
-    `selects`, fused_selects' values), or is longer than 64 ops."""
+    `selects`, fused_selects' values, and dot_generals that contract nothing: elementwise
+    products, op_rules.outer_product), or is longer than 64 ops."""
     chain: set[int] = set()  # ops of the fused chain making the value
     leaves: set[int] = set()  # written-out values it is made from
     stack = [op.index]
@@ -438,7 +504,8 @@ def _fused_chain(graph: Graph, op, unmaterialized: set[int], selects: frozenset[
         chain.add(index)
         node = graph.ops[index]
         if ((node.parent, node.region) != (op.parent, op.region)
-                or not (fusible_producer(node.name) or set(node.results) & selects)
+                or not (fusible_producer(node.name) or set(node.results) & selects
+                        or outer_product(node))
                 or node.name == "stablehlo.pad"
                 or len(chain) > 64):
             return None

@@ -12,10 +12,11 @@ from jax import export
 
 import hloplan
 from hloplan.mesh import MeshSpec
-from hloplan.op_rules import folded_transposes, free_values, fused_values
+from hloplan.op_rules import folded_transposes, free_values, fused_values, outer_product
 from hloplan.passes.build_sharding_problem import matmul_narrowed, tpu_unmaterialized
 from hloplan.strategies import local_bytes
 from hloplan.tpu_buffers import (
+    combined_values,
     fused_selects,
     operand_fused_values,
     output_fused_matmuls,
@@ -342,6 +343,74 @@ def test_masked_softmax_probabilities_are_recomputed() -> None:
              and sum(graph.ops[u].name == "stablehlo.dot_general"
                      for u in graph.values[op.results[0]].users) == 2)
     assert grad not in operand_fused_values(graph, fused, free_values(graph))
+
+
+def _head_masked_attention(q, k, v):
+    """_attention over heads, scaled by Flax BERT's head mask: a row of an all-ones
+    `[layers, heads]` array, multiplied in by an einsum that contracts nothing, and the
+    result transposed for the value matmul."""
+    head_mask = jnp.ones((2, 4), F32)[1]
+
+    def loss(q, k, v):
+        probs = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), axis=-1)
+        probs = jnp.einsum("...hqk,h->...hqk", probs, head_mask)
+        return jnp.sum(jnp.einsum("bhqk,bkhd->bqhd", probs, v) ** 2)
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+def test_head_masked_probabilities_are_recomputed_from_the_held_scores() -> None:
+    """libtpu (hf_bert on v5e:16x16 and 2x4, 8 x 512 tokens per device) keeps each layer's
+    f32 scores and writes no buffer for the probabilities scaled by the head mask: the
+    mask is a slice of constants and its einsum an elementwise product, so the value the
+    matmuls read is made from the scores alone."""
+    graph = _state(_head_masked_attention, *(S((4, 128, 4, 32), F32),) * 3).graph
+    assert any(outer_product(op) for op in graph.ops)
+    fused = fused_values(graph, folded_transposes(graph), outer_products=True)
+    scaled, = (op.results[0] for op in _ops(graph, "stablehlo.transpose")
+               if graph.type_of(op.results[0]).shape == (4, 4, 128, 128)
+               and [graph.ops[u].name for u in graph.values[op.results[0]].users]
+               == ["stablehlo.dot_general"] * 2)
+    assert scaled in operand_fused_values(graph, fused, free_values(graph))
+    assert scaled in tpu_unmaterialized(graph, fused)
+
+
+def _residual_norm(x, w, b, g):
+    """A LayerNorm of a residual sum `x + (x @ w + b)`, differentiated: the sum is read by
+    the statistics, the normalization and the backward pass."""
+    def norm(x, w, b):
+        s = x + x @ w + b
+        mean = s.mean(-1, keepdims=True)
+        var = jnp.square(s - mean).mean(-1, keepdims=True)
+        return jnp.tanh((s - mean) * jax.lax.rsqrt(var + 1e-5))
+    y, vjp = jax.vjp(norm, x, w, b)
+    return y, vjp(g)
+
+
+def _residual_sums(x, w, b):
+    """The same sum read by reductions only: one kernel reads it."""
+    s = x + x @ w + b
+    return s.sum(-1), jnp.square(s).sum(-1)
+
+
+def test_sums_of_two_written_values_read_by_several_kernels_are_written() -> None:
+    """libtpu writes a residual sum read by a LayerNorm's statistics and the kernels after
+    them in the matmul's kernel, and holds neither the matmul result nor its other source
+    for those readers (hf_bert on v5e:16x16); read by reductions only, it is made inside
+    their kernel. The matmul result keeps its buffer (its node holds the matmul's copies),
+    live until the sum is made."""
+    args = (S((256, 128), F32), S((128, 128), F32), S((128,), F32), S((256, 128), F32))
+    for step, written in ((_residual_norm, True), (_residual_sums, False)):
+        graph = _state(step, *args[:3 + written]).graph
+        fused = fused_values(graph, folded_transposes(graph), outer_products=True)
+        dot = _ops(graph, "stablehlo.dot_general")[0]
+        residual, = graph.values[dot.results[0]].users
+        total, = graph.values[graph.ops[residual].results[0]].users
+        value = graph.ops[total].results[0]
+        assert value in fused
+        assert (value in combined_values(graph, fused, free_values(graph))) == written
+        unmaterialized = tpu_unmaterialized(graph, fused)
+        assert (value not in unmaterialized) == written
+        assert dot.results[0] not in unmaterialized
 
 
 def _cross_entropy_grads(x, w, labels):
