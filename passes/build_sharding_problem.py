@@ -68,6 +68,7 @@ from hloplan.strategies import (
     shards,
 )
 from hloplan.tpu_buffers import (
+    broadcast_operands,
     conv_loop_operand_elements,
     fused_selects,
     gathers_rows,
@@ -1444,6 +1445,9 @@ def tpu_fusion(graph: Graph, kept_fused: set[int]) -> tuple[set[int], set[int]]:
     out |= operand_fused_values(graph, out, free)
     reduced = reduced_fused_values(graph, out, free)
     out |= reduced
+    repeated = broadcast_operands(graph, out)
+    out |= set(repeated)
+    out -= set(repeated.values())  # the repeated value itself is written out
     out -= pad_operands(graph, out) | relaid_reshapes(graph)
     return out, reduced & out
 

@@ -306,6 +306,42 @@ def relaid_reshapes(graph: Graph) -> set[int]:
 
 _MATMULS = ("stablehlo.dot_general", "stablehlo.convolution")
 
+# Ops that lay out or repeat a value without computing anything.
+_EXPANDERS = ("stablehlo.broadcast_in_dim", "stablehlo.reshape")
+
+
+def broadcast_operands(graph: Graph, unmaterialized: set[int]) -> dict[int, int]:
+    """Matmul operands made from one smaller written-out value by a broadcast and reshapes
+    only, and read by matmuls alone: XLA's TPU compiler repeats the value inside each
+    matmul's kernel and holds no buffer of the repeated one. A grouped-query attention's keys
+    and values, `[b, s, 1, h]` broadcast to the 8 query heads and reshaped to `[b, s, 8, h]`
+    for the score and value matmuls of the forward and backward passes: libtpu 0.0.42 holds
+    the `bf16[8,512,128]` matmul results from the forward pass to the backward one and no
+    `[8,512,8,128]` buffer of them (keras-hub Gemma, 8 x 512 tokens per device on
+    v5e:16x16). Value id -> the value it repeats (written out: an output fusion making the
+    operand is made into the smaller value instead)."""
+    out = {}
+    for op in graph.ops:
+        if op.name not in _EXPANDERS or len(op.results) != 1:
+            continue
+        value = graph.values[op.results[0]]
+        if (value.id in unmaterialized or value.id in graph.outputs or not value.users
+                or not all(graph.ops[u].name in _MATMULS for u in value.users)):
+            continue
+        source, broadcast = op.operands[0], op.name == "stablehlo.broadcast_in_dim"
+        while source in unmaterialized:  # through the fused reshapes and broadcasts
+            producer = graph.ops[graph.values[source].producer]
+            if producer.name not in _EXPANDERS:
+                break
+            broadcast |= producer.name == "stablehlo.broadcast_in_dim"
+            source = producer.operands[0]
+        own = graph.type_of(source)
+        if broadcast and own is not None and value.type is not None \
+                and own.elements < value.type.elements:
+            out[value.id] = source
+    return out
+
+
 
 def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int]) -> set[int]:
     """Elementwise values read only by matmuls and computed from one value held past their

@@ -16,6 +16,7 @@ from hloplan.op_rules import folded_transposes, free_values, fused_values
 from hloplan.passes.build_sharding_problem import matmul_narrowed, tpu_unmaterialized
 from hloplan.strategies import local_bytes
 from hloplan.tpu_buffers import (
+    broadcast_operands,
     fused_selects,
     operand_fused_values,
     output_fused_matmuls,
@@ -450,3 +451,36 @@ def test_a_loop_reading_a_recomputed_gradient_writes_it() -> None:
     assert _looped_transients(4096, "8", one_axis) == {True: {3.0}}
     assert _looped_transients(32000, "8", one_axis) == {True: {1.0}}
     assert _looped_transients(4096, "2x4", MeshSpec(("x", "y"), (2, 4)))[False] == {0.0}
+
+
+def _grouped_query_attention(x, wq, wk, g):
+    """Scores of 8 query heads against one key head repeated to them (keras-hub Gemma's
+    grouped-query attention: `ops.repeat(key, 8, axis=2)`), with their backward pass."""
+    def scores(wq, wk):
+        q = jnp.einsum("bsd,dnh->bsnh", x, wq)
+        k = jnp.repeat(jnp.einsum("bsd,dnh->bsnh", x, wk), 8, axis=2)
+        return jnp.einsum("bqnh,bknh->bnqk", q, k)
+
+    out, vjp = jax.vjp(scores, wq, wk)
+    return out, vjp(g)
+
+
+def test_a_key_repeated_over_query_heads_is_repeated_inside_the_matmuls() -> None:
+    """libtpu holds a grouped-query attention's keys as the key matmul wrote them, not
+    repeated over the query heads (keras_gemma on v5e:16x16: `bf16[8,512,128]` per layer, no
+    `[8,512,8,128]` buffer): the repeated value is no buffer, the key head is one; the
+    queries' reshape into heads repeats nothing and is written as before."""
+    args = (S((4, 128, 256), F32), S((256, 8, 64), F32), S((256, 1, 64), F32),
+            S((4, 8, 128, 128), F32))
+    graph = _state(_grouped_query_attention, *args).graph
+    fused = fused_values(graph, folded_transposes(graph))
+    unmaterialized = tpu_unmaterialized(graph, fused)
+    repeated = broadcast_operands(graph, fused)
+    (value, key), = repeated.items()
+    assert graph.type_of(value).shape[2] == 8 and graph.type_of(key).elements * 8 == \
+        graph.type_of(value).elements
+    assert graph.ops[graph.values[key].producer].name == "stablehlo.dot_general"
+    assert value in unmaterialized and key not in unmaterialized
+    queries = [op.results[0] for op in _ops(graph, "stablehlo.dot_general")
+               if graph.type_of(op.results[0]).shape == (4, 128, 8, 64)]
+    assert queries and not set(queries) & set(repeated)
