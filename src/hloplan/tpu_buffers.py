@@ -437,16 +437,48 @@ def reduced_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
         readers = [graph.ops[u] for u in value.users]
         reduces = [u for u in readers if u.name == "stablehlo.reduce"
                    and (u.parent, u.region) == (op.parent, op.region)]
-        if not reduces or not all(u in reduces or u.name in _MATMULS for u in readers) \
+        if not all(u in reduces or u.name in _MATMULS for u in readers) \
                 or len(reduces) == len(readers):
             continue
         found = _fused_chain(graph, op, unmaterialized, selects)
         if found is None:
             continue
+        chain, leaves = found
+        sources = [v for v in leaves - free
+                   if (graph.type_of(v) or value.type).shape == value.type.shape]
+        if len(sources) != 1:
+            continue
+        # Read by matmuls alone, only a value the chain normalizes by row statistics of its
+        # source (a softmax's) is recomputed: GPT's `gelu(x @ w + b)` is written out.
+        made = {r for index in chain for r in graph.ops[index].results}
+        if reduces or any(_statistic_of(graph, v, made | leaves, free) for v in leaves - free):
+            out.add(value.id)
+    return out
+
+
+def matmul_recomputed_sources(graph: Graph, recomputed: set[int], unmaterialized: set[int],
+                              free: set[int]) -> dict[int, int]:
+    """Of the values every reader recomputes (reduced_fused_values: `recomputed`), those read
+    by matmuls alone -> the one written-out value of their shape they are made from. libtpu
+    recomputes such a value in each matmul where each reads it as it is made (keras_gemma on
+    v5e:16x16: the logits' gradient, `f32[8,512,32000]` logits live until the input
+    gradient); where a reader takes it resharded it writes the value once, for the
+    collective, and the source dies there (llama on v5e:16x16, 2 sequences per device after
+    the all-to-all: the logits die as the gradient is made; see build_sharding_problem
+    `_written_for_reshard`)."""
+    out = {}
+    for value_id in recomputed:
+        value = graph.values[value_id]
+        if not value.users or value.type is None or not all(
+                graph.ops[u].name in _MATMULS for u in value.users):
+            continue
+        found = _fused_chain(graph, graph.ops[value.producer], unmaterialized)
+        if found is None:
+            continue
         sources = [v for v in found[1] - free
                    if (graph.type_of(v) or value.type).shape == value.type.shape]
         if len(sources) == 1:
-            out.add(value.id)
+            out[value_id] = sources[0]
     return out
 
 

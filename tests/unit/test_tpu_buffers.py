@@ -18,6 +18,7 @@ from hloplan.strategies import local_bytes
 from hloplan.tpu_buffers import (
     broadcast_operands,
     fused_selects,
+    matmul_recomputed_sources,
     operand_fused_values,
     output_fused_matmuls,
     pad_operands,
@@ -354,25 +355,35 @@ def _cross_entropy_grads(x, w, labels):
     return jax.grad(loss, argnums=(0, 1))(x, w)
 
 
-def test_reshards_splitting_to_one_element_hold_the_recomputed_source() -> None:
-    """libtpu makes the logits' gradient again from the f32 logits for an all-to-all whose
-    reshape into [devices, rest] only inserts size-1 dims (one sequence per device after it;
-    the Llama-8B-class step on v5e:16x16), so the logits are held with that reshard's copy;
-    with two sequences per device after it the reshape splits the dim and nothing is held."""
-    for batch, held in ((8, True), (16, False)):
+def test_a_resharded_gradient_is_written_once_unless_split_to_one_element() -> None:
+    """The logits' gradient, which each of its two matmuls recomputes from the f32 logits
+    (matmul_recomputed_sources), where the last of them reads it resharded: with two
+    sequences per device after the all-to-all (llama on v5e:16x16) libtpu writes it once and
+    the logits die as it is made, so that reshard's copy is credited the logits' bytes;
+    where the all-to-all's reshape only inserts size-1 dims (one sequence per device after
+    it: the Llama-8B-class step on v5e:16x16) libtpu makes it again from the logits for the
+    all-to-all, which stay live until then: no credit."""
+    for batch, credited in ((8, False), (16, True)):
         args = (S((batch, 64, 128), F32), S((128, 512), F32), S((batch, 64), jnp.int32))
         state = _state(_cross_entropy_grads, *args)
         graph = state.graph
         fused = fused_values(graph, folded_transposes(graph))
-        sources = recomputed_sources(graph, tpu_unmaterialized(graph, fused), free_values(graph))
+        unmaterialized = tpu_unmaterialized(graph, fused)
+        sources = matmul_recomputed_sources(graph, unmaterialized, unmaterialized,
+                                            free_values(graph))
         grad, = (v for v in sources
                  if sum(graph.ops[u].name == "stablehlo.dot_general"
                         for u in graph.values[v].users) == 2)
         logits = graph.values[sources[grad]]
         assert graph.ops[logits.producer].name == "stablehlo.dot_general"
-        cells = [cell for edge in state.problem.edges if edge.label.startswith(f"%{grad} ")
-                 and edge.relayout for row in edge.relayout for cell in row]
-        assert any(cells) == held
+        resharded = [edge.relayout[i][j] if edge.relayout else 0.0
+                     for edge in state.problem.edges if edge.label.startswith(f"%{grad} ")
+                     and edge.label.endswith(f"-> %{max(graph.values[grad].users)}")
+                     for i, row in enumerate(edge.costs) for j, seconds in enumerate(row)
+                     if seconds > 0 and edge.copies]
+        assert resharded and any(cell < 0 for cell in resharded)
+        # Eight sequences on 8 devices: the all-to-alls to one sequence each get no credit.
+        assert all(cell < 0 for cell in resharded) == credited
 
 
 def _biased_head_grads(x, w, b, labels):
@@ -396,7 +407,9 @@ def _logit_gradient(graph, vocab: int = 4096):
 def test_a_gradient_reduced_beside_matmuls_is_recomputed_by_each_reader() -> None:
     """libtpu writes no buffer for a biased head's logit gradient: the bias gradient's
     reduction and both matmuls recompute it from the f32 logits (hf_bert on v5e:2x4 and
-    16x16); without the bias (matmul readers only) the rule does not apply."""
+    16x16); nor, without the bias, for one only the two matmuls read (keras_gemma on
+    v5e:16x16), which the logits' row statistics normalize; an activation only matmuls read,
+    made from its pre-activation without such statistics, is written out."""
     args = (S((2048, 256), F32), S((256, 4096), F32), S((4096,), F32), S((2048,), jnp.int32))
     graph = _state(_biased_head_grads, *args).graph
     fused = fused_values(graph, folded_transposes(graph))
@@ -406,8 +419,13 @@ def test_a_gradient_reduced_beside_matmuls_is_recomputed_by_each_reader() -> Non
     assert grad in tpu_unmaterialized(graph, fused)
     plain = _state(_cross_entropy_grads, S((8, 64, 128), F32), S((128, 512), F32),
                    S((8, 64), jnp.int32)).graph
-    assert not reduced_fused_values(plain, fused_values(plain, folded_transposes(plain)),
-                                    free_values(plain))
+    plain_fused = fused_values(plain, folded_transposes(plain))
+    assert reduced_fused_values(plain, plain_fused | fused_selects(plain, free_values(plain)),
+                                free_values(plain))
+    kept = _state(_activation_kept, S((256, 128), F32), S((128, 512), F32), S((512, 128), F32),
+                  S((256, 128), F32)).graph
+    assert not reduced_fused_values(kept, fused_values(kept, folded_transposes(kept)),
+                                    free_values(kept))
 
 
 def _looped_transients(vocab: int, shape: str, mesh: MeshSpec) -> dict[bool, set[float]]:
