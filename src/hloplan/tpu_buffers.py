@@ -318,8 +318,9 @@ def broadcast_operands(graph: Graph, unmaterialized: set[int]) -> dict[int, int]
     for the score and value matmuls of the forward and backward passes: libtpu 0.0.42 holds
     the `bf16[8,512,128]` matmul results from the forward pass to the backward one and no
     `[8,512,8,128]` buffer of them (keras-hub Gemma, 8 x 512 tokens per device on
-    v5e:16x16). Value id -> the value it repeats (written out: an output fusion making the
-    operand is made into the smaller value instead)."""
+    v5e:16x16). Only a broadcast along new dims (_broadcasts_along_new_dims). Value id ->
+    the value it repeats (written out: an output fusion making the operand is made into the
+    smaller value instead)."""
     out = {}
     for op in graph.ops:
         if op.name not in _EXPANDERS or len(op.results) != 1:
@@ -336,10 +337,21 @@ def broadcast_operands(graph: Graph, unmaterialized: set[int]) -> dict[int, int]
             broadcast |= producer.name == "stablehlo.broadcast_in_dim"
             source = producer.operands[0]
         own = graph.type_of(source)
-        if broadcast and own is not None and value.type is not None \
-                and own.elements < value.type.elements:
+        if (broadcast and own is not None and value.type is not None
+                and own.elements < value.type.elements
+                and _broadcasts_along_new_dims(own.shape, value.type.shape)):
             out[value.id] = source
     return out
+
+
+def _broadcasts_along_new_dims(source: tuple[int, ...], result: tuple[int, ...]) -> bool:
+    """Whether `result` holds `source`'s dims longer than 1 in order, its other dims being
+    new: the value is `source` broadcast along them, which a matmul's kernel reads in place.
+    A repeat that interleaves copies into one of `source`'s dims (Flax Llama's 8 key heads
+    repeated to 32: `[b, s, 8, 4, h]` reshaped to `[b, s, 32, h]`) is no such broadcast, and
+    libtpu writes it out (`bf16[8,512,8,4,64] broadcast(...)`, hf_llama on v5e:16x16)."""
+    dims = iter(result)
+    return all(any(size == d for d in dims) for size in source if size > 1)
 
 
 

@@ -22,7 +22,6 @@ from hloplan.tpu_buffers import (
     operand_fused_values,
     output_fused_matmuls,
     pad_operands,
-    recomputed_sources,
     reduced_fused_values,
     select_scatters,
     sliced_matmuls,
@@ -483,6 +482,17 @@ def _grouped_query_attention(x, wq, wk, g):
     return out, vjp(g)
 
 
+def _interleaved_keys(x, wq, wk, g):
+    """Two key heads each repeated to four query heads (Flax Llama's `repeat_kv`)."""
+    def scores(wq, wk):
+        q = jnp.einsum("bsd,dnh->bsnh", x, wq)
+        k = jnp.repeat(jnp.einsum("bsd,dnh->bsnh", x, wk), 4, axis=2)
+        return jnp.einsum("bqnh,bknh->bnqk", q, k)
+
+    out, vjp = jax.vjp(scores, wq, wk)
+    return out, vjp(g)
+
+
 def test_a_key_repeated_over_query_heads_is_repeated_inside_the_matmuls() -> None:
     """libtpu holds a grouped-query attention's keys as the key matmul wrote them, not
     repeated over the query heads (keras_gemma on v5e:16x16: `bf16[8,512,128]` per layer, no
@@ -502,3 +512,8 @@ def test_a_key_repeated_over_query_heads_is_repeated_inside_the_matmuls() -> Non
     queries = [op.results[0] for op in _ops(graph, "stablehlo.dot_general")
                if graph.type_of(op.results[0]).shape == (4, 128, 8, 64)]
     assert queries and not set(queries) & set(repeated)
+    # Repeats interleaved into the key heads' dim are written (hf_llama on v5e:16x16).
+    interleaved = _state(_interleaved_keys, S((4, 128, 256), F32), S((256, 8, 64), F32),
+                         S((256, 2, 64), F32), S((4, 8, 128, 128), F32)).graph
+    assert not broadcast_operands(interleaved,
+                                  fused_values(interleaved, folded_transposes(interleaved)))
