@@ -517,3 +517,32 @@ def test_a_key_repeated_over_query_heads_is_repeated_inside_the_matmuls() -> Non
                          S((256, 2, 64), F32), S((4, 8, 128, 128), F32)).graph
     assert not broadcast_operands(interleaved,
                                   fused_values(interleaved, folded_transposes(interleaved)))
+
+
+def test_a_loop_reading_a_gradient_only_matmuls_read_writes_it_in_bf16() -> None:
+    """The logits' gradient of a head without a bias, which only the head's two matmuls read
+    and each recomputes: a weight-gradient loop that stays a loop (over 8 devices) writes it
+    in bf16 for itself, and nothing in f32 (no reduction reads it): its transient is the
+    gradient's local bf16 bytes, where the biased head's is three times them."""
+    vocab = 4096
+    args = (S((16, 1024, 256), F32), S((256, vocab), F32), S((16, 1024), jnp.int32))
+    data = export.export(jax.jit(_cross_entropy_grads))(*args).serialize()
+    state = hloplan.compile(data, "8", device="tpu-v5e", mesh_views="off").state
+    graph, mesh = state.graph, MeshSpec(("x",), (8,))
+    grad = next(v.id for v in graph.values if v.type is not None
+                and v.type.shape == (16, 1024, vocab) and v.users
+                and all(graph.ops[u].name == "stablehlo.dot_general" for u in v.users))
+    seen = set()
+    for u in graph.values[grad].users:
+        node = state.problem.nodes[state.space.node_of[u]]
+        for op_strategy, strategy in zip(state.space.strategies[u], node.strategies, strict=True):
+            k = op_strategy.copied
+            if (not strategy.accumulators or k < 0 or graph.ops[u].operands[k] != grad
+                    or graph.type_of(graph.ops[u].results[0]).rank != 2):
+                continue  # the input gradient, or no loop copying the gradient
+            vocab_dim = graph.type_of(graph.ops[u].results[0]).shape.index(vocab)
+            if not op_strategy.results[0][vocab_dim]:
+                continue  # scattered onto the width
+            bf16 = local_bytes(graph.type_of(grad), op_strategy.operands[k], mesh) / 2
+            seen.add(round(strategy.transient / bf16, 3))
+    assert seen == {1.0}
