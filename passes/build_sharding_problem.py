@@ -1387,6 +1387,20 @@ class _ProblemBuilder:
             elif value.id not in space.free_values:
                 # Free values (constants, splats) are fused into their consumers by XLA: no bytes.
                 fixed_of[value.id] = self._held_bytes(value.type, replicated(value.type.rank))
+        # A matmul whose result its reader's kernel takes (an output fusion: no buffer) holds
+        # no value, yet, as a collective-matmul loop that stays a loop, it holds a buffer of an
+        # operand its readers would recompute (its copy, or _loop_written's): checked at its
+        # own point, where those bytes are held, with its result live there alone.
+        for op in graph.ops:
+            if (op.index in space.strategies and op.results
+                    and all(v in self.unmaterialized for v in op.results)
+                    and any(v in self.reader_fused for v in op.operands)
+                    and any(self._loop_copy(op, s) + self._loop_written(op, s)
+                            for s in space.strategies[op.index] if self._stays_loop(s))):
+                value_id = op.results[0]
+                owner[value_id] = node_of[op.index]
+                deaths[self.last_uses[value_id]].remove(value_id)
+                deaths.setdefault(op.index, []).append(value_id)
         count: dict[int, int] = {}  # node -> its live values
         first: dict[int, int] = {}  # live node -> its first check (absent: none yet)
         waiting: list[int] = []  # nodes born since the last check

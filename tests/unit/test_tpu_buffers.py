@@ -546,3 +546,35 @@ def test_a_loop_reading_a_gradient_only_matmuls_read_writes_it_in_bf16() -> None
             bf16 = local_bytes(graph.type_of(grad), op_strategy.operands[k], mesh) / 2
             seen.add(round(strategy.transient / bf16, 3))
     assert seen == {1.0}
+
+
+def _vocab_step(w1, w2, x, y):
+    """A softmax classifier's gradients: its input gradient `g @ w2^T` is summed with
+    another term in one kernel (an output fusion: no buffer of its own)."""
+    def loss(w1, w2):
+        logits = jnp.tanh(x @ w1) @ w2
+        return -jnp.mean(jnp.sum(jax.nn.one_hot(y, logits.shape[-1])
+                                 * jax.nn.log_softmax(logits, axis=-1), axis=-1))
+    return jax.grad(loss, argnums=(0, 1))(w1, w2)
+
+
+def test_a_loop_without_a_result_buffer_is_checked_where_it_runs() -> None:
+    """The input gradient of a softmax head, reduce-scattered over 8 devices (a loop that
+    stays a loop, carrying the logits' gradient as a buffer) and fused into the kernel that
+    sums it, holds no value: the estimate still checks the point after it, where the loop's
+    buffer is held (libtpu on v5e:2x4, 128 MiB of logits per device: its peak there)."""
+    args = (S((512, 512), F32), S((512, 32768), F32), S((8192, 512), F32),
+            S((8192,), jnp.int32))
+    data = export.export(jax.jit(_vocab_step))(*args).serialize()
+    state = hloplan.compile(data, "2x4", device="tpu-v5e", mesh_views="off").state
+    graph = state.graph
+    unmaterialized = tpu_unmaterialized(graph, fused_values(graph, folded_transposes(graph)))
+    grad, = (v.id for v in graph.values if v.type is not None
+             and v.type.shape == (8192, 32768) and v.users
+             and all(graph.ops[u].name == "stablehlo.dot_general" for u in v.users))
+    assert grad in unmaterialized
+    input_gradient, = (u for u in graph.values[grad].users
+                       if graph.type_of(graph.ops[u].results[0]).shape == (8192, 512))
+    assert graph.ops[input_gradient].results[0] in unmaterialized
+    labels = {point.label.split(" ")[1] for point in state.problem.live_points}
+    assert f"%{input_gradient}" in labels
