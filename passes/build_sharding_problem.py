@@ -68,10 +68,12 @@ from hloplan.strategies import (
     shards,
 )
 from hloplan.tpu_buffers import (
+    broadcast_operands,
     combined_values,
     conv_loop_operand_elements,
     fused_selects,
     gathers_rows,
+    matmul_recomputed_sources,
     minor_dims,
     operand_fused_values,
     output_fused_matmuls,
@@ -242,6 +244,11 @@ class _ProblemBuilder:
         # (tpu_buffers.recomputed_sources): value id -> that source.
         self.recomputed = (recomputed_sources(graph, self.unmaterialized, free_values(graph))
                            if device.fused_reductions else {})
+        # Values every reader recomputes that only matmuls read -> their source: written once
+        # where a reader takes them resharded (_written_for_reshard).
+        self.matmul_recomputed = (
+            matmul_recomputed_sources(graph, self.reader_fused, self.unmaterialized,
+                                      free_values(graph)) if device.fused_reductions else {})
         # Ops whose results are written in a narrower dtype than their type (f32 values read
         # only by matmuls, which run on the narrower type): op index -> bytes kept per byte.
         self.narrowed = (matmul_narrowed(graph, self.folded, device.matmul_operands)
@@ -830,6 +837,7 @@ class _ProblemBuilder:
         costs, relayout = self._relayout(consumer, position, type_, src_id, dst_id, costs,
                                          multiplier)
         relayout = self._recomputed_source(value_id, consumer, src_id, dst_id, costs, relayout)
+        relayout = self._written_for_reshard(value_id, consumer, src_id, dst_id, costs, relayout)
         return Edge(self.space.node_of[producer], self.space.node_of[consumer.index], costs,
                     label=f"%{value_id} -> %{consumer.index}",
                     copies=(self._copies(type_, dst_id)
@@ -894,6 +902,7 @@ class _ProblemBuilder:
         costs, relayout = self._relayout(consumer, position, type_, src_id, dst_id, costs,
                                          consumer.multiplier)
         relayout = self._recomputed_source(value_id, consumer, src_id, dst_id, costs, relayout)
+        relayout = self._written_for_reshard(value_id, consumer, src_id, dst_id, costs, relayout)
         return Edge(self.space.node_of[source], self.space.node_of[consumer.index], costs,
                     label=f"%{value_id} (as %{source} reads it) -> %{consumer.index}",
                     copies=self._copies(type_, dst_id), relayout=relayout)
@@ -929,6 +938,36 @@ class _ProblemBuilder:
                 if seconds > 0 and held and dst is not None and self._split_to_one(type_, src,
                                                                                    dst):
                     cell += held
+                cells.append(cell)
+            rows.append(tuple(cells))
+        return tuple(rows)
+
+    def _written_for_reshard(self, value_id: int, consumer: Op, src_id: int, dst_id: int,
+                             costs, relayout):
+        """`relayout` less the bytes of the source of a value that only matmuls read and each
+        recomputes (tpu_buffers.matmul_recomputed_sources), where the last of them reads it
+        resharded: libtpu then writes the value once, for the collective (the resharded
+        copy), and the source dies as it is made, rather than living until that reader as
+        the estimate holds it for the recomputing readers (llama on v5e:16x16: the logits'
+        gradient all-to-all'd for the head's input gradient, made once, the f32 logits dead
+        after it). Credited over the copy's span, where the source would otherwise be held
+        beside the copy."""
+        source = self.matmul_recomputed.get(value_id)
+        if source is None or consumer.index != max(self.graph.values[value_id].users):
+            return relayout
+        type_ = self.graph.type_of(source)
+        src_specs, dst_specs = self.specs_of[src_id], self.specs_of[dst_id]
+        rows = []
+        for i, (src, row) in enumerate(zip(src_specs, costs)):
+            held = 0.0 if src is None else self._held_bytes(type_, src)
+            cells = []
+            for j, (dst, seconds) in enumerate(zip(dst_specs, row)):
+                cell = relayout[i][j] if relayout else 0.0
+                # An all-to-all down to one element per device makes the value again from
+                # its source instead (_recomputed_source): the source lives until then.
+                if (seconds > 0 and held and dst is not None
+                        and not self._split_to_one(type_, src, dst)):
+                    cell -= held
                 cells.append(cell)
             rows.append(tuple(cells))
         return tuple(rows)
@@ -1033,7 +1072,8 @@ class _ProblemBuilder:
             held = self._held_bytes(type_, spec)
             if k != strategy.copied:
                 extra += held * mxu_itemsize(type_, self.comm.model) / type_.itemsize
-            if (any(u != op.index for u in self.graph.values[value_id].users)
+            if (any(self.graph.ops[u].name not in MATMULS
+                    for u in self.graph.values[value_id].users)
                     and self._loop_keeps_layout(op, strategy, k)):
                 extra += held
         return extra
@@ -1349,6 +1389,20 @@ class _ProblemBuilder:
             elif value.id not in space.free_values:
                 # Free values (constants, splats) are fused into their consumers by XLA: no bytes.
                 fixed_of[value.id] = self._held_bytes(value.type, replicated(value.type.rank))
+        # A matmul whose result its reader's kernel takes (an output fusion: no buffer) holds
+        # no value, yet, as a collective-matmul loop that stays a loop, it holds a buffer of an
+        # operand its readers would recompute (its copy, or _loop_written's): checked at its
+        # own point, where those bytes are held, with its result live there alone.
+        for op in graph.ops:
+            if (op.index in space.strategies and op.results
+                    and all(v in self.unmaterialized for v in op.results)
+                    and any(v in self.reader_fused for v in op.operands)
+                    and any(self._loop_copy(op, s) + self._loop_written(op, s)
+                            for s in space.strategies[op.index] if self._stays_loop(s))):
+                value_id = op.results[0]
+                owner[value_id] = node_of[op.index]
+                deaths[self.last_uses[value_id]].remove(value_id)
+                deaths.setdefault(op.index, []).append(value_id)
         count: dict[int, int] = {}  # node -> its live values
         first: dict[int, int] = {}  # live node -> its first check (absent: none yet)
         waiting: list[int] = []  # nodes born since the last check
@@ -1452,6 +1506,9 @@ def tpu_fusion(graph: Graph, kept_fused: set[int]) -> tuple[set[int], set[int]]:
     out |= operand_fused_values(graph, out, free)
     reduced = reduced_fused_values(graph, out, free)
     out |= reduced
+    repeated = broadcast_operands(graph, out)
+    out |= set(repeated)
+    out -= set(repeated.values())  # the repeated value itself is written out
     out -= pad_operands(graph, out) | relaid_reshapes(graph)
     return out, reduced & out
 

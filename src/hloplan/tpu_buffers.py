@@ -306,6 +306,54 @@ def relaid_reshapes(graph: Graph) -> set[int]:
 
 _MATMULS = ("stablehlo.dot_general", "stablehlo.convolution")
 
+# Ops that lay out or repeat a value without computing anything.
+_EXPANDERS = ("stablehlo.broadcast_in_dim", "stablehlo.reshape")
+
+
+def broadcast_operands(graph: Graph, unmaterialized: set[int]) -> dict[int, int]:
+    """Matmul operands made from one smaller written-out value by a broadcast and reshapes
+    only, and read by matmuls alone: XLA's TPU compiler repeats the value inside each
+    matmul's kernel and holds no buffer of the repeated one. A grouped-query attention's keys
+    and values, `[b, s, 1, h]` broadcast to the 8 query heads and reshaped to `[b, s, 8, h]`
+    for the score and value matmuls of the forward and backward passes: libtpu 0.0.42 holds
+    the `bf16[8,512,128]` matmul results from the forward pass to the backward one and no
+    `[8,512,8,128]` buffer of them (keras-hub Gemma, 8 x 512 tokens per device on
+    v5e:16x16). Only a broadcast along new dims (_broadcasts_along_new_dims). Value id ->
+    the value it repeats (written out: an output fusion making the operand is made into the
+    smaller value instead)."""
+    out = {}
+    for op in graph.ops:
+        if op.name not in _EXPANDERS or len(op.results) != 1:
+            continue
+        value = graph.values[op.results[0]]
+        if (value.id in unmaterialized or value.id in graph.outputs or not value.users
+                or not all(graph.ops[u].name in _MATMULS for u in value.users)):
+            continue
+        source, broadcast = op.operands[0], op.name == "stablehlo.broadcast_in_dim"
+        while source in unmaterialized:  # through the fused reshapes and broadcasts
+            producer = graph.ops[graph.values[source].producer]
+            if producer.name not in _EXPANDERS:
+                break
+            broadcast |= producer.name == "stablehlo.broadcast_in_dim"
+            source = producer.operands[0]
+        own = graph.type_of(source)
+        if (broadcast and own is not None and value.type is not None
+                and own.elements < value.type.elements
+                and _broadcasts_along_new_dims(own.shape, value.type.shape)):
+            out[value.id] = source
+    return out
+
+
+def _broadcasts_along_new_dims(source: tuple[int, ...], result: tuple[int, ...]) -> bool:
+    """Whether `result` holds `source`'s dims longer than 1 in order, its other dims being
+    new: the value is `source` broadcast along them, which a matmul's kernel reads in place.
+    A repeat that interleaves copies into one of `source`'s dims (Flax Llama's 8 key heads
+    repeated to 32: `[b, s, 8, 4, h]` reshaped to `[b, s, 32, h]`) is no such broadcast, and
+    libtpu writes it out (`bf16[8,512,8,4,64] broadcast(...)`, hf_llama on v5e:16x16)."""
+    dims = iter(result)
+    return all(any(size == d for d in dims) for size in source if size > 1)
+
+
 
 def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int]) -> set[int]:
     """Elementwise values read only by matmuls and computed from one value held past their
@@ -466,16 +514,48 @@ def reduced_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
         readers = [graph.ops[u] for u in value.users]
         reduces = [u for u in readers if u.name == "stablehlo.reduce"
                    and (u.parent, u.region) == (op.parent, op.region)]
-        if not reduces or not all(u in reduces or u.name in _MATMULS for u in readers) \
+        if not all(u in reduces or u.name in _MATMULS for u in readers) \
                 or len(reduces) == len(readers):
             continue
         found = _fused_chain(graph, op, unmaterialized, selects)
         if found is None:
             continue
+        chain, leaves = found
+        sources = [v for v in leaves - free
+                   if (graph.type_of(v) or value.type).shape == value.type.shape]
+        if len(sources) != 1:
+            continue
+        # Read by matmuls alone, only a value the chain normalizes by row statistics of its
+        # source (a softmax's) is recomputed: GPT's `gelu(x @ w + b)` is written out.
+        made = {r for index in chain for r in graph.ops[index].results}
+        if reduces or any(_statistic_of(graph, v, made | leaves, free) for v in leaves - free):
+            out.add(value.id)
+    return out
+
+
+def matmul_recomputed_sources(graph: Graph, recomputed: set[int], unmaterialized: set[int],
+                              free: set[int]) -> dict[int, int]:
+    """Of the values every reader recomputes (reduced_fused_values: `recomputed`), those read
+    by matmuls alone -> the one written-out value of their shape they are made from. libtpu
+    recomputes such a value in each matmul where each reads it as it is made (keras_gemma on
+    v5e:16x16: the logits' gradient, `f32[8,512,32000]` logits live until the input
+    gradient); where a reader takes it resharded it writes the value once, for the
+    collective, and the source dies there (llama on v5e:16x16, 2 sequences per device after
+    the all-to-all: the logits die as the gradient is made; see build_sharding_problem
+    `_written_for_reshard`)."""
+    out = {}
+    for value_id in recomputed:
+        value = graph.values[value_id]
+        if not value.users or value.type is None or not all(
+                graph.ops[u].name in _MATMULS for u in value.users):
+            continue
+        found = _fused_chain(graph, graph.ops[value.producer], unmaterialized)
+        if found is None:
+            continue
         sources = [v for v in found[1] - free
                    if (graph.type_of(v) or value.type).shape == value.type.shape]
         if len(sources) == 1:
-            out.add(value.id)
+            out[value_id] = sources[0]
     return out
 
 

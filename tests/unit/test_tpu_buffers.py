@@ -16,12 +16,13 @@ from hloplan.op_rules import folded_transposes, free_values, fused_values, outer
 from hloplan.passes.build_sharding_problem import matmul_narrowed, tpu_unmaterialized
 from hloplan.strategies import local_bytes
 from hloplan.tpu_buffers import (
+    broadcast_operands,
     combined_values,
     fused_selects,
+    matmul_recomputed_sources,
     operand_fused_values,
     output_fused_matmuls,
     pad_operands,
-    recomputed_sources,
     reduced_fused_values,
     select_scatters,
     sliced_matmuls,
@@ -422,25 +423,35 @@ def _cross_entropy_grads(x, w, labels):
     return jax.grad(loss, argnums=(0, 1))(x, w)
 
 
-def test_reshards_splitting_to_one_element_hold_the_recomputed_source() -> None:
-    """libtpu makes the logits' gradient again from the f32 logits for an all-to-all whose
-    reshape into [devices, rest] only inserts size-1 dims (one sequence per device after it;
-    the Llama-8B-class step on v5e:16x16), so the logits are held with that reshard's copy;
-    with two sequences per device after it the reshape splits the dim and nothing is held."""
-    for batch, held in ((8, True), (16, False)):
+def test_a_resharded_gradient_is_written_once_unless_split_to_one_element() -> None:
+    """The logits' gradient, which each of its two matmuls recomputes from the f32 logits
+    (matmul_recomputed_sources), where the last of them reads it resharded: with two
+    sequences per device after the all-to-all (llama on v5e:16x16) libtpu writes it once and
+    the logits die as it is made, so that reshard's copy is credited the logits' bytes;
+    where the all-to-all's reshape only inserts size-1 dims (one sequence per device after
+    it: the Llama-8B-class step on v5e:16x16) libtpu makes it again from the logits for the
+    all-to-all, which stay live until then: no credit."""
+    for batch, credited in ((8, False), (16, True)):
         args = (S((batch, 64, 128), F32), S((128, 512), F32), S((batch, 64), jnp.int32))
         state = _state(_cross_entropy_grads, *args)
         graph = state.graph
         fused = fused_values(graph, folded_transposes(graph))
-        sources = recomputed_sources(graph, tpu_unmaterialized(graph, fused), free_values(graph))
+        unmaterialized = tpu_unmaterialized(graph, fused)
+        sources = matmul_recomputed_sources(graph, unmaterialized, unmaterialized,
+                                            free_values(graph))
         grad, = (v for v in sources
                  if sum(graph.ops[u].name == "stablehlo.dot_general"
                         for u in graph.values[v].users) == 2)
         logits = graph.values[sources[grad]]
         assert graph.ops[logits.producer].name == "stablehlo.dot_general"
-        cells = [cell for edge in state.problem.edges if edge.label.startswith(f"%{grad} ")
-                 and edge.relayout for row in edge.relayout for cell in row]
-        assert any(cells) == held
+        resharded = [edge.relayout[i][j] if edge.relayout else 0.0
+                     for edge in state.problem.edges if edge.label.startswith(f"%{grad} ")
+                     and edge.label.endswith(f"-> %{max(graph.values[grad].users)}")
+                     for i, row in enumerate(edge.costs) for j, seconds in enumerate(row)
+                     if seconds > 0 and edge.copies]
+        assert resharded and any(cell < 0 for cell in resharded)
+        # Eight sequences on 8 devices: the all-to-alls to one sequence each get no credit.
+        assert all(cell < 0 for cell in resharded) == credited
 
 
 def _biased_head_grads(x, w, b, labels):
@@ -464,7 +475,9 @@ def _logit_gradient(graph, vocab: int = 4096):
 def test_a_gradient_reduced_beside_matmuls_is_recomputed_by_each_reader() -> None:
     """libtpu writes no buffer for a biased head's logit gradient: the bias gradient's
     reduction and both matmuls recompute it from the f32 logits (hf_bert on v5e:2x4 and
-    16x16); without the bias (matmul readers only) the rule does not apply."""
+    16x16); nor, without the bias, for one only the two matmuls read (keras_gemma on
+    v5e:16x16), which the logits' row statistics normalize; an activation only matmuls read,
+    made from its pre-activation without such statistics, is written out."""
     args = (S((2048, 256), F32), S((256, 4096), F32), S((4096,), F32), S((2048,), jnp.int32))
     graph = _state(_biased_head_grads, *args).graph
     fused = fused_values(graph, folded_transposes(graph))
@@ -474,8 +487,13 @@ def test_a_gradient_reduced_beside_matmuls_is_recomputed_by_each_reader() -> Non
     assert grad in tpu_unmaterialized(graph, fused)
     plain = _state(_cross_entropy_grads, S((8, 64, 128), F32), S((128, 512), F32),
                    S((8, 64), jnp.int32)).graph
-    assert not reduced_fused_values(plain, fused_values(plain, folded_transposes(plain)),
-                                    free_values(plain))
+    plain_fused = fused_values(plain, folded_transposes(plain))
+    assert reduced_fused_values(plain, plain_fused | fused_selects(plain, free_values(plain)),
+                                free_values(plain))
+    kept = _state(_activation_kept, S((256, 128), F32), S((128, 512), F32), S((512, 128), F32),
+                  S((256, 128), F32)).graph
+    assert not reduced_fused_values(kept, fused_values(kept, folded_transposes(kept)),
+                                    free_values(kept))
 
 
 def _looped_transients(vocab: int, shape: str, mesh: MeshSpec) -> dict[bool, set[float]]:
@@ -519,3 +537,113 @@ def test_a_loop_reading_a_recomputed_gradient_writes_it() -> None:
     assert _looped_transients(4096, "8", one_axis) == {True: {3.0}}
     assert _looped_transients(32000, "8", one_axis) == {True: {1.0}}
     assert _looped_transients(4096, "2x4", MeshSpec(("x", "y"), (2, 4)))[False] == {0.0}
+
+
+def _grouped_query_attention(x, wq, wk, g):
+    """Scores of 8 query heads against one key head repeated to them (keras-hub Gemma's
+    grouped-query attention: `ops.repeat(key, 8, axis=2)`), with their backward pass."""
+    def scores(wq, wk):
+        q = jnp.einsum("bsd,dnh->bsnh", x, wq)
+        k = jnp.repeat(jnp.einsum("bsd,dnh->bsnh", x, wk), 8, axis=2)
+        return jnp.einsum("bqnh,bknh->bnqk", q, k)
+
+    out, vjp = jax.vjp(scores, wq, wk)
+    return out, vjp(g)
+
+
+def _interleaved_keys(x, wq, wk, g):
+    """Two key heads each repeated to four query heads (Flax Llama's `repeat_kv`)."""
+    def scores(wq, wk):
+        q = jnp.einsum("bsd,dnh->bsnh", x, wq)
+        k = jnp.repeat(jnp.einsum("bsd,dnh->bsnh", x, wk), 4, axis=2)
+        return jnp.einsum("bqnh,bknh->bnqk", q, k)
+
+    out, vjp = jax.vjp(scores, wq, wk)
+    return out, vjp(g)
+
+
+def test_a_key_repeated_over_query_heads_is_repeated_inside_the_matmuls() -> None:
+    """libtpu holds a grouped-query attention's keys as the key matmul wrote them, not
+    repeated over the query heads (keras_gemma on v5e:16x16: `bf16[8,512,128]` per layer, no
+    `[8,512,8,128]` buffer): the repeated value is no buffer, the key head is one; the
+    queries' reshape into heads repeats nothing and is written as before."""
+    args = (S((4, 128, 256), F32), S((256, 8, 64), F32), S((256, 1, 64), F32),
+            S((4, 8, 128, 128), F32))
+    graph = _state(_grouped_query_attention, *args).graph
+    fused = fused_values(graph, folded_transposes(graph))
+    unmaterialized = tpu_unmaterialized(graph, fused)
+    repeated = broadcast_operands(graph, fused)
+    (value, key), = repeated.items()
+    assert graph.type_of(value).shape[2] == 8 and graph.type_of(key).elements * 8 == \
+        graph.type_of(value).elements
+    assert graph.ops[graph.values[key].producer].name == "stablehlo.dot_general"
+    assert value in unmaterialized and key not in unmaterialized
+    queries = [op.results[0] for op in _ops(graph, "stablehlo.dot_general")
+               if graph.type_of(op.results[0]).shape == (4, 128, 8, 64)]
+    assert queries and not set(queries) & set(repeated)
+    # Repeats interleaved into the key heads' dim are written (hf_llama on v5e:16x16).
+    interleaved = _state(_interleaved_keys, S((4, 128, 256), F32), S((256, 8, 64), F32),
+                         S((256, 2, 64), F32), S((4, 8, 128, 128), F32)).graph
+    assert not broadcast_operands(interleaved,
+                                  fused_values(interleaved, folded_transposes(interleaved)))
+
+
+def test_a_loop_reading_a_gradient_only_matmuls_read_writes_it_in_bf16() -> None:
+    """The logits' gradient of a head without a bias, which only the head's two matmuls read
+    and each recomputes: a weight-gradient loop that stays a loop (over 8 devices) writes it
+    in bf16 for itself, and nothing in f32 (no reduction reads it): its transient is the
+    gradient's local bf16 bytes, where the biased head's is three times them."""
+    vocab = 4096
+    args = (S((16, 1024, 256), F32), S((256, vocab), F32), S((16, 1024), jnp.int32))
+    data = export.export(jax.jit(_cross_entropy_grads))(*args).serialize()
+    state = hloplan.compile(data, "8", device="tpu-v5e", mesh_views="off").state
+    graph, mesh = state.graph, MeshSpec(("x",), (8,))
+    grad = next(v.id for v in graph.values if v.type is not None
+                and v.type.shape == (16, 1024, vocab) and v.users
+                and all(graph.ops[u].name == "stablehlo.dot_general" for u in v.users))
+    seen = set()
+    for u in graph.values[grad].users:
+        node = state.problem.nodes[state.space.node_of[u]]
+        for op_strategy, strategy in zip(state.space.strategies[u], node.strategies, strict=True):
+            k = op_strategy.copied
+            if (not strategy.accumulators or k < 0 or graph.ops[u].operands[k] != grad
+                    or graph.type_of(graph.ops[u].results[0]).rank != 2):
+                continue  # the input gradient, or no loop copying the gradient
+            vocab_dim = graph.type_of(graph.ops[u].results[0]).shape.index(vocab)
+            if not op_strategy.results[0][vocab_dim]:
+                continue  # scattered onto the width
+            bf16 = local_bytes(graph.type_of(grad), op_strategy.operands[k], mesh) / 2
+            seen.add(round(strategy.transient / bf16, 3))
+    assert seen == {1.0}
+
+
+def _vocab_step(w1, w2, x, y):
+    """A softmax classifier's gradients: its input gradient `g @ w2^T` is summed with
+    another term in one kernel (an output fusion: no buffer of its own)."""
+    def loss(w1, w2):
+        logits = jnp.tanh(x @ w1) @ w2
+        return -jnp.mean(jnp.sum(jax.nn.one_hot(y, logits.shape[-1])
+                                 * jax.nn.log_softmax(logits, axis=-1), axis=-1))
+    return jax.grad(loss, argnums=(0, 1))(w1, w2)
+
+
+def test_a_loop_without_a_result_buffer_is_checked_where_it_runs() -> None:
+    """The input gradient of a softmax head, reduce-scattered over 8 devices (a loop that
+    stays a loop, carrying the logits' gradient as a buffer) and fused into the kernel that
+    sums it, holds no value: the estimate still checks the point after it, where the loop's
+    buffer is held (libtpu on v5e:2x4, 128 MiB of logits per device: its peak there)."""
+    args = (S((512, 512), F32), S((512, 32768), F32), S((8192, 512), F32),
+            S((8192,), jnp.int32))
+    data = export.export(jax.jit(_vocab_step))(*args).serialize()
+    state = hloplan.compile(data, "2x4", device="tpu-v5e", mesh_views="off").state
+    graph = state.graph
+    unmaterialized = tpu_unmaterialized(graph, fused_values(graph, folded_transposes(graph)))
+    grad, = (v.id for v in graph.values if v.type is not None
+             and v.type.shape == (8192, 32768) and v.users
+             and all(graph.ops[u].name == "stablehlo.dot_general" for u in v.users))
+    assert grad in unmaterialized
+    input_gradient, = (u for u in graph.values[grad].users
+                       if graph.type_of(graph.ops[u].results[0]).shape == (8192, 512))
+    assert graph.ops[input_gradient].results[0] in unmaterialized
+    labels = {point.label.split(" ")[1] for point in state.problem.live_points}
+    assert f"%{input_gradient}" in labels

@@ -97,7 +97,8 @@ def reads_loop_copy(problem: ShardingProblem, e: int, pick, at: int,
         i, j = pick(edge.src), pick(edge.dst)
         if edge.costs[i][j] > 0:
             span = spans.get(e)
-            return (copy_bytes(edge, i, j) > 0 and span is not None
+            # the copy itself, whatever its relayout bytes (which can credit a source back)
+            return (bool(edge.copies) and edge.copies[j] > 0 and span is not None
                     and span[0] <= at <= span[1])
         e = edge.via
     return False
