@@ -75,11 +75,13 @@ from hloplan.tpu_buffers import (
     gathers_rows,
     matmul_recomputed_sources,
     minor_dims,
+    normalized_values,
     operand_fused_values,
     output_fused_matmuls,
     pad_operands,
     recomputed_sources,
     reduced_fused_values,
+    reduced_matmul_sums,
     relaid_reshapes,
     relaid_rows,
     row_major_results,
@@ -237,9 +239,9 @@ class _ProblemBuilder:
         # reductions fuse the elementwise work they read (TPU) writes no fused value out (a
         # softmax's exponentials, a cross entropy's one-hot products); otherwise only those it
         # recomputes in each consumer.
-        self.unmaterialized, self.reader_fused = (
+        self.unmaterialized, self.reader_fused, self.normalized = (
             tpu_fusion(graph, kept_fused) if device.fused_reductions
-            else (unmaterialized_values(graph, kept_fused), set()))
+            else (unmaterialized_values(graph, kept_fused), set(), set()))
         # Written-out values that a reshard makes again from their fused chain's source
         # (tpu_buffers.recomputed_sources): value id -> that source.
         self.recomputed = (recomputed_sources(graph, self.unmaterialized, free_values(graph))
@@ -336,6 +338,7 @@ class _ProblemBuilder:
         problem = hold_copies_across_loops(problem)
         if self.comm.model.fused_reductions:  # TPU device models (see the method)
             problem = self._hold_weight_copies(problem)
+            problem = self._hold_carried_copies(problem)
         problem.validate()
         return self.space, problem
 
@@ -1078,6 +1081,18 @@ class _ProblemBuilder:
                 extra += held
         return extra
 
+    def _carried_positions(self, op: Op) -> tuple[int, ...]:
+        """The operand positions of `op` holding a norm output (tpu_buffers.normalized_values)
+        that `op` is the last matmul to read: where a loop would carry it (_hold_carried_copies)."""
+        positions = []
+        for k, value_id in enumerate(op.operands):
+            if value_id in self.normalized and op.index == max(
+                    u for u in self.graph.values[value_id].users
+                    if self.graph.ops[u].name in ("stablehlo.dot_general",
+                                                  "stablehlo.convolution")):
+                positions.append(k)
+        return tuple(positions)
+
     def _loop_keeps_layout(self, op: Op, strategy: OpStrategy, position: int) -> bool:
         """Whether a collective-matmul loop carries dot operand `position` in the tiled layout
         libtpu gives the value on its own (tpu_buffers.minor_dims: the dims that pad least).
@@ -1238,6 +1253,47 @@ class _ProblemBuilder:
                 last = max(last, firsts.get(node_of[reader[0]], last))
             if last > start:
                 edges[e] = replace(edge, held=(start, last))
+        return replace(problem, edges=tuple(edges))
+
+    def _hold_carried_copies(self, problem: ShardingProblem) -> ShardingProblem:
+        """Edge.carried on the reads of norm outputs (tpu_buffers.normalized_values) by the
+        last matmul reading each: under a strategy whose collective-matmul loop stays a loop
+        (_stays_loop), the value's bytes in the MXU's input dtype, held from the value's first
+        reader to that loop (Edge.held). libtpu's kernels recompute such a value
+        from its source, but a loop carries its operands as buffers: libtpu writes the value
+        in bf16 where the forward pass recomputes it and keeps that buffer until the loop
+        (hf_bart on v5e:2x4, libtpu 0.0.42, 8 x 512 tokens per device, its weight gradients
+        `while` loops: `bf16[8,512,1024]` copies of the norm outputs live from the forward
+        pass to the backward pass's loops; on v5e:16x16, no loops, none). An edge of its own
+        beside the read's, costing nothing."""
+        if not self.normalized:
+            return problem
+        edges = list(problem.edges)
+        for (op_index, k), e in self.read_edges.items():
+            op = self.graph.ops[op_index]
+            if k not in self._carried_positions(op):
+                continue
+            value_id = op.operands[k]
+            type_ = self.graph.type_of(value_id)
+            carried = []
+            for strategy in self.space.strategies[op_index]:
+                spec = strategy.operands[k]
+                # A loop copying this operand holds that copy already (Strategy.transient).
+                carried.append(self._held_bytes(type_, spec)
+                               * mxu_itemsize(type_, self.comm.model) / type_.itemsize
+                               if self._stays_loop(strategy) and spec is not None
+                               and strategy.copied != k else 0.0)
+            # From the first point checked after the value's first reader to the last
+            # checked at or before the loop.
+            start = bisect.bisect_left(self.point_ops, min(self.graph.values[value_id].users))
+            end = bisect.bisect_right(self.point_ops, op_index) - 1
+            if not any(carried) or end < start:
+                continue
+            # An edge of its own, costing nothing: the read's reshard keeps its own span.
+            edge = edges[e]
+            zeros = tuple((0.0,) * len(row) for row in edge.costs)
+            edges.append(Edge(edge.src, edge.dst, zeros, label=f"{edge.label} (carried)",
+                              carried=tuple(carried), held=(start, end)))
         return replace(problem, edges=tuple(edges))
 
     def _hold_weight_copies(self, problem: ShardingProblem) -> ShardingProblem:
@@ -1487,18 +1543,24 @@ def tpu_unmaterialized(graph: Graph, kept_fused: set[int]) -> set[int]:
     fused selects (tpu_buffers.fused_selects), matmul results it slices through
     (tpu_buffers.sliced_matmuls), matmul operands computed inside the matmuls
     (tpu_buffers.operand_fused_values), values read by reductions and matmuls that each of
-    them recomputes (tpu_buffers.reduced_fused_values), less the operands of written-out pads and the
-    reshapes it copies into their own layout (tpu_buffers.relaid_reshapes)."""
+    them recomputes (tpu_buffers.reduced_fused_values), the matmul results of residual sums
+    written in their place (tpu_buffers.reduced_matmul_sums) and the norm outputs every
+    reader recomputes (tpu_buffers.normalized_values), less the operands of written-out pads
+    and the reshapes it copies into their own layout (tpu_buffers.relaid_reshapes)."""
     return tpu_fusion(graph, kept_fused)[0]
 
 
-def tpu_fusion(graph: Graph, kept_fused: set[int]) -> tuple[set[int], set[int]]:
+def tpu_fusion(graph: Graph, kept_fused: set[int]) -> tuple[set[int], set[int], set[int]]:
     """(tpu_unmaterialized, the values of it that every reader recomputes beside reductions:
-    tpu_buffers.reduced_fused_values)."""
+    tpu_buffers.reduced_fused_values, the norm outputs of it that every reader recomputes:
+    tpu_buffers.normalized_values). A residual sum that a matmul's kernel writes in place of
+    the matmul result (tpu_buffers.reduced_matmul_sums) is written, the matmul result not."""
     free = free_values(graph)
     combined = combined_values(graph, kept_fused, free)
     out = set(kept_fused) - combined
     out |= fused_selects(graph, free) | sliced_matmuls(graph)
+    for written, chain in reduced_matmul_sums(graph, out).items():
+        out = (out - {written}) | chain
     # A matmul whose kernel writes a combined value (a residual sum) keeps its result's
     # buffer until that value is made, its last reader: the node holds the matmul's copies
     # and transient bytes there (a node with no value written out holds none).
@@ -1506,11 +1568,13 @@ def tpu_fusion(graph: Graph, kept_fused: set[int]) -> tuple[set[int], set[int]]:
     out |= operand_fused_values(graph, out, free)
     reduced = reduced_fused_values(graph, out, free)
     out |= reduced
+    normalized = normalized_values(graph, out, free)
+    out |= normalized
     repeated = broadcast_operands(graph, out)
     out |= set(repeated)
     out -= set(repeated.values())  # the repeated value itself is written out
     out -= pad_operands(graph, out) | relaid_reshapes(graph)
-    return out, reduced & out
+    return out, reduced & out, normalized & out
 
 
 def matmul_narrowed(graph: Graph, folded: set[int], dtype: str) -> dict[int, float]:

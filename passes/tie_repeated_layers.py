@@ -363,14 +363,16 @@ def dominant_live_points(problem: ShardingProblem) -> list[int]:
     copy_class: dict[int, int] = {}  # edge -> class
     for e, _, _ in liveness.spans:
         edge = problem.edges[e]
-        if not any(edge.copies):
+        if not any(edge.copies) and not any(edge.carried):
             continue
         key = ("copy", *(("tie", problem.nodes[n].tie) if problem.nodes[n].tie is not None
                          else ("node", n) for n in (edge.src, edge.dst)),
-               id(edge.costs), edge.copies, edge.relayout)
+               id(edge.costs), edge.copies, edge.relayout, edge.carried)
         if key not in class_ids:
             class_ids[key] = len(class_ids)
-            class_max.append(max(edge.copies) + max(map(max, edge.relayout), default=0.0))
+            class_max.append(max(edge.copies, default=0.0)
+                             + max(map(max, edge.relayout), default=0.0)
+                             + max(edge.carried, default=0.0))
         copy_class[e] = class_ids[key]
     width = max(len(class_ids), 1)
     largest = np.array(class_max + [0.0] * (width - len(class_max)))

@@ -95,8 +95,9 @@ def restrict(problem: ShardingProblem, allowed: list[np.ndarray]) -> ShardingPro
         relayout = (tuple(tuple(edge.relayout[int(i)][int(j)] for j in cols) for i in rows)
                     if edge.relayout else ())
         loop_copy = tuple(edge.loop_copy[int(j)] for j in cols) if edge.loop_copy else ()
+        carried = tuple(edge.carried[int(j)] for j in cols) if edge.carried else ()
         edges.append(dataclasses.replace(edge, costs=costs, copies=copies, relayout=relayout,
-                                         loop_copy=loop_copy))
+                                         loop_copy=loop_copy, carried=carried))
     launches = []
     for launch in problem.launches:
         members = tuple((n, kept) for n, picks in launch.members

@@ -107,6 +107,107 @@ def output_fused_matmuls(graph: Graph, fused: set[int], limit: int = 64) -> set[
     return out
 
 
+def reduced_matmul_sums(graph: Graph, unmaterialized: set[int]) -> dict[int, set[int]]:
+    """Fused values that XLA's TPU compiler writes out in place of the matmul result they are
+    made from: a matmul result read by one elementwise op, followed through elementwise
+    values of its shape that each have one reader (a bias add) to one with several readers,
+    a reduction among them (a residual sum whose LayerNorm takes its mean). The matmul's
+    kernel computes that value and the reductions reading it (an output fusion writing
+    several results); the matmul result never exists, and the values the chain adds in
+    (the residual, the bias) are read there and nowhere later. hf_bart's post-LN layers
+    (libtpu 0.0.42, v5e:16x16, 8 x 512 tokens per device): `out_proj` and `fc2` each write
+    `f32[8,512,1024]` `x + h @ w + b` with its row sum and sum of squares, and no buffer of
+    the matmul result; so does a pre-LN MLP stack compiled deviceless on v5e:2x2 (`x + h @ w2
+    + b2`). Written value id -> the values of the chain it replaces (the matmul result
+    included)."""
+    out: dict[int, set[int]] = {}
+    for op in graph.ops:
+        if op.name not in _MATMULS or len(op.results) != 1:
+            continue
+        value = graph.values[op.results[0]]
+        if value.type is None or value.id in graph.outputs:
+            continue
+        chain: set[int] = set()
+        while True:
+            if len(value.users) != 1 or value.id in graph.outputs:
+                break
+            reader = graph.ops[value.users[0]]
+            result = graph.values[reader.results[0]] if len(reader.results) == 1 else None
+            if (result is None or (reader.parent, reader.region) != (op.parent, op.region)
+                    or reader.name.removeprefix("stablehlo.") not in ELEMENTWISE
+                    or not reader.name.startswith("stablehlo.")
+                    or result.type is None or result.type.shape != value.type.shape):
+                break
+            chain.add(value.id)
+            value = result
+        if (not chain or value.id not in unmaterialized or value.id in graph.outputs
+                or not any(graph.ops[u].name == "stablehlo.reduce"
+                           and (graph.ops[u].parent, graph.ops[u].region) == (op.parent, op.region)
+                           for u in value.users)
+                # Read by reductions alone (directly or through an elementwise op only they
+                # read), the sum is made inside their kernel (combined_values): not written.
+                or not _read_beyond_reductions(graph, value)):
+            continue
+        out[value.id] = chain
+    return out
+
+
+def _read_beyond_reductions(graph: Graph, value) -> bool:
+    """Whether a kernel other than reductions reads `value`: a reader that is neither a
+    reduce nor an elementwise op whose one result only reduces read."""
+    for user in value.users:
+        reader = graph.ops[user]
+        if reader.name == "stablehlo.reduce":
+            continue
+        if (reader.name.removeprefix("stablehlo.") in ELEMENTWISE and len(reader.results) == 1
+                and all(graph.ops[u].name == "stablehlo.reduce"
+                        for u in graph.values[reader.results[0]].users)):
+            continue
+        return True
+    return False
+
+
+def normalized_values(graph: Graph, unmaterialized: set[int], free: set[int]) -> set[int]:
+    """Elementwise values read by matmuls (and by elementwise ops), made by a fused chain
+    from one written-out value of their shape, row statistics of it (reductions of the
+    chain's values) and smaller values of its dtype broadcast into it (a norm's scale and
+    bias): XLA's TPU compiler recomputes such a value inside each kernel that reads it, the
+    matmuls' included, and writes no buffer for it; its source and statistics stay live
+    until the last reader. A LayerNorm's output `(s - mean) * rsqrt(var) * scale + bias`, read by
+    the next layer's matmuls, the residual sum after them and the weight gradients: hf_bart
+    on v5e:16x16 (libtpu 0.0.42, 8 x 512 tokens per device) holds the f32 residual sum s
+    (reduced_matmul_sums) and its two row sums, and no buffer of any of its 22 norms'
+    outputs; so does a pre-LN MLP stack compiled deviceless on v5e:2x2. Value ids."""
+    out = set()
+    for op, value in _elementwise_results(graph):
+        if (value.id in unmaterialized or value.id in graph.outputs or value.type is None
+                or not value.users):
+            continue
+        readers = [graph.ops[u] for u in value.users]
+        if (not any(u.name in _MATMULS for u in readers)
+                or not all(u.name in _MATMULS or (fusible_consumer(u.name)
+                                                  and (u.parent, u.region) == (op.parent, op.region))
+                           for u in readers)):
+            continue
+        found = _fused_chain(graph, op, unmaterialized)
+        if found is None:
+            continue
+        chain, leaves = found
+        made = {r for index in chain for r in graph.ops[index].results}
+        statistics = {v for v in leaves - free if _statistic_of(graph, v, made | leaves, free)}
+        broadcast = {v for v in leaves - free - statistics
+                     if _broadcast_into(graph, v, value.type)}
+        held = leaves - free - statistics - broadcast
+        # Only a norm's scale and bias besides: a chain reading integers (a cross entropy's
+        # labels in `softmax - one_hot`) is not a norm, and libtpu writes that gradient
+        # (models.py's gpt and llama).
+        if (statistics and len(held) == 1
+                and graph.type_of(next(iter(held))).shape == value.type.shape
+                and all(graph.type_of(v).dtype == value.type.dtype for v in broadcast)):
+            out.add(value.id)
+    return out
+
+
 def pad_operands(graph: Graph, unmaterialized: set[int]) -> set[int]:
     """Values a written-out pad reads: XLA's TPU compiler gives such a pad a kernel of its
     own, which reads its operand from a buffer (the elementwise chain making the operand is

@@ -20,10 +20,12 @@ from hloplan.tpu_buffers import (
     combined_values,
     fused_selects,
     matmul_recomputed_sources,
+    normalized_values,
     operand_fused_values,
     output_fused_matmuls,
     pad_operands,
     reduced_fused_values,
+    reduced_matmul_sums,
     select_scatters,
     sliced_matmuls,
 )
@@ -647,3 +649,84 @@ def test_a_loop_without_a_result_buffer_is_checked_where_it_runs() -> None:
     assert graph.ops[input_gradient].results[0] in unmaterialized
     labels = {point.label.split(" ")[1] for point in state.problem.live_points}
     assert f"%{input_gradient}" in labels
+
+
+def _post_norm(x, w1, w2, scale, bias):
+    """Two post-LN residual layers `ln(x + x @ w + b)` (BART's): each norm's output is read by
+    the next matmul and the next residual sum."""
+    def ln(s):
+        mean = jnp.mean(s, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(s - mean), axis=-1, keepdims=True)
+        return (s - mean) * jax.lax.rsqrt(var + 1e-5) * scale + bias
+
+    def loss(x, w1, w2):
+        h = ln(x + x @ w1 + bias)
+        h = ln(h + h @ w2 + bias)
+        return jnp.sum(jnp.square(h))
+    return jax.grad(loss, argnums=(1, 2))(x, w1, w2)
+
+
+def _post_norm_values(graph):
+    """(the residual sums, the matmul results they add, the norm outputs) of _post_norm's
+    forward pass, as value ids."""
+    sums, products, norms = set(), set(), set()
+    for op in graph.ops:
+        label = op.label or ""
+        if op.name == "stablehlo.dot_general" and "transpose" not in label:
+            products |= set(op.results)
+    for op in graph.ops:
+        if op.name != "stablehlo.add" or "transpose" in (op.label or ""):
+            continue
+        users = [graph.ops[u].name for u in graph.values[op.results[0]].users]
+        if "stablehlo.reduce" in users and graph.type_of(op.results[0]).rank == 2:
+            sums.add(op.results[0])
+        elif any(u == "stablehlo.dot_general" for u in users):
+            norms.add(op.results[0])
+    return sums, products, norms
+
+
+def test_post_norm_layers_write_the_residual_sum_and_recompute_the_norm() -> None:
+    """libtpu writes each residual sum `x + h @ w + b` in the matmul's kernel (with its row
+    statistics) and no buffer of the matmul result, and recomputes the norm's output in each
+    kernel reading it, the matmuls' included (hf_bart on v5e:16x16, libtpu 0.0.42; a
+    deviceless MLP stack on v5e:2x2)."""
+    args = (S((512, 256), F32), S((256, 256), F32), S((256, 256), F32), S((256,), F32),
+            S((256,), F32))
+    graph = _state(_post_norm, *args).graph
+    fused = fused_values(graph, folded_transposes(graph))
+    sums, products, norms = _post_norm_values(graph)
+    assert len(sums) == 2 and len(norms) >= 1
+    # The rule finds each sum and the matmul result it replaces; where combined_values
+    # writes a sum already (two written-out sources), the matmul result is held until the
+    # sum is made instead.
+    alone = reduced_matmul_sums(graph, fused)
+    assert set(alone) == sums and all(chain & products for chain in alone.values())
+    combined = combined_values(graph, fused, free_values(graph))
+    written = reduced_matmul_sums(graph, set(fused) - combined)
+    assert set(written) | (combined & sums) == sums
+    unmaterialized = tpu_unmaterialized(graph, fused)
+    assert not sums & unmaterialized
+    assert products - unmaterialized <= {p for p in products
+                                         if not any(p in c for c in written.values())}
+    out = set(fused) - combined
+    for value, chain in written.items():
+        out = (out - {value}) | chain
+    assert norms <= normalized_values(graph, out, free_values(graph))
+    assert norms <= unmaterialized
+
+
+def test_a_loop_reading_a_recomputed_norm_holds_its_bf16_copy() -> None:
+    """A weight gradient's collective-matmul loop that stays a loop (over 8 devices) carries
+    the norm output it reads as a buffer libtpu writes in bf16 in the forward pass (hf_bart on
+    v5e:2x4): the read holds those bytes (Edge.carried) under looping strategies only."""
+    args = (S((65536, 1024), F32), S((1024, 1024), F32), S((1024, 1024), F32),
+            S((1024,), F32), S((1024,), F32))
+    data = export.export(jax.jit(_post_norm))(*args).serialize()
+    problem = hloplan.compile(data, "8", device="tpu-v5e", mesh_views="off").state.problem
+    carried = [e for e in problem.edges if e.carried]
+    assert carried
+    for edge in carried:
+        strategies = problem.nodes[edge.dst].strategies
+        assert all(s.accumulators > 0 for b, s in zip(edge.carried, strategies) if b > 0)
+        assert any(b > 0 for b in edge.carried)
+        assert edge.held[0] <= edge.held[1]

@@ -72,9 +72,10 @@ def _check_solution(problem: ShardingProblem, solution: Solution) -> None:
 def copy_bytes(edge, i: int, j: int) -> float:
     """Bytes of the resharded copy `edge`'s destination reads under strategies i (source) and
     j (destination), held over the edge's span (copy_spans); 0 when no reshard."""
+    carried = edge.carried[j] if edge.carried else 0.0
     if not edge.copies or edge.costs[i][j] <= 0:
-        return 0.0
-    return edge.copies[j] + (edge.relayout[i][j] if edge.relayout else 0.0)
+        return carried
+    return carried + edge.copies[j] + (edge.relayout[i][j] if edge.relayout else 0.0)
 
 
 def copy_delta(edge, choice, moved, k: int) -> float:

@@ -57,7 +57,7 @@ def copy_spans(problem: ShardingProblem, made: dict[int, int] | None = None
     (Edge.copies, Edge.held; `made`: first_live_points(problem), when at hand)."""
     spans = []
     for e, edge in enumerate(problem.edges):
-        if not edge.copies:
+        if not edge.copies and not edge.carried:
             continue
         if edge.held is not None:
             spans.append((e, *edge.held))

@@ -100,6 +100,11 @@ class Edge:
     # the value reaches dst as a resharded copy held at dst's made point, the loop reads that
     # copy and makes none of its own (evaluate.reused_loop_copies). Empty: none.
     loop_copy: tuple[float, ...] = ()
+    # carried[j]: bytes per device dst's strategy j holds of this edge's value over `held`
+    # whether or not it reshards it: a collective-matmul loop's buffer of a value every
+    # other reader recomputes, written where the value is first read (build_sharding_problem
+    # `_hold_carried_copies`). Empty: none.
+    carried: tuple[float, ...] = ()
     # The edge whose copy dst reads where this one reshards nothing: a read that shares the
     # previous matmul's reshard of the value (src is that matmul). None: no such edge.
     via: int | None = None
