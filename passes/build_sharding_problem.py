@@ -930,20 +930,7 @@ class _ProblemBuilder:
         source = self.recomputed.get(value_id)
         if source is None or self.last_uses[source] >= consumer.index:
             return relayout
-        type_ = self.graph.type_of(source)
-        src_specs, dst_specs = self.specs_of[src_id], self.specs_of[dst_id]
-        rows = []
-        for i, (src, row) in enumerate(zip(src_specs, costs)):
-            held = 0.0 if src is None else self._held_bytes(type_, src)
-            cells = []
-            for j, (dst, seconds) in enumerate(zip(dst_specs, row)):
-                cell = relayout[i][j] if relayout else 0.0
-                if seconds > 0 and held and dst is not None and self._split_to_one(type_, src,
-                                                                                   dst):
-                    cell += held
-                cells.append(cell)
-            rows.append(tuple(cells))
-        return tuple(rows)
+        return self._source_relayout(source, src_id, dst_id, costs, relayout, 1.0, True)
 
     def _written_for_reshard(self, value_id: int, consumer: Op, src_id: int, dst_id: int,
                              costs, relayout):
@@ -958,6 +945,15 @@ class _ProblemBuilder:
         source = self.matmul_recomputed.get(value_id)
         if source is None or consumer.index != max(self.graph.values[value_id].users):
             return relayout
+        # An all-to-all down to one element per device makes the value again from its source
+        # instead (_recomputed_source): the source lives until then, no credit.
+        return self._source_relayout(source, src_id, dst_id, costs, relayout, -1.0, False)
+
+    def _source_relayout(self, source: int, src_id: int, dst_id: int, costs, relayout,
+                         sign: float, split_to_one: bool):
+        """`relayout` plus `sign` x the bytes of `source` in the layout each reshard starts
+        from, on the reshards (cells of nonzero cost) that do (`split_to_one`) or do not
+        split a dim down to one element per device (_split_to_one)."""
         type_ = self.graph.type_of(source)
         src_specs, dst_specs = self.specs_of[src_id], self.specs_of[dst_id]
         rows = []
@@ -966,11 +962,9 @@ class _ProblemBuilder:
             cells = []
             for j, (dst, seconds) in enumerate(zip(dst_specs, row)):
                 cell = relayout[i][j] if relayout else 0.0
-                # An all-to-all down to one element per device makes the value again from
-                # its source instead (_recomputed_source): the source lives until then.
                 if (seconds > 0 and held and dst is not None
-                        and not self._split_to_one(type_, src, dst)):
-                    cell -= held
+                        and self._split_to_one(type_, src, dst) == split_to_one):
+                    cell += sign * held
                 cells.append(cell)
             rows.append(tuple(cells))
         return tuple(rows)
