@@ -193,8 +193,7 @@ def normalized_values(graph: Graph, unmaterialized: set[int], free: set[int]) ->
         if found is None:
             continue
         chain, leaves = found
-        made = {r for index in chain for r in graph.ops[index].results}
-        statistics = {v for v in leaves - free if _statistic_of(graph, v, made | leaves, free)}
+        _, statistics = _chain_statistics(graph, chain, leaves, free)
         broadcast = {v for v in leaves - free - statistics
                      if _broadcast_into(graph, v, value.type)}
         held = leaves - free - statistics - broadcast
@@ -495,8 +494,7 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
         if found is None:
             continue
         chain, leaves = found
-        made = {r for index in chain for r in graph.ops[index].results}
-        statistics = {v for v in leaves - free if _statistic_of(graph, v, made | leaves, free)}
+        made, statistics = _chain_statistics(graph, chain, leaves, free)
         held = leaves - free - statistics
         if all(graph.ops[u].name == "stablehlo.convolution" for u in value.users):
             # A convolution's kernel recomputes its input from the one value of its size the
@@ -549,8 +547,7 @@ def combined_values(graph: Graph, fused: set[int], free: set[int]) -> set[int]:
         found = _fused_chain(graph, op, fused - out, selects)
         if found is None:
             continue
-        sources = [v for v in found[1] - free
-                   if (graph.type_of(v) or value.type).shape == value.type.shape]
+        sources = _same_shape_sources(graph, found[1], free, value.type)
         if len(sources) >= 2 and _reduced_and_read(graph, value, fused - out):
             out.add(value.id)
     return out
@@ -622,14 +619,12 @@ def reduced_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
         if found is None:
             continue
         chain, leaves = found
-        sources = [v for v in leaves - free
-                   if (graph.type_of(v) or value.type).shape == value.type.shape]
+        sources = _same_shape_sources(graph, leaves, free, value.type)
         if len(sources) != 1:
             continue
         # Read by matmuls alone, only a value the chain normalizes by row statistics of its
         # source (a softmax's) is recomputed: GPT's `gelu(x @ w + b)` is written out.
-        made = {r for index in chain for r in graph.ops[index].results}
-        if reduces or any(_statistic_of(graph, v, made | leaves, free) for v in leaves - free):
+        if reduces or _chain_statistics(graph, chain, leaves, free)[1]:
             out.add(value.id)
     return out
 
@@ -653,11 +648,24 @@ def matmul_recomputed_sources(graph: Graph, recomputed: set[int], unmaterialized
         found = _fused_chain(graph, graph.ops[value.producer], unmaterialized)
         if found is None:
             continue
-        sources = [v for v in found[1] - free
-                   if (graph.type_of(v) or value.type).shape == value.type.shape]
+        sources = _same_shape_sources(graph, found[1], free, value.type)
         if len(sources) == 1:
             out[value_id] = sources[0]
     return out
+
+
+def _same_shape_sources(graph: Graph, leaves: set[int], free: set[int], type_) -> list[int]:
+    """The written-out values a fused chain reads (`leaves` less `free`) that have the shape
+    of the value it makes (`type_`): its sources, as against values broadcast into it."""
+    return [v for v in leaves - free if (graph.type_of(v) or type_).shape == type_.shape]
+
+
+def _chain_statistics(graph: Graph, chain: set[int], leaves: set[int],
+                      free: set[int]) -> tuple[set[int], set[int]]:
+    """(The values the fused `chain` of ops makes, the written-out `leaves` that are row
+    statistics of them: _statistic_of.)"""
+    made = {r for index in chain for r in graph.ops[index].results}
+    return made, {v for v in leaves - free if _statistic_of(graph, v, made | leaves, free)}
 
 
 def _broadcast_into(graph: Graph, value_id: int, type_) -> bool:
@@ -718,8 +726,7 @@ def recomputed_sources(graph: Graph, unmaterialized: set[int], free: set[int]) -
         found = _fused_chain(graph, op, unmaterialized)
         if found is None:
             continue
-        sources = [v for v in found[1] - free
-                   if (graph.type_of(v) or value.type).shape == value.type.shape]
+        sources = _same_shape_sources(graph, found[1], free, value.type)
         if len(sources) == 1:
             out[value.id] = sources[0]
     return out

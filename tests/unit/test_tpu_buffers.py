@@ -541,27 +541,20 @@ def test_a_loop_reading_a_recomputed_gradient_writes_it() -> None:
     assert _looped_transients(4096, "2x4", MeshSpec(("x", "y"), (2, 4)))[False] == {0.0}
 
 
-def _grouped_query_attention(x, wq, wk, g):
-    """Scores of 8 query heads against one key head repeated to them (keras-hub Gemma's
-    grouped-query attention: `ops.repeat(key, 8, axis=2)`), with their backward pass."""
-    def scores(wq, wk):
-        q = jnp.einsum("bsd,dnh->bsnh", x, wq)
-        k = jnp.repeat(jnp.einsum("bsd,dnh->bsnh", x, wk), 8, axis=2)
-        return jnp.einsum("bqnh,bknh->bnqk", q, k)
+def _repeated_key_scores(repeats):
+    """A step scoring query heads against key heads each repeated `repeats` times along the
+    heads dim, with its backward pass: one key head repeated to 8 query heads (keras-hub
+    Gemma's grouped-query attention: `ops.repeat(key, 8, axis=2)`), or two each to four
+    (Flax Llama's `repeat_kv`)."""
+    def step(x, wq, wk, g):
+        def scores(wq, wk):
+            q = jnp.einsum("bsd,dnh->bsnh", x, wq)
+            k = jnp.repeat(jnp.einsum("bsd,dnh->bsnh", x, wk), repeats, axis=2)
+            return jnp.einsum("bqnh,bknh->bnqk", q, k)
 
-    out, vjp = jax.vjp(scores, wq, wk)
-    return out, vjp(g)
-
-
-def _interleaved_keys(x, wq, wk, g):
-    """Two key heads each repeated to four query heads (Flax Llama's `repeat_kv`)."""
-    def scores(wq, wk):
-        q = jnp.einsum("bsd,dnh->bsnh", x, wq)
-        k = jnp.repeat(jnp.einsum("bsd,dnh->bsnh", x, wk), 4, axis=2)
-        return jnp.einsum("bqnh,bknh->bnqk", q, k)
-
-    out, vjp = jax.vjp(scores, wq, wk)
-    return out, vjp(g)
+        out, vjp = jax.vjp(scores, wq, wk)
+        return out, vjp(g)
+    return step
 
 
 def test_a_key_repeated_over_query_heads_is_repeated_inside_the_matmuls() -> None:
@@ -571,7 +564,7 @@ def test_a_key_repeated_over_query_heads_is_repeated_inside_the_matmuls() -> Non
     queries' reshape into heads repeats nothing and is written as before."""
     args = (S((4, 128, 256), F32), S((256, 8, 64), F32), S((256, 1, 64), F32),
             S((4, 8, 128, 128), F32))
-    graph = _state(_grouped_query_attention, *args).graph
+    graph = _state(_repeated_key_scores(8), *args).graph
     fused = fused_values(graph, folded_transposes(graph))
     unmaterialized = tpu_unmaterialized(graph, fused)
     repeated = broadcast_operands(graph, fused)
@@ -584,7 +577,7 @@ def test_a_key_repeated_over_query_heads_is_repeated_inside_the_matmuls() -> Non
                if graph.type_of(op.results[0]).shape == (4, 128, 8, 64)]
     assert queries and not set(queries) & set(repeated)
     # Repeats interleaved into the key heads' dim are written (hf_llama on v5e:16x16).
-    interleaved = _state(_interleaved_keys, S((4, 128, 256), F32), S((256, 8, 64), F32),
+    interleaved = _state(_repeated_key_scores(4), S((4, 128, 256), F32), S((256, 8, 64), F32),
                          S((256, 2, 64), F32), S((4, 8, 128, 128), F32)).graph
     assert not broadcast_operands(interleaved,
                                   fused_values(interleaved, folded_transposes(interleaved)))
