@@ -161,3 +161,71 @@ def describe(plan: HandPlan, mesh, state_spec) -> dict:
                 and "[2]" not in name and "[3]" not in name:
             out[name] = str(leaf_spec(leaf, plan, mesh_shape))
     return out
+
+
+def exported_plans(exported, donated: tuple[int, ...], mesh) -> dict[str, tuple]:
+    """Data parallel and FSDP for a program known only as a single-device jax.export.Exported
+    (the third-party corpus's train steps): the top-level arguments `donated` names are the
+    training state, the others the batch.
+
+    * dp: every batch tensor split on its leading dim over all mesh axes (replicated where
+      the device count does not divide it), the state replicated;
+    * fsdp: dp, and every state tensor on its largest dim the device count divides.
+
+    {name: (in_shardings, out_shardings)} for jax.jit(exported.call): the results that repeat
+    the state tensors in order (same shape and dtype; a train step returns its new state) keep
+    their sharding, the others (the loss) are replicated."""
+    every = tuple(mesh.axis_names)
+    mesh_shape = dict(mesh.shape)
+    devices = math.prod(mesh_shape.values())
+    args, kwargs = jax.tree.unflatten(exported.in_tree, exported.in_avals)
+    if kwargs:
+        raise ValueError("exported_plans: keyword arguments are not supported")
+    out_avals = jax.tree.unflatten(exported.out_tree, exported.out_avals)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def batch(aval):
+        split = aval.shape and aval.shape[0] % devices == 0
+        return NamedSharding(mesh, PartitionSpec(every) if split else PartitionSpec())
+
+    def sharded(aval):
+        spec = shard_largest_free_dim([None] * len(aval.shape), aval.shape, every, mesh_shape)
+        return NamedSharding(mesh, PartitionSpec(*spec))
+
+    plans = {}
+    for name, state in (("dp", lambda aval: replicated), ("fsdp", sharded)):
+        ins = tuple(jax.tree.map(state if i in donated else batch, arg)
+                    for i, arg in enumerate(args))
+        kept = [(aval, sharding)
+                for i, arg in enumerate(args) if i in donated
+                for aval, sharding in zip(jax.tree.leaves(arg), jax.tree.leaves(ins[i]))]
+        plans[name] = (ins, _results_keeping(kept, out_avals, replicated))
+    return plans
+
+
+def _results_keeping(kept: list, out_avals, default):
+    """Result shardings: each result that repeats the next of `kept` ((aval, sharding) of the
+    state tensors, in order) in shape and dtype takes its sharding, the others `default`."""
+    remaining = iter(kept)
+    pending = next(remaining, None)
+
+    def result(aval):
+        nonlocal pending
+        if pending is not None and (pending[0].shape, pending[0].dtype) == \
+                (aval.shape, aval.dtype):
+            sharding, pending = pending[1], next(remaining, None)
+            return sharding
+        return default
+
+    return jax.tree.map(result, out_avals)
+
+
+def compile_exported_plan(exported, donated: tuple[int, ...], shardings: tuple):
+    """Compiled (not run) jax.jit of `exported.call` under one of exported_plans' shardings,
+    with the state donated as the train loop donates it."""
+    ins, outs = shardings
+    args, _ = jax.tree.unflatten(exported.in_tree, exported.in_avals)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+    jitted = jax.jit(exported.call, in_shardings=ins, out_shardings=outs,
+                     donate_argnums=donated)
+    return jitted.lower(*abstract).compile()

@@ -275,13 +275,14 @@ def device_model_for(topology) -> str:
 
 
 def corpus_case(name: str, topology_name: str = CORPUS_TOPOLOGY,
-                keep: Path | None = None, size: str = "small") -> dict:
+                keep: Path | None = None, size: str = "small", hand: bool = False) -> dict:
     """A corpus program planned for the topology's TPU kind (device_model_for) on its mesh and
     verified by libtpu:
     predicted and compiled collectives per kind and mesh axes (bytes per device per step) and
     peak per device. With `keep`, the plan is written there (and kept). A batch that does not
     fit the device (does_not_fit, or libtpu's peak over its memory) is retried halved where
-    the size allows (corpus_size_candidates); the row says which batches did not fit."""
+    the size allows (corpus_size_candidates); the row says which batches did not fit. With
+    `hand`, the plan quality as well (corpus_plan_quality)."""
     from hloplan.cost_models import load_device_model
     from hloplan.tpu import parse_topology
 
@@ -292,7 +293,7 @@ def corpus_case(name: str, topology_name: str = CORPUS_TOPOLOGY,
     for i, sizes in enumerate(candidates):
         last = i == len(candidates) - 1
         try:
-            row = _corpus_case_at(name, topology, sizes, keep)
+            row = _corpus_case_at(name, topology, sizes, keep, hand)
         except Exception as error:
             if last or not does_not_fit(error):
                 raise
@@ -308,7 +309,8 @@ def corpus_case(name: str, topology_name: str = CORPUS_TOPOLOGY,
     raise AssertionError("unreachable: the last candidate returns or raises")
 
 
-def _corpus_case_at(name: str, topology, sizes: dict, keep: Path | None) -> dict:
+def _corpus_case_at(name: str, topology, sizes: dict, keep: Path | None,
+                    hand: bool = False) -> dict:
     import jax
 
     from hloplan.compiler import compile_bytes, make_options
@@ -330,7 +332,8 @@ def _corpus_case_at(name: str, topology, sizes: dict, keep: Path | None) -> dict
     with tempfile.TemporaryDirectory() as tmp:
         plan_dir = keep if keep is not None else Path(tmp) / "plan"
         result.write(plan_dir)
-        report = verify_plan(plan_dir, compiler="tpu", topology=topology.name)
+        report = verify_plan(plan_dir, compiler="tpu", topology=topology.name,
+                             score_device=str(FORMULA_DEVICE))
     entry = report["programs"]["program"]
     table: dict[str, dict] = {}
     for side in ("predicted", "compiled"):
@@ -343,7 +346,10 @@ def _corpus_case_at(name: str, topology, sizes: dict, keep: Path | None) -> dict
     predicted = sum(v["predicted"] for v in table.values())
     compiled = sum(v["compiled"] for v in table.values())
     solver = result.plan["solver"]
-    return {"program": name, "library": program.library, "topology": report["topology"],
+    score = entry["compiled"]["score"]
+    quality = corpus_plan_quality(bytes(exported.serialize()), donated, topology.name,
+                                  score) if hand else {"hloplan_score": score}
+    return {**quality, "program": name, "library": program.library, "topology": report["topology"],
             "sizes": sizes, "planning_s": planning_s,
             # A plan the time limit cut (a loaded machine) differs from the quiet one's.
             "solver": {"status": solver["status"], "deterministic": solver["deterministic"],
@@ -355,15 +361,44 @@ def _corpus_case_at(name: str, topology, sizes: dict, keep: Path | None) -> dict
             "notes": report["notes"]}
 
 
+def corpus_plan_quality(data: bytes, donated: tuple[int, ...], topology_name: str,
+                        ours: dict) -> dict:
+    """hloplan's plan (`ours`: its compiled score) against the hand plans a user writes for a
+    program known only by its export (hand_plans.exported_plans: data parallel and FSDP),
+    each compiled by libtpu for the topology and scored by the same formula."""
+    import hand_plans
+    import jax
+
+    tm = topology_mesh(topology_name)
+    exported = jax.export.deserialize(bytearray(data))
+    hand: dict[str, dict] = {}
+    for plan, shardings in hand_plans.exported_plans(exported, tuple(donated), tm.mesh).items():
+        started = time.perf_counter()
+        try:
+            compiled = hand_plans.compile_exported_plan(exported, tuple(donated), shardings)
+        except Exception as error:
+            if not does_not_fit(error):
+                raise
+            hand[plan] = {"fits": False, "why": str(error).strip().splitlines()[-1][:300]}
+            continue
+        hand[plan] = formula(compiled, tm.mesh_axes, tm.comm)
+        hand[plan].pop("memory")
+        hand[plan]["compile_s"] = time.perf_counter() - started
+    fitting = {k: v["step_s"] for k, v in hand.items() if v["fits"]}
+    best = min(fitting, key=fitting.get) if fitting else None
+    return {"hand": hand, "hloplan_score": ours, "best_hand": best,
+            "vs_best_hand": ours["step_s"] / fitting[best] if best else None}
+
+
 def corpus_main(names: list[str], output: str, topology_name: str = CORPUS_TOPOLOGY,
-                keep: Path | None = None, size: str = "small") -> None:
+                keep: Path | None = None, size: str = "small", hand: bool = False) -> None:
     """Measures `names` on the topology and writes their rows into `output`, keeping the rows
     it does not measure (those of other programs, topologies and sizes): the small size's
     under "programs" (v5e:2x4) and "topologies", the realistic size's under "realistic"."""
     command = "JAX_PLATFORMS=cpu .venv/bin/python benchmarks/tpu.py --corpus" + (
         f" --corpus-size {size}" if size != "small" else "") + (
         f" --topology {topology_name}" if topology_name != CORPUS_TOPOLOGY or size != "small"
-        else "")
+        else "") + (" --corpus-hand" if hand else "")
     path = Path(output)
     results = json.loads(path.read_text()) if path.exists() else {}
     if size != "small":
@@ -377,7 +412,7 @@ def corpus_main(names: list[str], output: str, topology_name: str = CORPUS_TOPOL
     for name in names:
         started = time.perf_counter()
         try:
-            row = corpus_case(name, topology_name, keep / name if keep else None, size)
+            row = corpus_case(name, topology_name, keep / name if keep else None, size, hand)
         except Exception:  # reported; the others still run
             row = {"program": name, "error": traceback.format_exc().strip().splitlines()[-1]}
         row["seconds"] = time.perf_counter() - started
@@ -391,7 +426,9 @@ def corpus_main(names: list[str], output: str, topology_name: str = CORPUS_TOPOL
             print(f"{name} on {topology_name}: collective bytes predicted / compiled "
                   f"{row['collective_bytes_ratio'] or 0:.3f}; off by more than 5%: {off}; "
                   f"peak predicted / compiled {row['peak_ratio'] or 0:.3f}; batch "
-                  f"{row['sizes']['batch']}; {row['seconds']:.0f} s", flush=True)
+                  f"{row['sizes']['batch']}; {row['seconds']:.0f} s" + (
+                      f"; hloplan / best hand ({row['best_hand']}) {row['vs_best_hand']:.3f}"
+                      if row.get("vs_best_hand") else ""), flush=True)
         path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
 
 
@@ -409,10 +446,14 @@ def main() -> None:
                         "batch halved, down to 2, where it does not fit)")
     parser.add_argument("--keep-plans", metavar="DIR",
                         help="--corpus: write each program's plan to DIR/PROGRAM and keep it")
+    parser.add_argument("--corpus-hand", action="store_true",
+                        help="--corpus: also compile data parallel and FSDP hand plans and "
+                        "score all three plans by the formula")
     args = parser.parse_args()
     if args.corpus is not None:
         corpus_main(args.corpus.split(","), args.output or str(CORPUS_RESULTS), args.topology,
-                    Path(args.keep_plans) if args.keep_plans else None, args.corpus_size)
+                    Path(args.keep_plans) if args.keep_plans else None, args.corpus_size,
+                    args.corpus_hand)
         return
     args.output = args.output or str(RESULTS)
     results = {"command": "JAX_PLATFORMS=cpu .venv/bin/python benchmarks/tpu.py"

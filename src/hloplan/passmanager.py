@@ -82,8 +82,10 @@ def with_pass_options(by_name: dict, settings: tuple[str, ...]) -> dict:
                              f"of a pass in the pipeline")
         current = getattr(step, field_name)
         try:
-            if isinstance(current, bool):
-                value = {"true": True, "false": False, "1": True, "0": False}[text.lower()]
+            optional = "None" in str(fields[field_name].type)  # "auto": the pass decides
+            if isinstance(current, bool) or optional and "bool" in str(fields[field_name].type):
+                value = {"true": True, "false": False, "1": True, "0": False,
+                         **({"auto": None} if optional else {})}[text.lower()]
             else:
                 value = type(current)(text)
         except (KeyError, ValueError):

@@ -291,10 +291,13 @@ def checked_peak(plan: dict, measured: dict) -> dict:
 
 
 def verify_plan(plan_dir: str | os.PathLike, compiler: str = "auto",
-                topology: str | None = None, timeout: float = TIMEOUT_S) -> dict:
+                topology: str | None = None, timeout: float = TIMEOUT_S,
+                score_device: str | None = None) -> dict:
     """`hloplan verify`: compile the plan in PLAN_DIR (a child process, on a copy) and set what
     the compiler made of it beside the plan's predictions: per program the per-device peak and
-    the collectives per kind and mesh axes (executions and per-device bytes per step)."""
+    the collectives per kind and mesh axes (executions and per-device bytes per step). With
+    `score_device` (a device model's name or file), each compiled program's "score" as well
+    (hloplan.score.compiled_score under that model's figures)."""
     from hloplan.cost_models import DeviceModelError, load_device_model
     from hloplan.emit.loader import PlanLoadError, read_plan
 
@@ -314,7 +317,8 @@ def verify_plan(plan_dir: str | os.PathLike, compiler: str = "auto",
     with tempfile.TemporaryDirectory(prefix="hloplan-verify-") as tmp:
         copy = Path(tmp) / "plan"
         shutil.copytree(plan_dir, copy)
-        result = _run_child(str(copy), target, timeout, details=True)
+        result = _run_child(str(copy), target, timeout, details=True,
+                            score_device=score_device)
     notes = ([target.note] if target.note else []) + result["notes"]
     report = {"plan": str(plan_dir), "device_model": plan["device_model"]["name"],
               "mesh": dict(zip(plan["mesh"]["axis_names"], plan["mesh"]["axis_sizes"])),
@@ -324,6 +328,8 @@ def verify_plan(plan_dir: str | os.PathLike, compiler: str = "auto",
         entry = {"compiled": {"peak_bytes": result["programs"][name],
                               "memory": info["memory"], "flops": info["flops"],
                               "collectives": info["collectives"]}}
+        if "score" in info:
+            entry["compiled"]["score"] = info["score"]
         if name == "program":
             est = plan["estimate"]
             entry["predicted"] = {"peak_bytes": est["peak_memory_bytes"],

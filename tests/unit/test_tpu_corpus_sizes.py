@@ -38,7 +38,7 @@ def test_candidates(tpu_bench):
 
 def _fake_case(capacity, outcomes, calls):
     """A stand-in for _corpus_case_at: per batch, raise the outcome or report that peak."""
-    def case(name, topology, sizes, keep):
+    def case(name, topology, sizes, keep, hand=False):
         calls.append(sizes["batch"])
         outcome = outcomes[sizes["batch"]]
         if isinstance(outcome, Exception):
