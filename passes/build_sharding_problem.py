@@ -873,25 +873,44 @@ class _ProblemBuilder:
         all-gather of the output gradient), so such a matmul takes the value from the previous
         one's layout: free when both need the same, a reshard between the two layouts when
         not. Pricing each read from the value's own layout instead charges a second collective
-        that XLA does not issue."""
+        that XLA does not issue. A matmul reading the value through reverses of dims of size 1
+        reads the value itself (_unreversed)."""
         shared = {}
+        readers: dict[int, list[tuple[int, int]]] = {}
         for value in self.graph.values:
             value_id = value.id
-            if len(value.users) < 2 or value_id in self.space.free_values:
+            if value_id in self.space.free_values:
                 continue
-            previous: dict[tuple, tuple[int, int]] = {}
             for user in dict.fromkeys(value.users):
                 op = self.graph.ops[user]
-                if (op.name not in MATMULS
-                        or user not in self.space.strategies
-                        or op.operands.count(value_id) != 1):
-                    continue
+                if (op.name in MATMULS and user in self.space.strategies
+                        and op.operands.count(value_id) == 1):
+                    readers.setdefault(self._unreversed(value_id), []).append(
+                        (user, op.operands.index(value_id)))
+        for reads in readers.values():
+            previous: dict[tuple, tuple[int, int]] = {}
+            for user, position in sorted(reads):
+                op = self.graph.ops[user]
                 where = (op.parent, op.region, op.multiplier)
-                position = op.operands.index(value_id)
                 if where in previous:
                     shared[user, position] = previous[where]
                 previous[where] = (user, position)
         return shared
+
+    def _unreversed(self, value_id: int) -> int:
+        """The value `value_id` is made from by reverses of dims of size 1 only (the identity,
+        which XLA's simplifier removes: the input gradient of a 1x1 convolution reads its
+        kernel through one of its two spatial dims), else `value_id` itself. libtpu gathers
+        an FSDP-stored 1x1 kernel once for the forward convolution and its input gradient
+        (linen_resnet on v5e:2x4, `[1, 1, 256, 512]`)."""
+        while True:
+            op = self.graph.producer(value_id)
+            if op.name != "stablehlo.reverse":
+                return value_id
+            shape = self.graph.type_of(op.operands[0]).shape
+            if any(shape[d] != 1 for d in op.attrs.get("dimensions", [])):
+                return value_id
+            value_id = op.operands[0]
 
     def _shared_edge(self, value_id: int, previous: tuple[int, int], consumer: Op,
                      position: int) -> Edge | None:
