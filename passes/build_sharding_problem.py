@@ -1066,7 +1066,7 @@ class _ProblemBuilder:
                 or not self._stays_loop(strategy) or not self.comm.model.tiled_layouts):
             return 0.0
         if op.operands[0] in self.reader_fused:
-            return 0.0  # no copy: the chunk kernels recompute the operand (_loop_copy)
+            return 0.0  # written for the loop where it runs (_loop_written); no early copy seen
         shape = local_shape(self.graph.type_of(op.operands[0]), strategy.operands[0], self.mesh)
         chunk = local_shape(self.graph.type_of(op.results[0]), strategy.results[0],
                             self.mesh)[op.attrs["output_batch"]]
@@ -1358,16 +1358,16 @@ class _ProblemBuilder:
                 continue
             carried = tuple(self._relaid_loop_copy(op, s)
                             for s in self.space.strategies[op_index])
-            producer = self.graph.values[op.operands[0]].producer
-            start = max(allocated, 0 if producer is None
-                        else bisect.bisect_left(self.point_ops, producer))
+            made_at = bisect.bisect_left(self.point_ops, self.graph.values[op.operands[0]].producer)
+            start = max(allocated, made_at)
             end = made[node] - 1
             if not any(carried) or end < start:
                 continue
             edge = edges[e]
             zeros = tuple((0.0,) * len(row) for row in edge.costs)
-            edges.append(Edge(edge.src, edge.dst, zeros, label=f"{edge.label} (relaid for its loop)",
-                              carried=carried, held=(start, end)))
+            edges.append(Edge(edge.src, edge.dst, zeros,
+                              label=f"{edge.label} (relaid for its loop)", carried=carried,
+                              held=(start, end)))
         return replace(problem, edges=tuple(edges))
 
     def _hold_weight_copies(self, problem: ShardingProblem) -> ShardingProblem:
