@@ -70,6 +70,7 @@ from hloplan.strategies import (
 from hloplan.tpu_buffers import (
     broadcast_operands,
     combined_values,
+    conv_loop_operand_dims,
     conv_loop_operand_elements,
     fused_selects,
     gathers_rows,
@@ -339,6 +340,7 @@ class _ProblemBuilder:
         if self.comm.model.fused_reductions:  # TPU device models (see the method)
             problem = self._hold_weight_copies(problem)
             problem = self._hold_carried_copies(problem)
+            problem = self._hold_relaid_loop_copies(problem)
         problem.validate()
         return self.space, problem
 
@@ -871,25 +873,44 @@ class _ProblemBuilder:
         all-gather of the output gradient), so such a matmul takes the value from the previous
         one's layout: free when both need the same, a reshard between the two layouts when
         not. Pricing each read from the value's own layout instead charges a second collective
-        that XLA does not issue."""
+        that XLA does not issue. A matmul reading the value through reverses of dims of size 1
+        reads the value itself (_unreversed)."""
         shared = {}
+        readers: dict[int, list[tuple[int, int]]] = {}
         for value in self.graph.values:
             value_id = value.id
-            if len(value.users) < 2 or value_id in self.space.free_values:
+            if value_id in self.space.free_values:
                 continue
-            previous: dict[tuple, tuple[int, int]] = {}
             for user in dict.fromkeys(value.users):
                 op = self.graph.ops[user]
-                if (op.name not in MATMULS
-                        or user not in self.space.strategies
-                        or op.operands.count(value_id) != 1):
-                    continue
+                if (op.name in MATMULS and user in self.space.strategies
+                        and op.operands.count(value_id) == 1):
+                    readers.setdefault(self._unreversed(value_id), []).append(
+                        (user, op.operands.index(value_id)))
+        for reads in readers.values():
+            previous: dict[tuple, tuple[int, int]] = {}
+            for user, position in sorted(reads):
+                op = self.graph.ops[user]
                 where = (op.parent, op.region, op.multiplier)
-                position = op.operands.index(value_id)
                 if where in previous:
                     shared[user, position] = previous[where]
                 previous[where] = (user, position)
         return shared
+
+    def _unreversed(self, value_id: int) -> int:
+        """The value `value_id` is made from by reverses of dims of size 1 only (the identity,
+        which XLA's simplifier removes: the input gradient of a 1x1 convolution reads its
+        kernel through one of its two spatial dims), else `value_id` itself. libtpu gathers
+        an FSDP-stored 1x1 kernel once for the forward convolution and its input gradient
+        (linen_resnet on v5e:2x4, `[1, 1, 256, 512]`)."""
+        while True:
+            op = self.graph.producer(value_id)
+            if op.name != "stablehlo.reverse":
+                return value_id
+            shape = self.graph.type_of(op.operands[0]).shape
+            if any(shape[d] != 1 for d in op.attrs.get("dimensions", [])):
+                return value_id
+            value_id = op.operands[0]
 
     def _shared_edge(self, value_id: int, previous: tuple[int, int], consumer: Op,
                      position: int) -> Edge | None:
@@ -1035,6 +1056,23 @@ class _ProblemBuilder:
         return float(itemsize * conv_loop_operand_elements(
             local_shape(type_, spec, self.mesh), op.attrs["input_feature"],
             op.attrs["input_batch"], chunk))
+
+    def _relaid_loop_copy(self, op: Op, strategy: OpStrategy) -> float:
+        """Bytes of `strategy`'s loop copy of a convolution's input (_loop_copy) where the
+        loop stays a loop (_stays_loop) and carries the input with another dim in the lanes
+        than the input's own layout (tpu_buffers.conv_loop_operand_dims against minor_dims:
+        the images minor, the activation written channels-minor); 0 otherwise."""
+        if (op.name != "stablehlo.convolution" or strategy.copied != 0
+                or not self._stays_loop(strategy) or not self.comm.model.tiled_layouts):
+            return 0.0
+        if op.operands[0] in self.reader_fused:
+            return 0.0  # written for the loop where it runs (_loop_written); no early copy seen
+        shape = local_shape(self.graph.type_of(op.operands[0]), strategy.operands[0], self.mesh)
+        chunk = local_shape(self.graph.type_of(op.results[0]), strategy.results[0],
+                            self.mesh)[op.attrs["output_batch"]]
+        carried = conv_loop_operand_dims(shape, op.attrs["input_feature"],
+                                         op.attrs["input_batch"], chunk)
+        return self._loop_copy(op, strategy) if carried[0] != minor_dims(shape)[0] else 0.0
 
     def _stays_loop(self, strategy: OpStrategy) -> bool:
         """Whether `strategy`'s collective-matmul loop stays a loop in libtpu's program: over
@@ -1288,6 +1326,48 @@ class _ProblemBuilder:
             zeros = tuple((0.0,) * len(row) for row in edge.costs)
             edges.append(Edge(edge.src, edge.dst, zeros, label=f"{edge.label} (carried)",
                               carried=tuple(carried), held=(start, end)))
+        return replace(problem, edges=tuple(edges))
+
+    def _hold_relaid_loop_copies(self, problem: ShardingProblem) -> ShardingProblem:
+        """Edge.carried on each convolution's read of its input, under the strategies whose
+        loop copies that input into another layout (_relaid_loop_copy): the copy's bytes, from
+        the point where the loops' accumulators are allocated (accumulator_spans: the first
+        node that can loop), or the first after the input is made if later, to the last point
+        before the loop, whose own point holds the copy as its transient.
+
+        libtpu makes these copies with the accumulators, before the backward pass, and holds
+        them until their loops, which it runs after the rest of the backward pass:
+        linen_resnet on v5e:2x4 (32 images per device, libtpu 0.0.42) copies the inputs of
+        its three images-minor kernel-gradient loops (`bf16[32,64,64,64]{0,3,2,1}`, 64 MiB,
+        and 32 and 16 MiB) right after the forward pass, beside the accumulators'
+        `AllocateBuffer` calls, all three live at its peak in the backward pass of the third
+        block. A loop carrying the input in its own layout reads it with no copy. An edge of
+        its own beside the read's, costing nothing."""
+        made = first_live_points(problem)
+        spans = accumulator_spans(problem, made)
+        if not spans:
+            return problem
+        allocated = spans[0][1]
+        edges = list(problem.edges)
+        for (op_index, k), e in self.read_edges.items():
+            op = self.graph.ops[op_index]
+            if k != 0 or op.name != "stablehlo.convolution":
+                continue
+            node = self.space.node_of.get(op_index)
+            if node not in made:
+                continue
+            carried = tuple(self._relaid_loop_copy(op, s)
+                            for s in self.space.strategies[op_index])
+            made_at = bisect.bisect_left(self.point_ops, self.graph.values[op.operands[0]].producer)
+            start = max(allocated, made_at)
+            end = made[node] - 1
+            if not any(carried) or end < start:
+                continue
+            edge = edges[e]
+            zeros = tuple((0.0,) * len(row) for row in edge.costs)
+            edges.append(Edge(edge.src, edge.dst, zeros,
+                              label=f"{edge.label} (relaid for its loop)", carried=carried,
+                              held=(start, end)))
         return replace(problem, edges=tuple(edges))
 
     def _hold_weight_copies(self, problem: ShardingProblem) -> ShardingProblem:

@@ -187,3 +187,38 @@ def test_a_loop_carry_entered_by_a_staged_gather_is_pinned_stage_by_stage():
     assert second, text
     assert re.search(rf'stablehlo.while\(%\S+ = {re.escape(second.group(1))}', text), text
     assert not re.search(r'sdy.sharding_constraint %arg0 <@mesh, \[\{\}, \{\}\]>', text)
+
+
+def _conv_state(taps: int):
+    """A convolution with a `taps` x `taps` kernel and its input gradient (jax reads the kernel
+    there through a reverse of its two spatial dims)."""
+    def step(k, x, g):
+        conv = lambda x: jax.lax.conv_general_dilated(  # noqa: E731
+            x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        y, vjp = jax.vjp(conv, x)
+        return jnp.sum(y) + jnp.sum(vjp(g)[0])
+
+    s = jax.ShapeDtypeStruct
+    exported = export.export(jax.jit(step), platforms=("cpu",))(
+        s((taps, taps, 64, 128), jnp.float32), s((8, 16, 16, 64), jnp.float32),
+        s((8, 16, 16, 128), jnp.float32))
+    program = ir.load_program(bytes(exported.serialize()), "conv.jaxexport")
+    return run_passes(program, make_options("2x4", device="toy"),
+                      [InlineCalls(), ExtractGraph(), BuildShardingProblem()])
+
+
+@pytest.mark.parametrize("taps", [1, 3])
+def test_a_kernel_read_through_a_reverse_of_size_one_dims_shares_the_earlier_read(taps):
+    """The input gradient of a 1x1 convolution reads the kernel through a reverse of its two
+    dims of size 1, which XLA removes: it shares the forward convolution's reshard of the
+    kernel (libtpu gathers an FSDP-stored 1x1 kernel once for both). A 3x3 kernel's reverse
+    is a value of its own."""
+    state = _conv_state(taps)
+    graph = state.graph
+    kernel = graph.arguments[0]
+    (forward,) = [u for u in graph.values[kernel].users
+                  if graph.ops[u].name == "stablehlo.convolution"]
+    (reverse,) = [u for u in graph.values[kernel].users if graph.ops[u].name == "stablehlo.reverse"]
+    (backward,) = graph.values[graph.ops[reverse].results[0]].users
+    assert graph.ops[backward].name == "stablehlo.convolution"
+    assert state.space.reads_via.get((backward, 1)) == ((forward, 1) if taps == 1 else None)

@@ -17,9 +17,12 @@ import pytest
 from jax import export, lax
 
 from hloplan.compiler import compile_bytes, make_options
+from hloplan.solver.evaluate import point_contents
+from hloplan.solver.liveness import accumulator_spans, first_live_points
+from hloplan.solver.problem import Solution
 from hloplan.strategies import local_shape
 from hloplan.tpu import libtpu_available
-from hloplan.tpu_buffers import conv_loop_operand_dims, conv_loop_operand_elements
+from hloplan.tpu_buffers import conv_loop_operand_dims, conv_loop_operand_elements, minor_dims
 
 needs_libtpu = pytest.mark.skipif(not libtpu_available(),
                                   reason="libtpu is not installed (pip install '.[tpu]')")
@@ -97,6 +100,74 @@ def test_planner_holds_the_loops_copy_in_its_layout() -> None:
     assert checked
 
 
+def _three_convolutions(images: int = 64):
+    """A step of three 3x3 convolutions (64 channels, 64^2 pixels) with relus between them,
+    trained by SGD: its kernel gradients read the relus (and the input) in the backward pass."""
+    def conv(x, kernel):
+        return lax.conv_general_dilated(x, kernel, (1, 1), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def step(w1, w2, w3, x):
+        def loss(ws):
+            h = jax.nn.relu(conv(x, ws[0]))
+            h = jax.nn.relu(conv(h, ws[1]))
+            return jnp.sum(conv(h, ws[2]) ** 2)
+
+        grads = jax.grad(loss)((w1, w2, w3))
+        return tuple(w - 0.1 * g for w, g in zip((w1, w2, w3), grads, strict=True))
+
+    f32 = jnp.float32
+    kernel = jax.ShapeDtypeStruct((3, 3, 64, 64), f32)
+    return step, (kernel, kernel, kernel, jax.ShapeDtypeStruct((images, 64, 64, 64), f32))
+
+
+def test_planner_holds_a_relaid_loop_copy_from_the_accumulators() -> None:
+    """A kernel-gradient loop carrying its input with the images in the lanes (8 images per
+    device on 8 devices, chunks of 8 channels: `bf16[8,64,64,64]{0,3,2,1}`, 64 MiB) reads a
+    copy libtpu makes where it allocates the loops' accumulators: the estimate holds that
+    copy from the first point that can loop to its own loop, where the loop's transient holds
+    it. A loop carrying the channels minor (reduce-scattered onto its output channels) reads
+    the activation as it is written: nothing held before it."""
+    step, args = _three_convolutions()
+    data = export.export(jax.jit(step))(*args).serialize()
+    state = compile_bytes(data, "step.jaxexport",
+                          make_options("8", device="tpu-v5e", mesh_views="off")).state
+    problem, graph, mesh = state.problem, state.graph, state.options.mesh
+    made = first_live_points(problem)
+    allocated = accumulator_spans(problem, made)[0][1]
+    checked = {"relaid": 0, "own layout": 0}
+    for conv in (op for op in graph.ops if op.name == "stablehlo.convolution"):
+        node = state.space.node_of[conv.index]
+        if made[node] <= allocated + 1:
+            continue  # no point between the accumulators and this loop
+        for k, (strategy, held) in enumerate(zip(state.space.strategies[conv.index],
+                                                 problem.nodes[node].strategies, strict=True)):
+            if strategy.copied != 0 or not strategy.accumulators:
+                continue
+            lhs = local_shape(graph.type_of(conv.operands[0]), strategy.operands[0], mesh)
+            chunk = local_shape(graph.type_of(conv.results[0]), strategy.results[0],
+                                mesh)[conv.attrs["output_batch"]]
+            carried = conv_loop_operand_dims(lhs, conv.attrs["input_feature"],
+                                             conv.attrs["input_batch"], chunk)
+            relaid = carried[0] != minor_dims(lhs)[0]
+            choice = list(state.solution.choice)
+            choice[node] = k
+            before = point_contents(problem, Solution(tuple(choice)), made[node] - 1)
+            copies = [h.bytes for h in before
+                      if h.kind == "copy" and problem.edges[h.index].dst == node]
+            if relaid:
+                assert lhs == (8, 64, 64, 64) and held.transient == 64 << 20
+                assert copies == [held.transient]
+                at_start = point_contents(problem, Solution(tuple(choice)), allocated)
+                assert any(h.kind == "copy" and problem.edges[h.index].dst == node
+                           for h in at_start)
+                checked["relaid"] += 1
+            else:
+                assert not copies
+                checked["own layout"] += 1
+    assert checked["relaid"] and checked["own layout"]
+
+
 _LIBTPU_LOOPS = r"""
 import json, re, sys
 import numpy as np, jax, jax.numpy as jnp
@@ -134,3 +205,63 @@ def test_libtpu_carries_the_layout_the_planner_holds() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [minor for _, minor in CASES]
 
+
+
+_LIBTPU_EARLY_COPY = r"""
+import glob, json, re, tempfile
+import numpy as np, jax, jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from hloplan.tpu import parse_topology, topology_devices
+
+mesh = Mesh(np.array(topology_devices(parse_topology("v5e:2x4"))), ("d",))
+conv = lambda x, k: lax.conv_general_dilated(x, k, (1, 1), "SAME",
+                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
+def step(w1, w2, w3, x):
+    def loss(ws):
+        h = jax.nn.relu(conv(x, ws[0]))
+        h = jax.nn.relu(conv(h, ws[1]))
+        return jnp.sum(conv(h, ws[2]) ** 2)
+    grads = jax.grad(loss)((w1, w2, w3))
+    return tuple(w - 0.1 * g for w, g in zip((w1, w2, w3), grads))
+ws = NamedSharding(mesh, P(None, None, "d", None))
+kernel = jax.ShapeDtypeStruct((3, 3, 64, 64), jnp.float32, sharding=ws)
+x = jax.ShapeDtypeStruct((64, 64, 64, 64), jnp.float32, sharding=NamedSharding(mesh, P("d")))
+with tempfile.TemporaryDirectory() as dump:
+    jax.jit(step, out_shardings=(ws, ws, ws)).lower(kernel, kernel, kernel, x).compile(
+        {"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
+    text = open(glob.glob(dump + "/*after_optimizations.txt")[0]).read()
+    ranges = open(glob.glob(dump + "/*after_optimizations-live-range.txt")[0]).read()
+position = {name: int(t) for t, name in re.findall(r"^\s+(\d+):(\S+)$", ranges, re.M)}
+ends = {name: int(end) for name, end in re.findall(r"^\s+(\S+)\{\}:\d+-(\d+)$", ranges, re.M)}
+entry = text[text.index("\nENTRY"):]
+allocations = [position[n] for n in re.findall(
+    r"%(\S+) = \S+ custom-call\(\), custom_call_target=\"AllocateBuffer\"", entry)]
+whiles = sorted(position[n] for n in re.findall(r"%(\S+) = \(.* while\(", entry))
+# The copy of the input x (f32; its parameter or that moved on chip) into the images-minor
+# bf16 layout of the first kernel gradient's loop.
+(copy,) = [n for n, source in re.findall(
+    r"%(copy\.\d+) = bf16\[8,64,64,64\]\{0,3,2,1:\S+ copy\(%(\S+)\)", entry)
+    if re.search("%" + re.escape(source) + r" = f32\[8,64,64,64\]\S* (parameter|copy-done)\(",
+                 entry)]
+print(json.dumps([position[copy], ends[copy], allocations, whiles]))
+"""
+
+
+@needs_libtpu
+def test_libtpu_makes_the_relaid_copy_with_the_accumulators() -> None:
+    """libtpu (deviceless v5e:2x4) copies the input of a kernel-gradient loop that carries
+    the images minor when it allocates the loops' accumulators (its `AllocateBuffer` calls,
+    before the first loop) and holds the copy across five other loops (the three forward
+    convolutions' and two kernel gradients') until its own: what
+    test_planner_holds_a_relaid_loop_copy_from_the_accumulators holds."""
+    from hloplan.tpu import child_env
+
+    done = subprocess.run([sys.executable, "-c", _LIBTPU_EARLY_COPY], env=child_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    made, end, allocations, whiles = json.loads(done.stdout.strip().splitlines()[-1])
+    assert allocations and whiles
+    assert min(allocations) <= made <= max(allocations) < whiles[0]
+    # Its last reader moves it on chip for its own loop, the next one.
+    assert sum(made < w < end for w in whiles) == 5
