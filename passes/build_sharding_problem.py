@@ -330,10 +330,10 @@ class _ProblemBuilder:
         self._sliced_all_reduces(folds)
         nodes = self._nodes()
         edges = self._edges() + self._fold_edges(folds) + self._sliced_edges(folds)
-        points, ranges = self._live_points()
+        points, ranges, made_only = self._live_points(nodes, edges)
         problem = ShardingProblem(tuple(nodes), tuple(edges), tuple(points), budget,
                                   name=self.graph.name, live_ranges=tuple(ranges),
-                                  launches=self._launches(nodes))
+                                  launches=self._launches(nodes), made_only=made_only)
         problem = self._hold_shared_copies(problem)
         problem = hold_copies_across_loops(problem)
         if self.comm.model.fused_reductions:  # TPU device models (see the method)
@@ -1297,17 +1297,17 @@ class _ProblemBuilder:
         (Edge.released).
 
         libtpu gathers each weight once, for its forward matmul, and holds that copy until
-        the backward input-gradient matmul reads it, also where that matmul's result is
-        fused into its reader (no live point of its own, so _hold_shared_copies stops at the
-        forward matmul): every weight of haiku_transformer, hf_llama and hf_bart in their
-        v5e:16x16 dumps. It runs the weight-gradient matmuls after the whole input-gradient
-        chain, when the copies are gone (hf_bart on v5e:16x16), so their partial sums are not
-        held beside them. A matmul XLA slices through (tpu_buffers.sliced_matmuls: an output
-        head read as `logits[:, :-1]`) has no live point; its copy is held from the first
-        point after it (hf_llama on v5e:4x8, 8 x 512 tokens per device: the head weight
+        the backward input-gradient matmul reads it: every weight of haiku_transformer,
+        hf_llama and hf_bart in their v5e:16x16 dumps. It runs the weight-gradient matmuls
+        after the whole input-gradient chain, when the copies are gone (hf_bart on
+        v5e:16x16), so their partial sums are not held beside them. A matmul whose result is
+        never written out (fused into its reader, or sliced through: an output head read as
+        `logits[:, :-1]`, tpu_buffers.sliced_matmuls) reads its copy where it is made
+        (ShardingProblem.made_only), and a read sharing that copy (_hold_shared_copies)
+        holds it to there (hf_llama on v5e:4x8, 8 x 512 tokens per device: the head weight
         all-gathered, 125 MiB in bf16, live from the head's forward matmul to its input
-        gradient). The copies of other matmuls without a live point (attention projections
-        whose results are fused into their reshapes) are left out."""
+        gradient; haiku_transformer's attention projections, fused into their reshapes, on
+        v5e:16x16: their 2 MiB copies live from the forward pass to the backward pass)."""
         graph, space = self.graph, self.space
         arguments = set(graph.arguments)
         made = first_live_points(problem)
@@ -1319,19 +1319,12 @@ class _ProblemBuilder:
                     and any(s.transient for s in problem.nodes[node].strategies)):
                 late.add(made[node])
         spans = {e: (start, end) for e, start, end in copy_spans(problem, made)}
-        sliced = sliced_matmuls(graph)
         edges = list(problem.edges)
         for (op_index, position), e in self.read_edges.items():
             op = graph.ops[op_index]
             value_id = op.operands[position]
             if not edges[e].copies or op.name not in MATMULS or value_id not in arguments:
                 continue
-            if e not in spans and op.results[0] in sliced:
-                # A matmul XLA slices through has no live point: the kernel writing the slice
-                # computes it, at the first point checked after the matmul, and reads the
-                # copy there.
-                first = bisect.bisect_left(self.point_ops, op_index)
-                spans[e] = (first, first - 1)
             if e not in spans:
                 continue
             where = (op.parent, op.region)
@@ -1401,9 +1394,11 @@ class _ProblemBuilder:
             deaths.setdefault(last, []).append(value_id)
         return births, deaths
 
-    def _live_points(self) -> tuple[list[LivePoint], list[LiveRange]]:
-        """Memory checks at the program points whose live sets are maximal, and the run of
-        checks where each node is live.
+    def _live_points(self, nodes: list[Node], edges: list[Edge]
+                     ) -> tuple[list[LivePoint], list[LiveRange], tuple[tuple[int, int], ...]]:
+        """Memory checks at the program points whose live sets are maximal, the run of
+        checks where each node is live, and the check where each node that holds no results
+        is made (ShardingProblem.made_only).
 
         Point t holds the values born at or before t that die at or after t. Values are born
         once and die once, so point t's live set is contained in point t-1's exactly when no
@@ -1453,6 +1448,19 @@ class _ProblemBuilder:
                 owner[value_id] = node_of[op.index]
                 deaths[self.last_uses[value_id]].remove(value_id)
                 deaths.setdefault(op.index, []).append(value_id)
+        # A node none of whose values is written out (fused into its readers, or written into
+        # a donated argument's buffer) still runs its kernel where they are made: there it
+        # holds its transient bytes (partial sums before their reduce-scatter) and the copies
+        # it reads (an operand all-gathered for it), at the first check from that point on,
+        # as a node whose values are written would. Only nodes that can hold such bytes.
+        holding = {n for n, node in enumerate(nodes) if any(s.transient for s in node.strategies)}
+        holding.update(e.dst for e in edges if any(e.copies) or any(e.carried))
+        unwritten = {node_of[op.index] for op in graph.ops
+                     if op.index in space.strategies and op.results
+                     and node_of[op.index] in holding
+                     and not any(v in owner for v in op.results)}
+        made_only: dict[int, int] = {}  # such a node -> the check where it is made
+        unmade_only: list[int] = []  # such nodes made since the last check
         count: dict[int, int] = {}  # node -> its live values
         first: dict[int, int] = {}  # live node -> its first check (absent: none yet)
         waiting: list[int] = []  # nodes born since the last check
@@ -1477,6 +1485,9 @@ class _ProblemBuilder:
             grew = True
         for t in range(end + 1):
             born = births.get(t, ())
+            if t < end and node_of.get(t) in unwritten and node_of[t] not in made_only:
+                unmade_only.append(node_of[t])
+                grew = True
             for value_id in born:
                 node = owner.get(value_id)
                 if value_id in whole_program:
@@ -1505,6 +1516,9 @@ class _ProblemBuilder:
                 for node in making:
                     made[node] = len(points)
                 making.clear()
+                for node in unmade_only:
+                    made_only[node] = len(points)
+                unmade_only.clear()
                 label = graph.ops[t].label if t < end else "end"
                 points.append(LivePoint((), fixed, label=f"after %{t} {label}"))
                 self.point_ops.append(t)
@@ -1522,7 +1536,7 @@ class _ProblemBuilder:
         for node, start in first.items():  # live to the end (arguments)
             ranges.append(_live_range(node, start, len(points) - 1, made.get(node)))
         ranges.sort(key=lambda r: r.node)
-        return points, ranges
+        return points, ranges, tuple(sorted(made_only.items()))
 
 
 # Ops XLA moves a narrowing convert through (to their operand): a pad read only by matmuls
@@ -1557,7 +1571,8 @@ def tpu_fusion(graph: Graph, kept_fused: set[int]) -> tuple[set[int], set[int], 
         out = (out - {written}) | chain
     # A matmul whose kernel writes a combined value (a residual sum) keeps its result's
     # buffer until that value is made, its last reader: the node holds the matmul's copies
-    # and transient bytes there (a node with no value written out holds none).
+    # and transient bytes there (a node with no value written out holds them where it is
+    # made: ShardingProblem.made_only).
     out |= output_fused_matmuls(graph, out | combined)
     out |= operand_fused_values(graph, out, free)
     reduced = reduced_fused_values(graph, out, free)
