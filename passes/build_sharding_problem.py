@@ -1229,11 +1229,16 @@ class _ProblemBuilder:
 
     def _hold_shared_copies(self, problem: ShardingProblem) -> ShardingProblem:
         """Edge.held on every read whose copy later matmuls read too (_shared_reshards): from
-        the reader's first live point to the last of theirs."""
+        the reader's first live point to the last of theirs among those that write a result.
+        A later reader that writes none (ShardingProblem.made_only: a weight's input-gradient
+        matmul fused into its reader) does not extend the span: a weight's copy is held on
+        to its last matmul by _hold_weight_copies, less the weight-gradient points, as for
+        any weight."""
         following = {previous: key for key, previous in self.space.reads_via.items()}
         if not following:
             return problem
         firsts = first_live_points(problem)
+        unwritten = dict(problem.made_only)
         node_of = self.space.node_of
         edges = list(problem.edges)
         for key, e in self.read_edges.items():
@@ -1244,7 +1249,8 @@ class _ProblemBuilder:
             reader = key
             while reader in following:
                 reader = following[reader]
-                last = max(last, firsts.get(node_of[reader[0]], last))
+                if node_of[reader[0]] not in unwritten:
+                    last = max(last, firsts.get(node_of[reader[0]], last))
             if last > start:
                 edges[e] = replace(edge, held=(start, last))
         return replace(problem, edges=tuple(edges))
@@ -1303,11 +1309,11 @@ class _ProblemBuilder:
         v5e:16x16), so their partial sums are not held beside them. A matmul whose result is
         never written out (fused into its reader, or sliced through: an output head read as
         `logits[:, :-1]`, tpu_buffers.sliced_matmuls) reads its copy where it is made
-        (ShardingProblem.made_only), and a read sharing that copy (_hold_shared_copies)
-        holds it to there (hf_llama on v5e:4x8, 8 x 512 tokens per device: the head weight
-        all-gathered, 125 MiB in bf16, live from the head's forward matmul to its input
-        gradient; haiku_transformer's attention projections, fused into their reshapes, on
-        v5e:16x16: their 2 MiB copies live from the forward pass to the backward pass)."""
+        (ShardingProblem.made_only), from where it is held alike (hf_llama on v5e:4x8, 8 x
+        512 tokens per device: the head weight all-gathered, 125 MiB in bf16, live from the
+        head's forward matmul to its input gradient; haiku_transformer's attention
+        projections, fused into their reshapes, on v5e:16x16: their 2 MiB copies live from
+        the forward pass to the backward pass)."""
         graph, space = self.graph, self.space
         arguments = set(graph.arguments)
         made = first_live_points(problem)

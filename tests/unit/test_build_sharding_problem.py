@@ -262,10 +262,10 @@ def _residual_gelu_step(ws, x):
 
 def test_tpu_holds_a_weights_copy_until_its_fused_input_gradient_matmul():
     """On TPU (libtpu gathers each weight once for its forward matmul and holds the copy until
-    the backward input-gradient matmul reads it) the copy is held to the point where that
-    matmul is made, also where the matmul's result is fused into its reader (it holds no
-    result: its kernel runs at the first point checked after it); on H100 it is held while
-    the forward matmul runs."""
+    the backward input-gradient matmul reads it) the copy is held to the last point checked
+    before that matmul, also where the matmul's result is fused into its reader (it holds no
+    result, and is made where that kernel runs); on H100 it is held while the forward matmul
+    runs."""
     s = jax.ShapeDtypeStruct
     w = s((1024, 1024), jnp.float32)
     data = export.export(jax.jit(_residual_gelu_step))(
@@ -286,8 +286,7 @@ def test_tpu_holds_a_weights_copy_until_its_fused_input_gradient_matmul():
         (read,) = (e for e in problem.edges if e.dst == space.node_of[forward]
                    and e.label.startswith(f"%{weight} "))
         after = [int(p.label.split()[1][1:]) for p in problem.live_points]
-        last = min(k for k, op in enumerate(after) if op >= backward)
-        assert firsts[space.node_of[backward]] == last
+        last = max(k for k, op in enumerate(after) if op <= backward)
         spans[device] = (read.held, firsts[space.node_of[forward]], last)
     held, first, last = spans["tpu-v5e"]
     assert held == (first, last) and last > first
@@ -328,10 +327,9 @@ def test_tpu_holds_the_copy_a_sliced_matmul_reads():
                and e.label.startswith(f"%{head} "))
     after = [int(p.label.split()[1][1:]) for p in problem.live_points]
     first = min(k for k, op in enumerate(after) if op >= forward)
-    # To where the input-gradient matmul is made (fused into its reader: the first point
-    # checked after it).
-    last = firsts[space.node_of[backward]]
-    assert last == min(k for k, op in enumerate(after) if op >= backward) > first
+    assert firsts[space.node_of[forward]] == first
+    last = max(k for k, op in enumerate(after) if op <= backward)
+    assert last > first
     assert read.held == (first, last)
 
 
