@@ -72,6 +72,7 @@ from hloplan.tpu_buffers import (
     combined_values,
     conv_loop_operand_elements,
     fused_selects,
+    gated_values,
     gathers_rows,
     matmul_recomputed_sources,
     minor_dims,
@@ -239,9 +240,9 @@ class _ProblemBuilder:
         # reductions fuse the elementwise work they read (TPU) writes no fused value out (a
         # softmax's exponentials, a cross entropy's one-hot products); otherwise only those it
         # recomputes in each consumer.
-        self.unmaterialized, self.reader_fused, self.normalized = (
+        self.unmaterialized, self.reader_fused, self.normalized, self.gated = (
             tpu_fusion(graph, kept_fused) if device.fused_reductions
-            else (unmaterialized_values(graph, kept_fused), set(), set()))
+            else (unmaterialized_values(graph, kept_fused), set(), set(), set()))
         # Written-out values that a reshard makes again from their fused chain's source
         # (tpu_buffers.recomputed_sources): value id -> that source.
         self.recomputed = (recomputed_sources(graph, self.unmaterialized, free_values(graph))
@@ -1278,11 +1279,13 @@ class _ProblemBuilder:
             carried = []
             for strategy in self.space.strategies[op_index]:
                 spec = strategy.operands[k]
-                # A loop copying this operand holds that copy already (Strategy.transient).
+                # A loop copying a norm output holds that copy already (Strategy.transient);
+                # a gated product is written for it in the forward pass all the same (hf_llama
+                # on v5e:2x4: `bf16[8,512,8192]` live from the up matmul to the loop).
                 carried.append(self._held_bytes(type_, spec)
                                * mxu_itemsize(type_, self.comm.model) / type_.itemsize
                                if self._stays_loop(strategy) and spec is not None
-                               and strategy.copied != k else 0.0)
+                               and (strategy.copied != k or value_id in self.gated) else 0.0)
             # From the first point checked after the value's first reader to the last
             # checked at or before the loop.
             start = bisect.bisect_left(self.point_ops, min(self.graph.values[value_id].users))
@@ -1564,7 +1567,8 @@ def tpu_unmaterialized(graph: Graph, kept_fused: set[int]) -> set[int]:
     return tpu_fusion(graph, kept_fused)[0]
 
 
-def tpu_fusion(graph: Graph, kept_fused: set[int]) -> tuple[set[int], set[int], set[int]]:
+def tpu_fusion(graph: Graph, kept_fused: set[int]
+               ) -> tuple[set[int], set[int], set[int], set[int]]:
     """(tpu_unmaterialized, the values of it that every reader recomputes beside reductions:
     tpu_buffers.reduced_fused_values, the norm outputs of it that every reader recomputes:
     tpu_buffers.normalized_values). A residual sum that a matmul's kernel writes in place of
@@ -1585,11 +1589,15 @@ def tpu_fusion(graph: Graph, kept_fused: set[int]) -> tuple[set[int], set[int], 
     out |= reduced
     normalized = normalized_values(graph, out, free)
     out |= normalized
+    # Gated products are recomputed alike, and carried by loops alike (_hold_carried_copies).
+    gated = gated_values(graph, out, free)
+    out |= gated
+    normalized = normalized | gated
     repeated = broadcast_operands(graph, out)
     out |= set(repeated)
     out -= set(repeated.values())  # the repeated value itself is written out
     out -= pad_operands(graph, out) | relaid_reshapes(graph)
-    return out, reduced & out, normalized & out
+    return out, reduced & out, normalized & out, gated & out
 
 
 def matmul_narrowed(graph: Graph, folded: set[int], dtype: str) -> dict[int, float]:
