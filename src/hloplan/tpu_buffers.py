@@ -209,10 +209,10 @@ def normalized_values(graph: Graph, unmaterialized: set[int], free: set[int]) ->
 
 def gated_values(graph: Graph, unmaterialized: set[int], free: set[int]) -> set[int]:
     """Elementwise values read only by matmuls, made by a fused chain from two or more
-    written-out values of their own shape (and values free to make) that are all read again
-    after the value's last matmul, directly or through a fused value of the chain: a gated
-    MLP's product `act(x @ w_gate) * (x @ w_up)`, whose backward pass reads both matmul
-    results for the product's derivative. XLA's TPU compiler recomputes such a value inside
+    written-out matmul results of their own shape with one input (and values free to make)
+    that are all read again after the value's last matmul, directly or through a fused value
+    of the chain: a gated MLP's product `act(x @ w_gate) * (x @ w_up)`, whose backward pass
+    reads both matmul results for the product's derivative. XLA's TPU compiler recomputes such a value inside
     each kernel that reads it and writes no buffer for it, as it does norm outputs
     (normalized_values): keras_gemma's GeGLU and hf_llama's SwiGLU on v5e:16x16 (libtpu
     0.0.42, 8 x 512 tokens per device: the f32 gate and up results live into the backward
@@ -239,8 +239,13 @@ def gated_values(graph: Graph, unmaterialized: set[int], free: set[int]) -> set[
             continue
         chain, leaves = found
         sources = leaves - free
+        # The sources are matmul results of one input (`x @ w_gate`, `x @ w_up`), as against
+        # a backward pass's product of a gradient and an activation's derivative.
+        producers = [graph.ops[graph.values[v].producer] for v in sources]
         if (len(sources) < 2
-                or len(_same_shape_sources(graph, sources, free, value.type)) != len(sources)):
+                or len(_same_shape_sources(graph, sources, free, value.type)) != len(sources)
+                or not all(p.name == "stablehlo.dot_general" for p in producers)
+                or len({p.operands[0] for p in producers}) != 1):
             continue
         last = max(value.users)
         made = {r for index in chain for r in graph.ops[index].results} - {value.id}
