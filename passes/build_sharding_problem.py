@@ -1257,8 +1257,8 @@ class _ProblemBuilder:
         return replace(problem, edges=tuple(edges))
 
     def _hold_carried_copies(self, problem: ShardingProblem) -> ShardingProblem:
-        """Edge.carried on the reads of norm outputs (tpu_buffers.normalized_values) by the
-        last matmul reading each: under a strategy whose collective-matmul loop stays a loop
+        """Edge.carried on the reads of norm outputs (tpu_buffers.normalized_values) and
+        gated products (tpu_buffers.gated_values) by the last matmul reading each: under a strategy whose collective-matmul loop stays a loop
         (_stays_loop), the value's bytes in the MXU's input dtype, held from the value's first
         reader to that loop (Edge.held). libtpu's kernels recompute such a value
         from its source, but a loop carries its operands as buffers: libtpu writes the value
@@ -1561,8 +1561,9 @@ def tpu_unmaterialized(graph: Graph, kept_fused: set[int]) -> set[int]:
     (tpu_buffers.sliced_matmuls), matmul operands computed inside the matmuls
     (tpu_buffers.operand_fused_values), values read by reductions and matmuls that each of
     them recomputes (tpu_buffers.reduced_fused_values), the matmul results of residual sums
-    written in their place (tpu_buffers.reduced_matmul_sums) and the norm outputs every
-    reader recomputes (tpu_buffers.normalized_values), less the operands of written-out pads
+    written in their place (tpu_buffers.reduced_matmul_sums) and the norm outputs and gated
+    products every reader recomputes (tpu_buffers.normalized_values, gated_values), less the
+    operands of written-out pads
     and the reshapes it copies into their own layout (tpu_buffers.relaid_reshapes)."""
     return tpu_fusion(graph, kept_fused)[0]
 
@@ -1570,8 +1571,9 @@ def tpu_unmaterialized(graph: Graph, kept_fused: set[int]) -> set[int]:
 def tpu_fusion(graph: Graph, kept_fused: set[int]
                ) -> tuple[set[int], set[int], set[int], set[int]]:
     """(tpu_unmaterialized, the values of it that every reader recomputes beside reductions:
-    tpu_buffers.reduced_fused_values, the norm outputs of it that every reader recomputes:
-    tpu_buffers.normalized_values). A residual sum that a matmul's kernel writes in place of
+    tpu_buffers.reduced_fused_values, the norm outputs and gated products of it that every
+    reader recomputes and a loop carries: tpu_buffers.normalized_values and gated_values,
+    the gated products alone). A residual sum that a matmul's kernel writes in place of
     the matmul result (tpu_buffers.reduced_matmul_sums) is written, the matmul result not."""
     free = free_values(graph)
     combined = combined_values(graph, kept_fused, free)
