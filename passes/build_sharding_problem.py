@@ -73,6 +73,7 @@ from hloplan.tpu_buffers import (
     conv_loop_operand_dims,
     conv_loop_operand_elements,
     fused_selects,
+    gated_values,
     gathers_rows,
     matmul_recomputed_sources,
     minor_dims,
@@ -240,9 +241,9 @@ class _ProblemBuilder:
         # reductions fuse the elementwise work they read (TPU) writes no fused value out (a
         # softmax's exponentials, a cross entropy's one-hot products); otherwise only those it
         # recomputes in each consumer.
-        self.unmaterialized, self.reader_fused, self.normalized = (
+        self.unmaterialized, self.reader_fused, self.normalized, self.gated = (
             tpu_fusion(graph, kept_fused) if device.fused_reductions
-            else (unmaterialized_values(graph, kept_fused), set(), set()))
+            else (unmaterialized_values(graph, kept_fused), set(), set(), set()))
         # Written-out values that a reshard makes again from their fused chain's source
         # (tpu_buffers.recomputed_sources): value id -> that source.
         self.recomputed = (recomputed_sources(graph, self.unmaterialized, free_values(graph))
@@ -331,10 +332,10 @@ class _ProblemBuilder:
         self._sliced_all_reduces(folds)
         nodes = self._nodes()
         edges = self._edges() + self._fold_edges(folds) + self._sliced_edges(folds)
-        points, ranges = self._live_points()
+        points, ranges, made_only = self._live_points(nodes, edges)
         problem = ShardingProblem(tuple(nodes), tuple(edges), tuple(points), budget,
                                   name=self.graph.name, live_ranges=tuple(ranges),
-                                  launches=self._launches(nodes))
+                                  launches=self._launches(nodes), made_only=made_only)
         problem = self._hold_shared_copies(problem)
         problem = hold_copies_across_loops(problem)
         if self.comm.model.fused_reductions:  # TPU device models (see the method)
@@ -1267,11 +1268,16 @@ class _ProblemBuilder:
 
     def _hold_shared_copies(self, problem: ShardingProblem) -> ShardingProblem:
         """Edge.held on every read whose copy later matmuls read too (_shared_reshards): from
-        the reader's first live point to the last of theirs."""
+        the reader's first live point to the last of theirs among those that write a result.
+        A later reader that writes none (ShardingProblem.made_only: a weight's input-gradient
+        matmul fused into its reader) does not extend the span: a weight's copy is held on
+        to its last matmul by _hold_weight_copies, less the weight-gradient points, as for
+        any weight."""
         following = {previous: key for key, previous in self.space.reads_via.items()}
         if not following:
             return problem
         firsts = first_live_points(problem)
+        unwritten = dict(problem.made_only)
         node_of = self.space.node_of
         edges = list(problem.edges)
         for key, e in self.read_edges.items():
@@ -1282,14 +1288,15 @@ class _ProblemBuilder:
             reader = key
             while reader in following:
                 reader = following[reader]
-                last = max(last, firsts.get(node_of[reader[0]], last))
+                if node_of[reader[0]] not in unwritten:
+                    last = max(last, firsts.get(node_of[reader[0]], last))
             if last > start:
                 edges[e] = replace(edge, held=(start, last))
         return replace(problem, edges=tuple(edges))
 
     def _hold_carried_copies(self, problem: ShardingProblem) -> ShardingProblem:
-        """Edge.carried on the reads of norm outputs (tpu_buffers.normalized_values) by the
-        last matmul reading each: under a strategy whose collective-matmul loop stays a loop
+        """Edge.carried on the reads of norm outputs (tpu_buffers.normalized_values) and
+        gated products (tpu_buffers.gated_values) by the last matmul reading each: under a strategy whose collective-matmul loop stays a loop
         (_stays_loop), the value's bytes in the MXU's input dtype, held from the value's first
         reader to that loop (Edge.held). libtpu's kernels recompute such a value
         from its source, but a loop carries its operands as buffers: libtpu writes the value
@@ -1310,11 +1317,13 @@ class _ProblemBuilder:
             carried = []
             for strategy in self.space.strategies[op_index]:
                 spec = strategy.operands[k]
-                # A loop copying this operand holds that copy already (Strategy.transient).
+                # A loop copying a norm output holds that copy already (Strategy.transient);
+                # a gated product is written for it in the forward pass all the same (hf_llama
+                # on v5e:2x4: `bf16[8,512,8192]` live from the up matmul to the loop).
                 carried.append(self._held_bytes(type_, spec)
                                * mxu_itemsize(type_, self.comm.model) / type_.itemsize
                                if self._stays_loop(strategy) and spec is not None
-                               and strategy.copied != k else 0.0)
+                               and (strategy.copied != k or value_id in self.gated) else 0.0)
             # From the first point checked after the value's first reader to the last
             # checked at or before the loop.
             start = bisect.bisect_left(self.point_ops, min(self.graph.values[value_id].users))
@@ -1377,17 +1386,17 @@ class _ProblemBuilder:
         (Edge.released).
 
         libtpu gathers each weight once, for its forward matmul, and holds that copy until
-        the backward input-gradient matmul reads it, also where that matmul's result is
-        fused into its reader (no live point of its own, so _hold_shared_copies stops at the
-        forward matmul): every weight of haiku_transformer, hf_llama and hf_bart in their
-        v5e:16x16 dumps. It runs the weight-gradient matmuls after the whole input-gradient
-        chain, when the copies are gone (hf_bart on v5e:16x16), so their partial sums are not
-        held beside them. A matmul XLA slices through (tpu_buffers.sliced_matmuls: an output
-        head read as `logits[:, :-1]`) has no live point; its copy is held from the first
-        point after it (hf_llama on v5e:4x8, 8 x 512 tokens per device: the head weight
-        all-gathered, 125 MiB in bf16, live from the head's forward matmul to its input
-        gradient). The copies of other matmuls without a live point (attention projections
-        whose results are fused into their reshapes) are left out."""
+        the backward input-gradient matmul reads it: every weight of haiku_transformer,
+        hf_llama and hf_bart in their v5e:16x16 dumps. It runs the weight-gradient matmuls
+        after the whole input-gradient chain, when the copies are gone (hf_bart on
+        v5e:16x16), so their partial sums are not held beside them. A matmul whose result is
+        never written out (fused into its reader, or sliced through: an output head read as
+        `logits[:, :-1]`, tpu_buffers.sliced_matmuls) reads its copy where it is made
+        (ShardingProblem.made_only), from where it is held alike (hf_llama on v5e:4x8, 8 x
+        512 tokens per device: the head weight all-gathered, 125 MiB in bf16, live from the
+        head's forward matmul to its input gradient; haiku_transformer's attention
+        projections, fused into their reshapes, on v5e:16x16: their 2 MiB copies live from
+        the forward pass to the backward pass)."""
         graph, space = self.graph, self.space
         arguments = set(graph.arguments)
         made = first_live_points(problem)
@@ -1399,19 +1408,12 @@ class _ProblemBuilder:
                     and any(s.transient for s in problem.nodes[node].strategies)):
                 late.add(made[node])
         spans = {e: (start, end) for e, start, end in copy_spans(problem, made)}
-        sliced = sliced_matmuls(graph)
         edges = list(problem.edges)
         for (op_index, position), e in self.read_edges.items():
             op = graph.ops[op_index]
             value_id = op.operands[position]
             if not edges[e].copies or op.name not in MATMULS or value_id not in arguments:
                 continue
-            if e not in spans and op.results[0] in sliced:
-                # A matmul XLA slices through has no live point: the kernel writing the slice
-                # computes it, at the first point checked after the matmul, and reads the
-                # copy there.
-                first = bisect.bisect_left(self.point_ops, op_index)
-                spans[e] = (first, first - 1)
             if e not in spans:
                 continue
             where = (op.parent, op.region)
@@ -1481,9 +1483,11 @@ class _ProblemBuilder:
             deaths.setdefault(last, []).append(value_id)
         return births, deaths
 
-    def _live_points(self) -> tuple[list[LivePoint], list[LiveRange]]:
-        """Memory checks at the program points whose live sets are maximal, and the run of
-        checks where each node is live.
+    def _live_points(self, nodes: list[Node], edges: list[Edge]
+                     ) -> tuple[list[LivePoint], list[LiveRange], tuple[tuple[int, int], ...]]:
+        """Memory checks at the program points whose live sets are maximal, the run of
+        checks where each node is live, and the check where each node that holds no results
+        is made (ShardingProblem.made_only).
 
         Point t holds the values born at or before t that die at or after t. Values are born
         once and die once, so point t's live set is contained in point t-1's exactly when no
@@ -1533,6 +1537,19 @@ class _ProblemBuilder:
                 owner[value_id] = node_of[op.index]
                 deaths[self.last_uses[value_id]].remove(value_id)
                 deaths.setdefault(op.index, []).append(value_id)
+        # A node none of whose values is written out (fused into its readers, or written into
+        # a donated argument's buffer) still runs its kernel where they are made: there it
+        # holds its transient bytes (partial sums before their reduce-scatter) and the copies
+        # it reads (an operand all-gathered for it), at the first check from that point on,
+        # as a node whose values are written would. Only nodes that can hold such bytes.
+        holding = {n for n, node in enumerate(nodes) if any(s.transient for s in node.strategies)}
+        holding.update(e.dst for e in edges if any(e.copies) or any(e.carried))
+        unwritten = {node_of[op.index] for op in graph.ops
+                     if op.index in space.strategies and op.results
+                     and node_of[op.index] in holding
+                     and not any(v in owner for v in op.results)}
+        made_only: dict[int, int] = {}  # such a node -> the check where it is made
+        unmade_only: list[int] = []  # such nodes made since the last check
         count: dict[int, int] = {}  # node -> its live values
         first: dict[int, int] = {}  # live node -> its first check (absent: none yet)
         waiting: list[int] = []  # nodes born since the last check
@@ -1557,6 +1574,9 @@ class _ProblemBuilder:
             grew = True
         for t in range(end + 1):
             born = births.get(t, ())
+            if t < end and node_of.get(t) in unwritten and node_of[t] not in made_only:
+                unmade_only.append(node_of[t])
+                grew = True
             for value_id in born:
                 node = owner.get(value_id)
                 if value_id in whole_program:
@@ -1585,6 +1605,9 @@ class _ProblemBuilder:
                 for node in making:
                     made[node] = len(points)
                 making.clear()
+                for node in unmade_only:
+                    made_only[node] = len(points)
+                unmade_only.clear()
                 label = graph.ops[t].label if t < end else "end"
                 points.append(LivePoint((), fixed, label=f"after %{t} {label}"))
                 self.point_ops.append(t)
@@ -1602,7 +1625,7 @@ class _ProblemBuilder:
         for node, start in first.items():  # live to the end (arguments)
             ranges.append(_live_range(node, start, len(points) - 1, made.get(node)))
         ranges.sort(key=lambda r: r.node)
-        return points, ranges
+        return points, ranges, tuple(sorted(made_only.items()))
 
 
 # Ops XLA moves a narrowing convert through (to their operand): a pad read only by matmuls
@@ -1618,16 +1641,19 @@ def tpu_unmaterialized(graph: Graph, kept_fused: set[int]) -> set[int]:
     (tpu_buffers.sliced_matmuls), matmul operands computed inside the matmuls
     (tpu_buffers.operand_fused_values), values read by reductions and matmuls that each of
     them recomputes (tpu_buffers.reduced_fused_values), the matmul results of residual sums
-    written in their place (tpu_buffers.reduced_matmul_sums) and the norm outputs every
-    reader recomputes (tpu_buffers.normalized_values), less the operands of written-out pads
+    written in their place (tpu_buffers.reduced_matmul_sums) and the norm outputs and gated
+    products every reader recomputes (tpu_buffers.normalized_values, gated_values), less the
+    operands of written-out pads
     and the reshapes it copies into their own layout (tpu_buffers.relaid_reshapes)."""
     return tpu_fusion(graph, kept_fused)[0]
 
 
-def tpu_fusion(graph: Graph, kept_fused: set[int]) -> tuple[set[int], set[int], set[int]]:
+def tpu_fusion(graph: Graph, kept_fused: set[int]
+               ) -> tuple[set[int], set[int], set[int], set[int]]:
     """(tpu_unmaterialized, the values of it that every reader recomputes beside reductions:
-    tpu_buffers.reduced_fused_values, the norm outputs of it that every reader recomputes:
-    tpu_buffers.normalized_values). A residual sum that a matmul's kernel writes in place of
+    tpu_buffers.reduced_fused_values, the norm outputs and gated products of it that every
+    reader recomputes and a loop carries: tpu_buffers.normalized_values and gated_values,
+    the gated products alone). A residual sum that a matmul's kernel writes in place of
     the matmul result (tpu_buffers.reduced_matmul_sums) is written, the matmul result not."""
     free = free_values(graph)
     combined = combined_values(graph, kept_fused, free)
@@ -1637,18 +1663,23 @@ def tpu_fusion(graph: Graph, kept_fused: set[int]) -> tuple[set[int], set[int], 
         out = (out - {written}) | chain
     # A matmul whose kernel writes a combined value (a residual sum) keeps its result's
     # buffer until that value is made, its last reader: the node holds the matmul's copies
-    # and transient bytes there (a node with no value written out holds none).
+    # and transient bytes there (a node with no value written out holds them where it is
+    # made: ShardingProblem.made_only).
     out |= output_fused_matmuls(graph, out | combined)
     out |= operand_fused_values(graph, out, free)
     reduced = reduced_fused_values(graph, out, free)
     out |= reduced
     normalized = normalized_values(graph, out, free)
     out |= normalized
+    # Gated products are recomputed alike, and carried by loops alike (_hold_carried_copies).
+    gated = gated_values(graph, out, free)
+    out |= gated
+    normalized = normalized | gated
     repeated = broadcast_operands(graph, out)
     out |= set(repeated)
     out -= set(repeated.values())  # the repeated value itself is written out
     out -= pad_operands(graph, out) | relaid_reshapes(graph)
-    return out, reduced & out, normalized & out
+    return out, reduced & out, normalized & out, gated & out
 
 
 def matmul_narrowed(graph: Graph, folded: set[int], dtype: str) -> dict[int, float]:

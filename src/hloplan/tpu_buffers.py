@@ -207,6 +207,56 @@ def normalized_values(graph: Graph, unmaterialized: set[int], free: set[int]) ->
     return out
 
 
+def gated_values(graph: Graph, unmaterialized: set[int], free: set[int]) -> set[int]:
+    """Elementwise values read only by matmuls, made by a fused chain from two or more
+    written-out matmul results of their own shape with one input (and values free to make)
+    that are all read again after the value's last matmul, directly or through a fused value
+    of the chain: a gated MLP's product `act(x @ w_gate) * (x @ w_up)`, whose backward pass
+    reads both matmul results for the product's derivative. XLA's TPU compiler recomputes such a value inside
+    each kernel that reads it and writes no buffer for it, as it does norm outputs
+    (normalized_values): keras_gemma's GeGLU and hf_llama's SwiGLU on v5e:16x16 (libtpu
+    0.0.42, 8 x 512 tokens per device: the f32 gate and up results live into the backward
+    pass, the product recomputed in the down projection's forward kernel and in its weight
+    gradient's; no buffer of it), models.py's llama on v5e:16x16 alike. A
+    collective-matmul loop reading it carries it as a buffer, written in bf16 where the
+    forward pass makes it and kept until the loop (hf_llama and models.py's llama on
+    v5e:2x4, whose weight gradients are `while` loops: `bf16[8,512,8192]` written beside the
+    up matmul's result, live into the backward pass): build_sharding_problem
+    `_hold_carried_copies`. Read by a batched matmul, it is written (keras_moe's expert
+    product, read by `bseh,ehd->bsed`, on v5e:16x16: `bf16[8,512,8,2048]` per layer live
+    into the backward pass), and so is one read by a convolution (not seen). One made from
+    a single such value is operand_fused_values'; GPT's `gelu(x @ w + b)` reads a bias
+    besides, smaller than it: not one of these. Value ids."""
+    out = set()
+    for op, value in _elementwise_results(graph):
+        readers = [graph.ops[u] for u in value.users]
+        if (value.id in unmaterialized or value.id in graph.outputs or value.type is None
+                or not readers or not all(u.name == "stablehlo.dot_general"
+                                          and not u.attrs.get("lhs_batch") for u in readers)):
+            continue
+        found = _fused_chain(graph, op, unmaterialized)
+        if found is None:
+            continue
+        chain, leaves = found
+        sources = leaves - free
+        # The sources are matmul results of one input (`x @ w_gate`, `x @ w_up`), as against
+        # a backward pass's product of a gradient and an activation's derivative.
+        producers = [graph.ops[graph.values[v].producer] for v in sources]
+        if (len(sources) < 2
+                or len(_same_shape_sources(graph, sources, free, value.type)) != len(sources)
+                or not all(p.name == "stablehlo.dot_general" for p in producers)
+                or len({p.operands[0] for p in producers}) != 1):
+            continue
+        last = max(value.users)
+        made = {r for index in chain for r in graph.ops[index].results} - {value.id}
+        late = {v for v in made | sources
+                if any(u > last and u not in chain for u in graph.values[v].users)}
+        # A fused value of the chain read late is recomputed there from all the sources.
+        if late & made or sources <= late:
+            out.add(value.id)
+    return out
+
+
 def pad_operands(graph: Graph, unmaterialized: set[int]) -> set[int]:
     """Values a written-out pad reads: XLA's TPU compiler gives such a pad a kernel of its
     own, which reads its operand from a buffer (the elementwise chain making the operand is
@@ -776,9 +826,10 @@ def _statistic_of(graph: Graph, value_id: int, made: set[int], free: set[int],
     for _ in range(limit):
         op = graph.ops[graph.values[value_id].producer]
         if op.name == "stablehlo.reduce":
-            return op.operands[0] in made
+            return op.operands[0] if op.operands[0] in made else None is not None
         operands = [v for v in op.operands if v not in free]
         if op.name == "arg" or len(operands) != 1:
             return False
         value_id = operands[0]
     return False
+

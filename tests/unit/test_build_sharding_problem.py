@@ -263,8 +263,9 @@ def _residual_gelu_step(ws, x):
 def test_tpu_holds_a_weights_copy_until_its_fused_input_gradient_matmul():
     """On TPU (libtpu gathers each weight once for its forward matmul and holds the copy until
     the backward input-gradient matmul reads it) the copy is held to the last point checked
-    before that matmul, also where the matmul's result is fused into its reader and it has no
-    live point of its own; on H100 it is held while the forward matmul runs."""
+    before that matmul, also where the matmul's result is fused into its reader (it holds no
+    result, and is made where that kernel runs); on H100 it is held while the forward matmul
+    runs."""
     s = jax.ShapeDtypeStruct
     w = s((1024, 1024), jnp.float32)
     data = export.export(jax.jit(_residual_gelu_step))(
@@ -277,8 +278,11 @@ def test_tpu_holds_a_weights_copy_until_its_fused_input_gradient_matmul():
         weight = graph.arguments[1]
         forward, backward = (u for u in dict.fromkeys(graph.values[weight].users)
                              if graph.ops[u].name == "stablehlo.dot_general")
-        # The backward matmul is fused on TPU: no point of its own.
-        assert (space.node_of[backward] in firsts) == (device == "h100")
+        # The backward matmul is fused on TPU: it holds no result, and is made at the first
+        # point checked from where it runs on (ShardingProblem.made_only).
+        made_only = dict(problem.made_only)
+        assert (space.node_of[backward] in made_only) == (device == "tpu-v5e")
+        assert space.node_of[backward] in firsts
         (read,) = (e for e in problem.edges if e.dst == space.node_of[forward]
                    and e.label.startswith(f"%{weight} "))
         after = [int(p.label.split()[1][1:]) for p in problem.live_points]
@@ -317,11 +321,50 @@ def test_tpu_holds_the_copy_a_sliced_matmul_reads():
     forward, backward = (u for u in dict.fromkeys(graph.values[head].users)
                          if graph.ops[u].name == "stablehlo.dot_general"
                          and graph.values[graph.ops[u].results[0]].type.rank == 3)
-    assert space.node_of[forward] not in firsts  # computed inside the slice's kernel
+    # Computed inside the slice's kernel: no result of its own, made where that kernel runs.
+    assert space.node_of[forward] in dict(problem.made_only)
     (read,) = (e for e in problem.edges if e.dst == space.node_of[forward]
                and e.label.startswith(f"%{head} "))
     after = [int(p.label.split()[1][1:]) for p in problem.live_points]
     first = min(k for k, op in enumerate(after) if op >= forward)
+    assert firsts[space.node_of[forward]] == first
     last = max(k for k, op in enumerate(after) if op <= backward)
     assert last > first
     assert read.held == (first, last)
+
+
+def _fused_matmul_step(w, x):
+    return jnp.tanh(x @ w) * 2.0
+
+
+def test_tpu_a_matmul_fused_into_its_reader_holds_its_bytes_where_it_is_made():
+    """A matmul whose result only its reader's kernel takes (an output fusion: no buffer of
+    its own) still runs there: it holds its partial sums before their reduce-scatter and the
+    copies it reads at the first point checked from it on, with no result of its own."""
+    from hloplan.solver.evaluate import point_contents
+    from hloplan.solver.problem import Solution
+
+    s = jax.ShapeDtypeStruct
+    data = export.export(jax.jit(_fused_matmul_step))(
+        s((2048, 2048), jnp.float32), s((4096, 2048), jnp.float32)).serialize()
+    state = hloplan.compile(data, "2x4", device="tpu-v5e", mesh_views="off").state
+    graph, space, problem = state.graph, state.space, state.problem
+    (matmul,) = (op.index for op in graph.ops if op.name == "stablehlo.dot_general")
+    node = space.node_of[matmul]
+    made = dict(problem.made_only)
+    assert node in made and node not in {r.node for r in problem.live_ranges}
+    assert not any(node in point.nodes for point in problem.live_points)
+    after = [int(p.label.split()[1][1:]) for p in problem.live_points]
+    assert made[node] == min(k for k, op in enumerate(after) if op >= matmul)
+    # Under a strategy summing partial products, its transient bytes are held there only.
+    strategies = problem.nodes[node].strategies
+    pick = max(range(len(strategies)), key=lambda k: strategies[k].transient)
+    assert strategies[pick].transient > 0
+    choice = list(state.solution.choice)
+    choice[node] = pick
+    for point in range(len(problem.live_points)):
+        held = {(h.kind, h.index): h.bytes
+                for h in point_contents(problem, Solution(tuple(choice)), point)}
+        assert held.get(("made", node)) == (strategies[pick].transient
+                                            if point == made[node] else None)
+        assert ("result", node) not in held

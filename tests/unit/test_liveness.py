@@ -122,3 +122,22 @@ def test_evaluator_and_ilp_memory_follow_the_rules(seed, fractional):
         # The ILP's model leaves the copies out (passes/solve_sharding.py adds them back).
         assert tuple(model.memory.choice_loads(choice)) == pytest.approx(
             _from_scratch(problem, solution, False), rel=1e-12)
+
+
+def test_a_node_that_holds_no_results_holds_its_transient_bytes_where_it_is_made():
+    """ShardingProblem.made_only: a node none of whose values is written out holds its
+    transient bytes (and the copies it reads) at its point, and never its results; a point
+    dropped by with_live_points takes that along."""
+    from hloplan.solver.problem import LivePoint, Node, Strategy
+
+    nodes = (Node("a", (Strategy("s", memory=10.0),)),
+             Node("fused", (Strategy("s", memory=100.0, transient=7.0),)))
+    points = tuple(LivePoint((0,)) for _ in range(3))
+    problem = ShardingProblem(nodes, live_points=points, made_only=((1, 1),))
+    problem.validate()
+    assert first_live_points(problem) == {0: 0, 1: 1}
+    assert evaluate(problem, Solution((0, 0))).memory == (10.0, 17.0, 10.0)
+    assert evaluate(problem.with_live_points([1, 2]), Solution((0, 0))).memory == (17.0, 10.0)
+    assert evaluate(problem.with_live_points([0, 2]), Solution((0, 0))).memory == (10.0, 10.0)
+    with pytest.raises(ValueError, match="has a live range"):
+        dataclasses.replace(problem, live_ranges=(LiveRange(1, 0, 2),)).validate()

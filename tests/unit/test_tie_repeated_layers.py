@@ -269,7 +269,8 @@ def test_pruned_memory_checks_keep_the_peak_of_every_tied_choice(stack_states):
     assert tied.facts["live_points_after_pruning"] == len(tied.problem.live_points)
     full = dataclasses.replace(tied.problem, live_points=untied.problem.live_points,
                                live_ranges=untied.problem.live_ranges,
-                               edges=untied.problem.edges)
+                               edges=untied.problem.edges,
+                               made_only=untied.problem.made_only)
     assert dominant_live_points(full) == [
         untied.problem.live_points.index(p) for p in tied.problem.live_points]
     rng = random.Random(0)

@@ -19,6 +19,7 @@ from hloplan.tpu_buffers import (
     broadcast_operands,
     combined_values,
     fused_selects,
+    gated_values,
     matmul_recomputed_sources,
     normalized_values,
     operand_fused_values,
@@ -134,7 +135,8 @@ def _activation_kept(x, w1, w2, g):
 
 
 def _gated(x, w1, w2, g):
-    """Made from two held values (a SwiGLU): written out."""
+    """Made from two held values (a gated MLP's product): recomputed in each matmul too
+    (gated_values), not by the one-source rule."""
     h, u = x @ w1, x @ (w1 * 2.0)
     a = h * jnp.tanh(h) * u
     y = a @ w2
@@ -145,13 +147,14 @@ def _gated(x, w1, w2, g):
 
 def test_matmul_operands_made_from_held_values_are_recomputed() -> None:
     args = (S((256, 128), F32), S((128, 512), F32), S((512, 128), F32), S((256, 128), F32))
-    for step, recomputed in ((_activation_recomputed, True), (_activation_kept, False),
-                             (_gated, False)):
+    for step, one_source, recomputed in ((_activation_recomputed, True, True),
+                                         (_activation_kept, False, False),
+                                         (_gated, False, True)):
         graph = _state(step, *args).graph
         fused = fused_values(graph, folded_transposes(graph))
         activation, = (op.results[0] for op in _ops(graph, "stablehlo.multiply")
                        if len(graph.values[op.results[0]].users) == 2)
-        assert (activation in operand_fused_values(graph, fused, free_values(graph))) == recomputed
+        assert (activation in operand_fused_values(graph, fused, free_values(graph))) == one_source
         assert (activation in tpu_unmaterialized(graph, fused)) == recomputed
 
 
@@ -723,3 +726,38 @@ def test_a_loop_reading_a_recomputed_norm_holds_its_bf16_copy() -> None:
         assert all(s.accumulators > 0 for b, s in zip(edge.carried, strategies) if b > 0)
         assert any(b > 0 for b in edge.carried)
         assert edge.held[0] <= edge.held[1]
+
+
+def _gated_mlp(x, w_gate, w_up, w_down):
+    """A GeGLU MLP's loss: the product `gelu(x @ w_gate) * (x @ w_up)` is read by the down
+    projection and its weight gradient; the backward pass reads both matmul results again."""
+    def loss(ws):
+        w_gate, w_up, w_down = ws
+        h = jax.nn.gelu(x @ w_gate, approximate=True) * (x @ w_up)
+        return jnp.mean((h @ w_down) ** 2)
+
+    return jax.grad(loss)((w_gate, w_up, w_down))
+
+
+def test_gated_products_are_recomputed_in_each_matmul() -> None:
+    """keras_gemma's GeGLU and hf_llama's SwiGLU on v5e:16x16 (libtpu 0.0.42): no buffer of
+    the product, recomputed from the f32 gate and up results in the down projection's
+    forward kernel and in its weight gradient's."""
+    args = (S((512, 256), F32), S((256, 1024), F32), S((256, 1024), F32), S((1024, 256), F32))
+    graph = _state(_gated_mlp, *args).graph
+    fused = fused_values(graph, folded_transposes(graph))
+    # The forward product: the first multiply of its shape that only matmuls read.
+    product = min(op.results[0] for op in _ops(graph, "stablehlo.multiply")
+                  if graph.type_of(op.results[0]).shape == (512, 1024)
+                  and graph.values[op.results[0]].users
+                  and all(graph.ops[u].name == "stablehlo.dot_general"
+                          for u in graph.values[op.results[0]].users))
+    unmaterialized = tpu_unmaterialized(graph, fused)
+    assert product in unmaterialized
+    assert product in gated_values(graph, unmaterialized - {product}, free_values(graph))
+    # Both matmul results stay written (the backward pass reads them).
+    sources = [v for v in graph.ops[graph.values[product].producer].operands
+               if graph.type_of(v).shape == (512, 1024)]
+    assert not any(graph.ops[graph.values[v].producer].name == "stablehlo.dot_general"
+                   and v in unmaterialized for v in sources)
+

@@ -5,8 +5,9 @@ The memory rules of a `ShardingProblem`, defined here and nowhere else:
 - results: a node's values are live at the points that list it and over its live range
   (`LiveRange`); a node listed twice at one point counts once.
 - transient bytes: a node holds its strategy's `transient` bytes at the point where its values
-  are made only (`first_live_points`: the first point that lists it, or its range's made point;
-  none when that point is no longer checked), gone at the next.
+  are made only (`first_live_points`: the first point that lists it, or its range's made point,
+  or for a node that holds no results its `ShardingProblem.made_only` point; none when that
+  point is no longer checked), gone at the next.
 - resharded copies: the copy an edge's reader needs (`Edge.copies`) is held over the edge's span
   (`copy_spans`: `Edge.held`, or the reader's made point), less the points it releases
   (`Edge.released`; `held_runs`).
@@ -48,6 +49,8 @@ def first_live_points(problem: ShardingProblem) -> dict[int, int]:
             first[r.node] = min(first.get(r.node, r.made_point), r.made_point)
         elif first.get(r.node, -1) >= r.first:  # made at a point no longer checked
             del first[r.node]
+    for node, p in problem.made_only:  # no results: listed nowhere else
+        first.setdefault(node, p)
     return first
 
 

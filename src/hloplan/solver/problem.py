@@ -169,6 +169,12 @@ class ShardingProblem:
     # point's `nodes` (a node has at most one range, and no point it covers lists it).
     live_ranges: tuple[LiveRange, ...] = ()
     launches: tuple[Launch, ...] = ()
+    # (node, point) of each node none of whose values is written out (XLA computes them
+    # inside their readers' kernels, or writes them into a donated argument's buffer): it
+    # holds no results, but is made at that point, where it holds its transient bytes and
+    # the copies it reads (liveness.first_live_points). A node has no range and is listed
+    # at no point besides.
+    made_only: tuple[tuple[int, int], ...] = ()
 
     def nodes_at(self, point: int) -> tuple[int, ...]:
         """The nodes live at one point, sorted, each once (time linear in the ranges)."""
@@ -199,9 +205,11 @@ class ShardingProblem:
             edges[e] = (replace(edges[e], held=(first, last), released=released)
                         if first <= last else replace(edges[e], copies=(), held=None,
                                                       released=()))
+        # A node made at a dropped point is made at no checked point (as a range's made).
+        made_only = tuple((node, index_of[p]) for node, p in self.made_only if p in index_of)
         return replace(self, edges=tuple(edges),
                        live_points=tuple(self.live_points[p] for p in kept),
-                       live_ranges=tuple(ranges))
+                       live_ranges=tuple(ranges), made_only=made_only)
 
     def points_of_nodes(self) -> list[list[int] | range]:
         """Per node, the points where it is live, in increasing order."""
@@ -271,6 +279,12 @@ class ShardingProblem:
                 raise ValueError(f"live range {r} is made outside itself")
             if ranged.setdefault(r.node, r) is not r:
                 raise ValueError(f"node {r.node} has two live ranges")
+        for node, p in self.made_only:
+            if not 0 <= node < len(self.nodes) or not 0 <= p < len(self.live_points):
+                raise ValueError(f"node {node} is made at point {p}, not within the "
+                                 f"{len(self.nodes)} nodes and {len(self.live_points)} points")
+            if node in ranged:
+                raise ValueError(f"node {node} is made at point {p} and has a live range")
         if ranged:
             for p, point in enumerate(self.live_points):
                 for index in point.nodes:
