@@ -84,7 +84,6 @@ from hloplan.tpu_buffers import (
     recomputed_sources,
     reduced_fused_values,
     reduced_matmul_sums,
-    relaid_reshapes,
     relaid_rows,
     row_major_results,
     scatter_updates_shape,
@@ -1643,8 +1642,7 @@ def tpu_unmaterialized(graph: Graph, kept_fused: set[int]) -> set[int]:
     them recomputes (tpu_buffers.reduced_fused_values), the matmul results of residual sums
     written in their place (tpu_buffers.reduced_matmul_sums) and the norm outputs and gated
     products every reader recomputes (tpu_buffers.normalized_values, gated_values), less the
-    operands of written-out pads
-    and the reshapes it copies into their own layout (tpu_buffers.relaid_reshapes)."""
+    operands of written-out pads."""
     return tpu_fusion(graph, kept_fused)[0]
 
 
@@ -1678,7 +1676,7 @@ def tpu_fusion(graph: Graph, kept_fused: set[int]
     repeated = broadcast_operands(graph, out)
     out |= set(repeated)
     out -= set(repeated.values())  # the repeated value itself is written out
-    out -= pad_operands(graph, out) | relaid_reshapes(graph)
+    out -= pad_operands(graph, out)
     return out, reduced & out, normalized & out, gated & out
 
 

@@ -8,8 +8,6 @@ holds no buffer for (build-sharding-problem's `unmaterialized`).
 
 from __future__ import annotations
 
-import math
-
 from hloplan.graph import Graph
 from hloplan.op_rules import ELEMENTWISE, fusible_consumer, fusible_producer, outer_product
 
@@ -406,52 +404,6 @@ def relaid_rows(shape: tuple[int, ...], itemsize: int) -> int:
     if row_major > tiled_elements(shape, itemsize):
         return row_major * itemsize
     return 0
-
-
-def splits_lanes(operand: tuple[int, ...], result: tuple[int, ...]) -> bool:
-    """Whether libtpu writes a reshape of `operand` into `result` out as a copy in the
-    result's own tiled layout, where it would otherwise be a view of the operand: the
-    reshape splits the operand's last dim into trailing dims, the last of which pads more to
-    a 128-lane tile than the dim it came from (a 64-wide dim split 4 x 16: 16 lanes padded
-    to 128). libtpu keeps the operand with that dim in the lanes (a convolution's output
-    keeps its features minor) but lays the result out in the order that pads least
-    (tiled_elements), so the result cannot read the operand's tiles: it copies it into a
-    buffer beside the operand's. Flax's GroupNorm reshapes each `f32[32,64,64,64]
-    {3,0,2,1:T(8,128)}` activation (channels minor) into `[32,64,64,4,16]` groups: libtpu
-    copies it into `{2,4,3,1,0:T(8,128)}`, the width minor, a 64 MiB buffer made in the
-    forward pass and read again by the backward pass; `[32,32,32,128]` into
-    `[32,32,32,4,32]{4,3,0,2,1:T(4,128)}` likewise (libtpu 0.0.42 on v5e:2x4)."""
-    if len(operand) < 2 or len(result) <= len(operand):
-        return False
-    last = len(operand) - 1
-    if result[:last] != operand[:last]:
-        return False
-    tail = result[last:]
-    if math.prod(tail) != operand[last] or len(tail) < 2 or min(tail) < 2:
-        return False
-    # Lanes padded per element: the split dim's against the operand's last dim's.
-    return _round_up(tail[-1], 128) * operand[last] > _round_up(operand[last], 128) * tail[-1]
-
-
-def relaid_reshapes(graph: Graph) -> set[int]:
-    """Results of the reshapes libtpu writes out in their own layout (splits_lanes) where
-    they group a dim for a reduction: read by reductions (per-group statistics) and
-    elementwise ops only, not by matmuls, whose operand layouts libtpu picks for the matmul
-    (an attention's `[.., 768]` split into 12 heads of 64 is read by its matmuls). Such a
-    result holds a buffer of its own even though its readers fuse it."""
-    out = set()
-    for op in graph.ops:
-        if op.name != "stablehlo.reshape" or not op.operands:
-            continue
-        operand, result = graph.type_of(op.operands[0]), graph.type_of(op.results[0])
-        if operand is None or result is None or not splits_lanes(operand.shape, result.shape):
-            continue
-        readers = [graph.ops[u].name for u in graph.values[op.results[0]].users]
-        if ("stablehlo.reduce" in readers
-                and all(r == "stablehlo.reduce" or r.removeprefix("stablehlo.") in ELEMENTWISE
-                        for r in readers)):
-            out.add(op.results[0])
-    return out
 
 
 _MATMULS = ("stablehlo.dot_general", "stablehlo.convolution")

@@ -18,10 +18,8 @@ from hloplan.cost_models import DeviceModelError, load_device_model
 from hloplan.strategies import local_bytes
 from hloplan.tpu_buffers import (
     gathers_rows,
-    relaid_reshapes,
     relaid_rows,
     scatter_updates_shape,
-    splits_lanes,
     tiled_elements,
 )
 
@@ -237,48 +235,3 @@ def test_all_gathers_of_two_dims_hold_a_transposed_copy() -> None:
     assert not any(e.relayout for e in other.problem.edges)
 
 
-def test_reshapes_splitting_the_lanes_into_groups() -> None:
-    """libtpu copies `f32[32,64,64,64]` (channels minor) into `[32,64,64,4,16]` laid out
-    `{2,4,3,1,0:T(8,128)}`; an attention's heads split, size-1 dims and merges are not such
-    splits."""
-    assert splits_lanes((32, 64, 64, 64), (32, 64, 64, 4, 16))
-    assert splits_lanes((32, 32, 32, 128), (32, 32, 32, 4, 32))
-    assert not splits_lanes((16, 128, 1024), (16, 128, 8, 128))  # 128 lanes stay full
-    assert not splits_lanes((16, 128), (16, 128, 1))
-    assert not splits_lanes((32, 64, 64, 4, 16), (32, 64, 64, 64))
-    assert not splits_lanes((32, 4096), (2048, 64))  # the leading dims change too
-
-
-def _group_norm_loss(x):
-    """GroupNorm's statistics over groups of 16 of the 64 channels, and its gradient."""
-    groups = x.reshape(*x.shape[:-1], 4, 16)
-    mean = groups.mean(axis=(1, 2, 4), keepdims=True)
-    var = (groups * groups).mean(axis=(1, 2, 4), keepdims=True) - mean * mean
-    y = ((groups - mean) * jax.lax.rsqrt(var + 1e-5)).reshape(x.shape)
-    return jnp.sum(jnp.tanh(y))
-
-
-def _attention_heads(x, w):
-    q = (x @ w).reshape(*x.shape[:-1], 12, 64)
-    return jnp.sum(jnp.einsum("bshd,bthd->bhst", q, q))
-
-
-def test_group_reshapes_hold_their_own_copy(monkeypatch) -> None:
-    """The grouped view of a GroupNorm's input is written out in its own layout and held
-    until the backward pass reads it: the estimated peak holds its tiled bytes beside the
-    input's (`[8,32,32,4,16]` per device on 8 devices: the 32-wide width minor, 4 MiB)."""
-    args = (S((64, 32, 32, 64), F32),)
-    options = make_options("8", device="tpu-v5e", mesh_views="off")
-    data = export.export(jax.jit(jax.grad(_group_norm_loss)))(*args).serialize()
-    result = compile_bytes(data, "step.jaxexport", options)
-    graph = result.state.graph
-    relaid = relaid_reshapes(graph)
-    assert [graph.type_of(v).shape for v in relaid] == [(64, 32, 32, 4, 16)]
-    peak = result.plan["estimate"]["peak_memory_bytes"]
-    from hloplan.passes import build_sharding_problem
-    monkeypatch.setattr(build_sharding_problem, "relaid_reshapes", lambda graph: set())
-    viewed = compile_bytes(data, "step.jaxexport", options).plan["estimate"]["peak_memory_bytes"]
-    assert peak - viewed >= tiled_elements((8, 32, 32, 4, 16), 4) * 4
-    heads = export.export(jax.jit(jax.grad(_attention_heads)))(
-        S((8, 128, 768), F32), S((768, 768), F32)).serialize()
-    assert not relaid_reshapes(compile_bytes(heads, "step.jaxexport", options).state.graph)
