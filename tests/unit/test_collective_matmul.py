@@ -55,12 +55,14 @@ def _weight_gradient(tokens: int, d: int, f: int) -> tuple[OpRule, list, list]:
             [TensorType((d, f), "f32")])
 
 
-def _scattered(devices: int, tokens: int, d: int, f: int, collective_matmul: bool):
+def _scattered(devices: int, tokens: int, d: int, f: int, collective_matmul: bool,
+               hbm=None):
     """The strategy that shards t over all devices and reduce-scatters dW over them on d."""
     table = "collective-matmul = true\n" if collective_matmul else ""
     comm = CommModel(_load_text(MODEL + table, "toy.toml"), parse_mesh(str(devices)))
     rule, operands, results = _weight_gradient(tokens, d, f)
-    (strategy,) = [s for s in enumerate_strategies(rule, operands, results, comm.mesh, comm)
+    (strategy,) = [s for s in enumerate_strategies(rule, operands, results, comm.mesh, comm,
+                                                   hbm=hbm)
                    if s.reduced_axes == (0,) and s.results == (((0,), ()),)]
     return strategy
 
@@ -78,6 +80,10 @@ def test_chunks_reread_the_stationary_operand():
                 + 3 * d * f * f32 / BANDWIDTH)
     assert chunk_bytes / BANDWIDTH > chunk_flops / RATE  # HBM-bound chunks
     assert looped.compute == pytest.approx(expected)
+    # G fused into the matmul (a softmax gradient recomputed from the logits): each chunk
+    # kernel still remakes it whole, as libtpu's loop over hf_bert's vocabulary does.
+    fused = _scattered(n, tokens, d, f, collective_matmul=True, hbm=((True, False), (True,)))
+    assert fused.compute == pytest.approx(expected)
     assert looped.compute > plain.compute
     # The partial sums travel while the chunks compute: only the last two chunks' sends and
     # what outlasts the compute are not hidden.
