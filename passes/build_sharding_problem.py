@@ -1356,13 +1356,6 @@ class _ProblemBuilder:
         if not spans:
             return problem
         allocated = spans[0][1]
-        # The loops run after the input-gradient chain: the last convolution that cannot loop
-        # (its data gradient, made where its point is) still sees every copy.
-        chain_end = max((point for node, point in made.items()
-                         if problem.nodes[node].strategies
-                         and not any(s.accumulators for s in problem.nodes[node].strategies)
-                         and self.graph.ops[self.space.op_of[node]].name
-                         == "stablehlo.convolution"), default=-1)
         edges = list(problem.edges)
         for (op_index, k), e in self.read_edges.items():
             op = self.graph.ops[op_index]
@@ -1375,16 +1368,14 @@ class _ProblemBuilder:
                             for s in self.space.strategies[op_index])
             made_at = bisect.bisect_left(self.point_ops, self.graph.values[op.operands[0]].producer)
             start = max(allocated, made_at)
-            end = max(made[node] - 1, chain_end)
+            end = made[node] - 1
             if not any(carried) or end < start:
                 continue
-            # Not at the loop's own point, where its transient is that copy.
-            released = (made[node],) if start <= made[node] <= end else ()
             edge = edges[e]
             zeros = tuple((0.0,) * len(row) for row in edge.costs)
             edges.append(Edge(edge.src, edge.dst, zeros,
                               label=f"{edge.label} (relaid for its loop)", carried=carried,
-                              held=(start, end), released=released))
+                              held=(start, end)))
         return replace(problem, edges=tuple(edges))
 
     def _hold_weight_copies(self, problem: ShardingProblem) -> ShardingProblem:

@@ -135,13 +135,7 @@ def test_planner_holds_a_relaid_loop_copy_from_the_accumulators() -> None:
     problem, graph, mesh = state.problem, state.graph, state.options.mesh
     made = first_live_points(problem)
     allocated = accumulator_spans(problem, made)[0][1]
-    # libtpu runs the loops after the input-gradient chain (linen_resnet on v5e:2x4: its
-    # three relaid copies live until after Block_0's data gradients): each copy is held to
-    # the last convolution that cannot loop.
-    chain_end = max(made[state.space.node_of[op.index]] for op in graph.ops
-                    if op.name == "stablehlo.convolution" and not any(
-                        s.accumulators for s in state.space.strategies[op.index]))
-    checked = {"relaid": 0, "own layout": 0, "after its loop": 0}
+    checked = {"relaid": 0, "own layout": 0}
     for conv in (op for op in graph.ops if op.name == "stablehlo.convolution"):
         node = state.space.node_of[conv.index]
         if made[node] <= allocated + 1:
@@ -167,20 +161,11 @@ def test_planner_holds_a_relaid_loop_copy_from_the_accumulators() -> None:
                 at_start = point_contents(problem, Solution(tuple(choice)), allocated)
                 assert any(h.kind == "copy" and problem.edges[h.index].dst == node
                            for h in at_start)
-                # Not beside the loop's transient at its own point.
-                own = point_contents(problem, Solution(tuple(choice)), made[node])
-                assert not any(h.kind == "copy" and problem.edges[h.index].dst == node
-                               for h in own)
-                if chain_end > made[node]:
-                    at_end = point_contents(problem, Solution(tuple(choice)), chain_end)
-                    assert [h.bytes for h in at_end if h.kind == "copy"
-                            and problem.edges[h.index].dst == node] == [held.transient]
-                    checked["after its loop"] += 1
                 checked["relaid"] += 1
             else:
                 assert not copies
                 checked["own layout"] += 1
-    assert checked["relaid"] and checked["own layout"] and checked["after its loop"]
+    assert checked["relaid"] and checked["own layout"]
 
 
 _LIBTPU_LOOPS = r"""
