@@ -138,7 +138,11 @@ def reduced_matmul_sums(graph: Graph, unmaterialized: set[int]) -> dict[int, set
                 break
             chain.add(value.id)
             value = result
-        if (not chain or value.id not in unmaterialized or value.id in graph.outputs
+        # A convolution's kernel writes the value even where it is written out anyway (a
+        # multi-output value: a ReLU gradient's select that a GroupNorm backward reduces and
+        # multiplies); a dot_general's keeps its result's buffer there (tpu_fusion).
+        if (not chain or value.id in graph.outputs
+                or (value.id not in unmaterialized and op.name != "stablehlo.convolution")
                 or not any(graph.ops[u].name == "stablehlo.reduce"
                            and (graph.ops[u].parent, graph.ops[u].region) == (op.parent, op.region)
                            for u in value.users)

@@ -761,3 +761,44 @@ def test_gated_products_are_recomputed_in_each_matmul() -> None:
     assert not any(graph.ops[graph.values[v].producer].name == "stablehlo.dot_general"
                    and v in unmaterialized for v in sources)
 
+
+
+def _conv(h, w):
+    return jax.lax.conv_general_dilated(h, w, (1, 1), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def _norm_relu_convs(x, w0, w1, b):
+    """The input gradient of `relu(norm(x) + b)` read by two convolutions (a ResNet block's
+    residual and main branches): the two convolutions' input gradients are summed, masked
+    by the ReLU's select, and that select is reduced (b's gradient) and multiplied (the
+    norm's backward)."""
+    def loss(x, b):
+        m = jnp.mean(x, axis=(1, 2, 3), keepdims=True)
+        v = jnp.mean(jnp.square(x - m), axis=(1, 2, 3), keepdims=True)
+        h = jax.nn.relu((x - m) * jax.lax.rsqrt(v + 1e-5) + b)
+        return jnp.sum(jnp.square(_conv(h, w0) + _conv(h, w1)))
+    return jax.grad(loss, argnums=(0, 1))(x, b)
+
+
+def test_a_convolution_writes_the_select_its_gradient_sum_makes() -> None:
+    """libtpu computes the second convolution's input gradient inside the kernel that writes
+    the ReLU gradient's select (with its reductions), into the first one's buffer: that
+    convolution result is never written even though the select is (a multi-output value).
+    flax linen ResNet on v5e:4x8, 32 images of 64x64 per device: `fusion.199`, Block_1's
+    Conv_1 gradient, writes the select; Block_0's Conv_1 gradient alike (`fusion.200`)."""
+    args = (S((8, 32, 32, 64), F32), S((3, 3, 64, 64), F32), S((1, 1, 64, 64), F32),
+            S((64,), F32))
+    graph = _state(_norm_relu_convs, *args).graph
+    fused = fused_values(graph, folded_transposes(graph))
+    combined = combined_values(graph, fused, free_values(graph))
+    select, = (op.results[0] for op in _ops(graph, "stablehlo.select")
+               if graph.type_of(op.results[0]).shape == (8, 32, 32, 64))
+    assert select in combined  # written out: reduced and read by other kernels
+    gradients = {op.results[0] for op in _ops(graph, "stablehlo.convolution")
+                 if "transpose" in (op.label or "")}
+    sums = reduced_matmul_sums(graph, set(fused) - combined)
+    assert select in sums and len(sums[select] & gradients) == 1
+    unmaterialized = tpu_unmaterialized(graph, fused)
+    assert select not in unmaterialized
+    assert len(gradients & unmaterialized) == 1
