@@ -70,8 +70,9 @@ class PropagateSharding:
                              self._pinned(state, op.attrs.get("yield"), carry)))
                 continue
             entry = per_mlir_op.setdefault(id(mlir_op), (mlir_op, {}))
-            for result_index, spec in zip(result_indices, chosen.results):
-                if not constrain_implied and self._implied(state, op_index, result_index):
+            # result_indices number the MLIR op's results; k the graph op's
+            for k, (result_index, spec) in enumerate(zip(result_indices, chosen.results)):
+                if not constrain_implied and self._implied(state, op_index, k):
                     implied += 1
                     continue
                 if self.constrain_replicated or any(spec):
@@ -120,13 +121,13 @@ class PropagateSharding:
         state.facts["result_constraints"] = results
         state.facts["implied_results"] = implied
 
-    def _implied(self, state: CompileState, op_index: int, result_index: int) -> bool:
+    def _implied(self, state: CompileState, op_index: int, result: int) -> bool:
         """Whether the op's result layout follows from its operands' layouts alone, as XLA's
         propagation maps them (implied_layout), and every reader takes it in that layout (a
         reader resharding it could pull the layout back otherwise)."""
         graph = state.graph
         op = graph.ops[op_index]
-        value_id = op.results[result_index]
+        value_id = op.results[result]
         chosen = state.chosen(op_index)
         if len(op.results) != 1 or value_id in graph.outputs:
             return False

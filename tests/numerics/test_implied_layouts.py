@@ -78,3 +78,25 @@ def test_implied_layouts_are_left_to_propagation(tmp_path):
     expected = jax.jit(step)(*args)
     for a, b in zip(jax.tree.leaves(runs["left"]), jax.tree.leaves(expected)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_rematerialized_step_keeps_its_barrier_results_constrained(tmp_path):
+    """jax.checkpoint's optimization barrier is one MLIR op with several results, each its own
+    graph op: those results are constrained by their index in the MLIR op."""
+    args = _args()
+    remat = jax.checkpoint(_loss)
+
+    def remat_step(params, x):
+        loss, grads = jax.value_and_grad(remat)(params, x)
+        return loss, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    data = export.export(jax.jit(remat_step), platforms=("cpu", "tpu"))(*args).serialize()
+    result = _plan(data, None)
+    graph = result.state.graph
+    assert any(op.name == "barrier.result" for op in graph.ops)
+    assert result.state.facts["implied_results"] > 0
+    result.write(tmp_path / "plan")
+    got = hloplan.load(tmp_path / "plan")(*args)
+    expected = jax.jit(remat_step)(*args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
