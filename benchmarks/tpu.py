@@ -177,6 +177,14 @@ def collective_ratios(predicted: dict, compiled: dict) -> dict:
                                    if compiled_bytes else None)}
 
 
+def best_hand(hand: dict) -> tuple[str | None, float | None]:
+    """(name, step) of the fastest hand plan whose compiled peak fits the device, or (None,
+    None) where none does; `hand` maps names to formula() results."""
+    fitting = {k: v["step_s"] for k, v in hand.items() if v["fits"]}
+    best = min(fitting, key=fitting.get) if fitting else None
+    return best, fitting.get(best)
+
+
 def run_case(case: str) -> dict:
     import hand_plans
     import jax
@@ -203,8 +211,9 @@ def run_case(case: str) -> dict:
         out["hand"][plan.name]["compile_s"] = time.perf_counter() - started
     exported = export.export(jax.jit(step, donate_argnums=(0,)), platforms=("tpu",))(
         models.abstract(state_spec), models.abstract(batch_spec))
+    data = bytes(exported.serialize())
     started = time.perf_counter()
-    result = compile_bytes(bytes(exported.serialize()), f"{name}.jaxexport",
+    result = compile_bytes(data, f"{name}.jaxexport",
                            make_options(mesh_text, device=device_model_for(topology),
                                         mesh_views="off"))
     plan_s = time.perf_counter() - started
@@ -224,7 +233,7 @@ def run_case(case: str) -> dict:
     # `--select compiled`: the model's plan, data parallel and FSDP compiled by libtpu, the
     # lowest compiled score kept; scored here as every other plan.
     started = time.perf_counter()
-    selected = compile_bytes(bytes(exported.serialize()), f"{name}.jaxexport",
+    selected = compile_bytes(data, f"{name}.jaxexport",
                              make_options(mesh_text, device=device_model_for(topology),
                                           mesh_views="off", select="compiled"))
     select_s = time.perf_counter() - started
@@ -235,11 +244,10 @@ def run_case(case: str) -> dict:
     chosen.pop("memory")
     chosen.update(plan_s=select_s, selection=selected.plan["selection"])
     out["hloplan_selected"] = chosen
-    fitting = {k: v["step_s"] for k, v in out["hand"].items() if v["fits"]}
-    best = min(fitting, key=fitting.get) if fitting else None
+    best, best_s = best_hand(out["hand"])
     out["best_hand"] = best
-    out["vs_best_hand"] = ours["step_s"] / fitting[best] if best else None
-    out["selected_vs_best_hand"] = chosen["step_s"] / fitting[best] if best else None
+    out["vs_best_hand"] = ours["step_s"] / best_s if best else None
+    out["selected_vs_best_hand"] = chosen["step_s"] / best_s if best else None
     return out
 
 
@@ -324,8 +332,9 @@ def _corpus_case_at(name: str, topology, sizes: dict, keep: Path | None,
     step, args = program.build(**sizes)
     donated = getattr(step, "donate_argnums", (0, 1) if len(args) == 4 else (0,))
     exported = jax.export.export(jax.jit(step, donate_argnums=donated), platforms=("tpu",))(*args)
+    data = bytes(exported.serialize())
     started = time.perf_counter()
-    result = compile_bytes(bytes(exported.serialize()), f"{name}.jaxexport",
+    result = compile_bytes(data, f"{name}.jaxexport",
                            make_options(mesh_text, device=device_model_for(topology),
                                         mesh_views="off"))
     planning_s = time.perf_counter() - started
@@ -347,8 +356,8 @@ def _corpus_case_at(name: str, topology, sizes: dict, keep: Path | None,
     compiled = sum(v["compiled"] for v in table.values())
     solver = result.plan["solver"]
     score = entry["compiled"]["score"]
-    quality = corpus_plan_quality(bytes(exported.serialize()), donated, topology.name,
-                                  score) if hand else {"hloplan_score": score}
+    quality = corpus_plan_quality(data, donated, topology.name, score) if hand \
+        else {"hloplan_score": score}
     return {**quality, "program": name, "library": program.library, "topology": report["topology"],
             "sizes": sizes, "planning_s": planning_s,
             # A plan the time limit cut (a loaded machine) differs from the quiet one's.
@@ -371,11 +380,12 @@ def corpus_plan_quality(data: bytes, donated: tuple[int, ...], topology_name: st
 
     tm = topology_mesh(topology_name)
     exported = jax.export.deserialize(bytearray(data))
+    donated = tuple(donated)
     hand: dict[str, dict] = {}
-    for plan, shardings in hand_plans.exported_plans(exported, tuple(donated), tm.mesh).items():
+    for plan, shardings in hand_plans.exported_plans(exported, donated, tm.mesh).items():
         started = time.perf_counter()
         try:
-            compiled = hand_plans.compile_exported_plan(exported, tuple(donated), shardings)
+            compiled = hand_plans.compile_exported_plan(exported, donated, shardings)
         except Exception as error:
             if not does_not_fit(error):
                 raise
@@ -384,10 +394,9 @@ def corpus_plan_quality(data: bytes, donated: tuple[int, ...], topology_name: st
         hand[plan] = formula(compiled, tm.mesh_axes, tm.comm)
         hand[plan].pop("memory")
         hand[plan]["compile_s"] = time.perf_counter() - started
-    fitting = {k: v["step_s"] for k, v in hand.items() if v["fits"]}
-    best = min(fitting, key=fitting.get) if fitting else None
+    best, best_s = best_hand(hand)
     return {"hand": hand, "hloplan_score": ours, "best_hand": best,
-            "vs_best_hand": ours["step_s"] / fitting[best] if best else None}
+            "vs_best_hand": ours["step_s"] / best_s if best else None}
 
 
 def corpus_main(names: list[str], output: str, topology_name: str = CORPUS_TOPOLOGY,

@@ -1295,8 +1295,8 @@ class _ProblemBuilder:
 
     def _hold_carried_copies(self, problem: ShardingProblem) -> ShardingProblem:
         """Edge.carried on the reads of norm outputs (tpu_buffers.normalized_values) and
-        gated products (tpu_buffers.gated_values) by the last matmul reading each: under a strategy whose collective-matmul loop stays a loop
-        (_stays_loop), the value's bytes in the MXU's input dtype, held from the value's first
+        gated products (tpu_buffers.gated_values) by the last matmul reading each: under a
+        strategy whose collective-matmul loop stays a loop (_stays_loop), the value's bytes in the MXU's input dtype, held from the value's first
         reader to that loop (Edge.held). libtpu's kernels recompute such a value
         from its source, but a loop carries its operands as buffers: libtpu writes the value
         in bf16 where the forward pass recomputes it and keeps that buffer until the loop

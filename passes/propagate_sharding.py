@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hloplan import ir
-from hloplan.op_rules import CHLO_ELEMENTWISE, ELEMENTWISE
+from hloplan.op_rules import is_elementwise
 from hloplan.state import CompileState
 from hloplan.strategies import replicated, spec_names, spec_text
 
@@ -233,9 +233,7 @@ def implied_layout(op, operands: list[tuple[tuple[int, ...], object]], shape: tu
     else None: an elementwise op's full-rank operands with a layout all in one; a transpose's
     permuted; a broadcast's operand dims kept where their size is; a reshape's sharded dims
     that it keeps whole (same size at the same position in the flattened order)."""
-    short = op.name.split(".", 1)[-1]
-    if op.name.startswith("chlo.") and short in CHLO_ELEMENTWISE or \
-            op.name.startswith("stablehlo.") and short in ELEMENTWISE:
+    if is_elementwise(op.name):
         # Operands without a layout (constants, free values) take whatever their reader's is.
         layouts = {layout for dims, layout in operands
                    if len(dims) == len(shape) and layout is not None}

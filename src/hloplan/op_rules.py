@@ -136,8 +136,7 @@ def rule_for(graph: Graph, op: Op) -> OpRule:
         b = _Builder()
         dims = b.fresh_dims(_type(graph, op.results[0]).shape)
         return b.rule([dims for _ in op.operands], [dims])
-    if (name.startswith("stablehlo.") and short in ELEMENTWISE) or (
-            name.startswith("chlo.") and short in CHLO_ELEMENTWISE):
+    if is_elementwise(name):
         return _elementwise(graph, op, short)
     handler = _HANDLERS.get(name)
     if handler is not None:
@@ -545,6 +544,13 @@ NO_TRAFFIC_OPS = {"arg", "case.result", *IDENTITY_PSEUDO}
 
 def _short(name: str) -> str:
     return name.split(".", 1)[1] if "." in name else name
+
+
+def is_elementwise(name: str) -> bool:
+    """Whether an op of this name is a StableHLO or CHLO elementwise op."""
+    short = _short(name)
+    return (name.startswith("stablehlo.") and short in ELEMENTWISE) or (
+        name.startswith("chlo.") and short in CHLO_ELEMENTWISE)
 
 
 def fusible_producer(name: str) -> bool:
