@@ -157,13 +157,17 @@ class BuildShardingProblem:
     # Pointwise ops share their producer's decision (XLA's "followers").
     follow_pointwise: bool = True
     # A merged collective's first launch becomes an ILP term only when it costs at least this
-    # (seconds): over a 1,024-GPU mesh one all-reduce launch is 20 ms of ring latency, which
-    # the per-collective shares (bytes / 30 MiB of it) hide. On <= 32 GPUs (4 nodes) launches
-    # are under 1 ms; priced there they would move the Flax transformer on 4x8 from 0.834 to
-    # 2.32 of the best hand plan, whose compiled program has no such all-reduce. On 8x8
-    # (1.26 ms) they are priced, and make the 2-layer GPT's LP relaxation fractional (its
-    # solve takes about 9 times longer).
-    min_launch_s: float = 1e-3
+    # (seconds; None: 0.1 ms on a TPU device model, else 1 ms). Over a 1,024-GPU mesh one
+    # all-reduce launch is 20 ms of ring latency, which the per-collective shares (bytes /
+    # 30 MiB of it) hide. On <= 32 GPUs (4 nodes) launches are under 1 ms; priced there they
+    # would move the Flax transformer on 4x8 from 0.834 to 2.32 of the best hand plan, whose
+    # compiled program has no such all-reduce. On 8x8 (1.26 ms) they are priced, and make the
+    # 2-layer GPT's LP relaxation fractional (its solve takes about 9 times longer). libtpu
+    # merges a step's all-reduces and reduce-scatters into buffers that each pay their ring
+    # steps: over v5e:16x16's 256 chips an all-reduce launch is 0.51 ms, a tenth of
+    # linen_resnet's step, and a plan that reduce-scatters some gradients and all-reduces the
+    # rest pays two.
+    min_launch_s: float | None = None
     # Price (and have propagate-sharding pin) a multi-axis all-gather as one all-gather per
     # axis, minor-most first, where that is cheaper: XLA gathers [(x, y)] -> [-] over all
     # devices at once, in n_x * n_y - 1 ring steps rather than (n_x - 1) + (n_y - 1).
@@ -176,7 +180,10 @@ class BuildShardingProblem:
         comm = CommModel(options.device, options.mesh, hosts=options.hosts,
                          combine=options.device.combiner, staged_gathers=self.staged_gathers)
         state.comm = comm
-        builder = _ProblemBuilder(graph, comm, self.follow_pointwise, state, self.min_launch_s)
+        min_launch_s = self.min_launch_s
+        if min_launch_s is None:
+            min_launch_s = 1e-4 if options.device.platform == "tpu" else 1e-3
+        builder = _ProblemBuilder(graph, comm, self.follow_pointwise, state, min_launch_s)
         state.space, state.problem = builder.build(options.plan_budget)
         state.facts["nodes"] = len(state.problem.nodes)
         state.facts["edges"] = len(state.problem.edges)
@@ -1026,7 +1033,9 @@ class _ProblemBuilder:
             return replace(plain, memory=memory,
                            transient=self._loop_copy(op, strategy)
                            + self._loop_written(op, strategy),
-                           accumulators=2 * memory if plain.accumulators else 0.0)
+                           accumulators=2 * memory if plain.accumulators else 0.0,
+                           compute_cost=plain.compute_cost
+                           + self._conv_loop_seconds(op, strategy))
         made = sum(self._held_bytes(t, spec, True) for t, spec in zip(types, strategy.results))
         n = len(op.results)
         window = tuple(op.attrs.get("update_window_dims", ()))
@@ -1073,6 +1082,41 @@ class _ProblemBuilder:
         carried = conv_loop_operand_dims(shape, op.attrs["input_feature"],
                                          op.attrs["input_batch"], chunk)
         return self._loop_copy(op, strategy) if carried[0] != minor_dims(shape)[0] else 0.0
+
+    def _conv_loop_seconds(self, op: Op, strategy: OpStrategy) -> float:
+        """HBM time of the kernels a convolution's collective-matmul loop that stays a loop
+        (_stays_loop) runs besides its chunk convolutions and accumulators
+        (strategies.collective_matmul_time):
+        - a padded window: in each of the loop's n / 4 trips, one kernel slices and pads that
+          trip's two chunks, reading the moving operand (the one holding the scattered dim)
+          whole;
+        - a loop that relays its input (_relaid_loop_copy): the input written in the MXU's
+          input dtype (the one convolution would have read it from its producers) and copied
+          into the loop's layout (read and written), three passes.
+        linen_resnet's kernel gradients on v5e:2x4 (32 images per device, libtpu 0.0.42):
+        `maximum` fusions writing `bf16[32,64,64,64]`, a `copy` into `{0,3,2,1}`, and a
+        `dynamic-slice, pad` fusion in each trip of `windowed_dot_general_body_rs`. Counted
+        in the operands' own elements, as the loop's other reads are."""
+        if (op.name != "stablehlo.convolution" or not self._stays_loop(strategy)
+                or not self.comm.model.tiled_layouts):
+            return 0.0
+        reduced = tuple(strategy.reduced_axes)
+        scattered = [d for d, axes in enumerate(strategy.results[0]) if tuple(axes) == reduced]
+        moving = {op.attrs["output_batch"]: 0, op.attrs["output_feature"]: 1}.get(
+            scattered[0] if len(scattered) == 1 else -1)
+
+        def mxu_bytes(k: int) -> float:
+            type_ = self.graph.type_of(op.operands[k])
+            return (mxu_itemsize(type_, self.comm.model)
+                    * math.prod(local_shape(type_, strategy.operands[k], self.mesh)))
+
+        passes = 0.0
+        if moving is not None and any(op.attrs.get("padding") or ()):
+            trips = math.prod(self.mesh.axis_sizes[a] for a in reduced) // 4
+            passes += trips * mxu_bytes(moving)
+        if self._relaid_loop_copy(op, strategy):
+            passes += 3 * mxu_bytes(0)
+        return passes / self.comm.model.hbm_bandwidth
 
     def _stays_loop(self, strategy: OpStrategy) -> bool:
         """Whether `strategy`'s collective-matmul loop stays a loop in libtpu's program: over

@@ -8,6 +8,7 @@ installed; planning runs on abstract shapes, no libtpu needed."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -100,6 +101,44 @@ def test_planner_holds_the_loops_copy_in_its_layout() -> None:
     assert checked
 
 
+def test_a_padded_relaid_loop_pays_for_its_extra_kernels() -> None:
+    """A 3x3 kernel gradient (SAME padding) reduce-scattered over 8 devices: each looped
+    strategy costs its kernels beyond the chunk convolutions: per trip (8 / 4) one pass over
+    the operand it chunks (the input for a scatter onto input channels, the output gradient
+    for one onto output channels) in bf16, and, where the loop relays the input into the
+    images-minor layout, three more passes over the input (written in bf16, copied). A
+    strategy that does not loop pays nothing more."""
+    step, args = _kernel_gradient(64, 64, 64, 128, 2)
+    data = export.export(jax.jit(step))(*args).serialize()
+    state = compile_bytes(data, "step.jaxexport",
+                          make_options("8", device="tpu-v5e", mesh_views="off")).state
+    conv = next(op for op in state.graph.ops if op.name == "stablehlo.convolution")
+    node = state.problem.nodes[state.space.node_of[conv.index]]
+    mesh, model = state.options.mesh, state.options.device
+    checked = {"relaid": 0, "moving output gradient": 0, "no loop": 0}
+    for strategy, held in zip(state.space.strategies[conv.index], node.strategies, strict=True):
+        extra = (held.compute_cost - strategy.compute) * model.hbm_bandwidth
+        if not strategy.accumulators:
+            assert extra == 0
+            checked["no loop"] += 1
+            continue
+        lhs = local_shape(state.graph.type_of(conv.operands[0]), strategy.operands[0], mesh)
+        rhs = local_shape(state.graph.type_of(conv.operands[1]), strategy.operands[1], mesh)
+        scattered = [d for d, axes in enumerate(strategy.results[0]) if axes]
+        if scattered == [conv.attrs["output_batch"]]:
+            chunk = local_shape(state.graph.type_of(conv.results[0]), strategy.results[0],
+                                mesh)[conv.attrs["output_batch"]]
+            carried = conv_loop_operand_dims(lhs, conv.attrs["input_feature"],
+                                             conv.attrs["input_batch"], chunk)
+            relaid = carried[0] != minor_dims(lhs)[0]
+            assert extra == pytest.approx(2 * math.prod(lhs) * (2 + 3 * relaid))
+            checked["relaid"] += relaid
+        elif scattered == [conv.attrs["output_feature"]]:
+            assert extra == pytest.approx(2 * 2 * math.prod(rhs))
+            checked["moving output gradient"] += 1
+    assert all(checked.values()), checked
+
+
 def _three_convolutions(images: int = 64):
     """A step of three 3x3 convolutions (64 channels, 64^2 pixels) with relus between them,
     trained by SGD: its kernel gradients read the relus (and the input) in the backward pass."""
@@ -173,6 +212,7 @@ import json, re, sys
 import numpy as np, jax, jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from hloplan.hlo_stats import compiled_kernels
 from hloplan.tpu import parse_topology, topology_devices
 
 mesh = Mesh(np.array(topology_devices(parse_topology("v5e:2x4"))), ("d",))
@@ -190,7 +230,10 @@ for images, side, channels, co, stride in json.loads(sys.argv[1]):
             jax.ShapeDtypeStruct((n, h, h, co), jnp.float32, sharding=batch))
     text = jax.jit(step, out_shardings=ws).lower(*args).compile().as_text()
     found = re.search(r"= \(bf16\[[\d,]+\]\{(\d+),", text.partition(" while(")[0].rpartition("\n")[2])
-    out.append(int(found.group(1)) if found else None)
+    # The kernels run in each trip that slice and pad the trip's chunks (no convolution).
+    pads = sum(k.multiplier for k in compiled_kernels(text) if k.multiplier > 1
+               and {"dynamic-slice", "pad"} <= k.opcodes and "convolution" not in k.opcodes)
+    out.append([int(found.group(1)) if found else None, pads])
 print(json.dumps(out))
 """
 
@@ -203,7 +246,11 @@ def test_libtpu_carries_the_layout_the_planner_holds() -> None:
                            json.dumps([case for case, _ in CASES])],
                           env=child_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == [minor for _, minor in CASES]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [minor for minor, _ in found] == [minor for _, minor in CASES]
+    # Over 8 devices the loop runs 2 trips, each padding its chunks in a kernel of its own
+    # (build-sharding-problem _conv_loop_seconds).
+    assert [pads for _, pads in found] == [2] * len(CASES)
 
 
 
