@@ -82,14 +82,18 @@ def with_pass_options(by_name: dict, settings: tuple[str, ...]) -> dict:
                              f"of a pass in the pipeline")
         current = getattr(step, field_name)
         try:
-            optional = "None" in str(fields[field_name].type)  # "auto": the pass decides
-            if isinstance(current, bool) or optional and "bool" in str(fields[field_name].type):
-                value = {"true": True, "false": False, "1": True, "0": False,
-                         **({"auto": None} if optional else {})}[text.lower()]
+            annotation = str(fields[field_name].type)
+            optional = "None" in annotation  # "auto": the pass decides
+            kind = type(current) if current is not None else next(
+                (t for t in (bool, int, float, str) if t.__name__ in annotation), str)
+            if optional and text.lower() == "auto":
+                value = None
+            elif kind is bool:
+                value = {"true": True, "false": False, "1": True, "0": False}[text.lower()]
             else:
-                value = type(current)(text)
+                value = kind(text)
         except (KeyError, ValueError):
             raise UsageError(f"--pass-option {setting!r}: {text!r} is not a "
-                             f"{type(current).__name__}") from None
+                             f"{kind.__name__}") from None
         by_name[pass_name] = dataclasses.replace(step, **{field_name: value})
     return by_name
