@@ -68,6 +68,7 @@ from hloplan.strategies import (
     shards,
 )
 from hloplan.tpu_buffers import (
+    biased_activations,
     broadcast_operands,
     combined_values,
     conv_loop_operand_dims,
@@ -1684,18 +1685,18 @@ def tpu_unmaterialized(graph: Graph, kept_fused: set[int]) -> set[int]:
     (tpu_buffers.sliced_matmuls), matmul operands computed inside the matmuls
     (tpu_buffers.operand_fused_values), values read by reductions and matmuls that each of
     them recomputes (tpu_buffers.reduced_fused_values), the matmul results of residual sums
-    written in their place (tpu_buffers.reduced_matmul_sums) and the norm outputs and gated
-    products every reader recomputes (tpu_buffers.normalized_values, gated_values), less the
-    operands of written-out pads."""
+    written in their place (tpu_buffers.reduced_matmul_sums) and the norm outputs, gated
+    products and biased activations every reader recomputes (tpu_buffers.normalized_values,
+    gated_values, biased_activations), less the operands of written-out pads."""
     return tpu_fusion(graph, kept_fused)[0]
 
 
 def tpu_fusion(graph: Graph, kept_fused: set[int]
                ) -> tuple[set[int], set[int], set[int], set[int]]:
     """(tpu_unmaterialized, the values of it that every reader recomputes beside reductions:
-    tpu_buffers.reduced_fused_values, the norm outputs and gated products of it that every
-    reader recomputes and a loop carries: tpu_buffers.normalized_values and gated_values,
-    the gated products alone). A residual sum that a matmul's kernel writes in place of
+    tpu_buffers.reduced_fused_values, the norm outputs, gated products and biased activations
+    of it that every reader recomputes and a loop carries: tpu_buffers.normalized_values,
+    gated_values and biased_activations, the last two alone). A residual sum that a matmul's kernel writes in place of
     the matmul result (tpu_buffers.reduced_matmul_sums) is written, the matmul result not."""
     free = free_values(graph)
     combined = combined_values(graph, kept_fused, free)
@@ -1713,8 +1714,10 @@ def tpu_fusion(graph: Graph, kept_fused: set[int]
     out |= reduced
     normalized = normalized_values(graph, out, free)
     out |= normalized
-    # Gated products are recomputed alike, and carried by loops alike (_hold_carried_copies).
+    # Gated products and biased activations are recomputed alike, and carried by loops alike
+    # (_hold_carried_copies).
     gated = gated_values(graph, out, free)
+    gated |= biased_activations(graph, out | gated, free)
     out |= gated
     normalized = normalized | gated
     repeated = broadcast_operands(graph, out)

@@ -228,7 +228,7 @@ def gated_values(graph: Graph, unmaterialized: set[int], free: set[int]) -> set[
     product, read by `bseh,ehd->bsed`, on v5e:16x16: `bf16[8,512,8,2048]` per layer live
     into the backward pass), and so is one read by a convolution (not seen). One made from
     a single such value is operand_fused_values'; GPT's `gelu(x @ w + b)` reads a bias
-    besides, smaller than it: not one of these. Value ids."""
+    besides, smaller than it: biased_activations'. Value ids."""
     out = set()
     for op, value in _elementwise_results(graph):
         readers = [graph.ops[u] for u in value.users]
@@ -255,6 +255,50 @@ def gated_values(graph: Graph, unmaterialized: set[int], free: set[int]) -> set[
                 if any(u > last and u not in chain for u in graph.values[v].users)}
         # A fused value of the chain read late is recomputed there from all the sources.
         if late & made or sources <= late:
+            out.add(value.id)
+    return out
+
+
+def biased_activations(graph: Graph, unmaterialized: set[int], free: set[int]) -> set[int]:
+    """Elementwise values read only by matmuls (no batch dims), made by a fused chain from
+    one matmul result of their shape and values smaller than it broadcast into it (a bias),
+    where that result or a fused value of the chain is read after the value's last matmul
+    (the activation's derivative in the backward pass): an MLP's `gelu(x @ w + b)`. XLA's
+    TPU compiler adds the bias inside the matmul's kernel, writes the sum `x @ w + b` (which
+    the derivative reads) and recomputes the activation inside each matmul that reads it;
+    no buffer of the activation. Flax BERT's exact GELU on v5e:16x16 (libtpu 0.0.42, hf_bert
+    with 8 x 512 tokens per device): one `f32[8,512,3072]` sum per layer live into the
+    backward pass, written by the intermediate matmul's kernel, and no buffer of the GELU,
+    read by the output matmul and its weight gradient; hf_gpt2's tanh GELU there alike
+    (`f32[8,512,3072]` c_fc sums at libtpu's peak, no GELU). A collective-matmul loop
+    reading it carries it as a buffer, written in bf16 in the forward pass and kept until
+    the loop (hf_bert on v5e:2x4 and 4x8, whose output weight gradients are `while` loops: a
+    `bf16[8,512,3072]` per layer live from the forward pass to its loop), as for gated
+    products (gated_values, build_sharding_problem `_hold_carried_copies`). Values that
+    operand_fused_values or gated_values take (one held source, two matmul results) are
+    theirs. Value ids."""
+    out = set()
+    for op, value in _elementwise_results(graph):
+        readers = [graph.ops[u] for u in value.users]
+        if (value.id in unmaterialized or value.id in graph.outputs or value.type is None
+                or not readers or not all(u.name == "stablehlo.dot_general"
+                                          and not u.attrs.get("lhs_batch") for u in readers)):
+            continue
+        # An exact GELU, erf's polynomials included, is about 70 ops.
+        found = _fused_chain(graph, op, unmaterialized, limit=256)
+        if found is None:
+            continue
+        chain, leaves = found
+        sources = _same_shape_sources(graph, leaves, free, value.type)
+        rest = leaves - free - set(sources)
+        if (len(sources) != 1 or not rest
+                or graph.ops[graph.values[sources[0]].producer].name != "stablehlo.dot_general"
+                or not all(_broadcast_into(graph, v, value.type) for v in rest)):
+            continue
+        last = max(value.users)
+        made = {r for index in chain for r in graph.ops[index].results} - {value.id}
+        if any(u > last and u not in chain
+               for v in made | set(sources) for u in graph.values[v].users):
             out.add(value.id)
     return out
 
@@ -469,11 +513,10 @@ def operand_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
     `@ w_out` matmul and by w_out's weight gradient, is recomputed in both from the f32
     pre-activation, which the backward pass keeps for GELU's derivative and reads after
     them (libtpu 0.0.42: no buffer for it, 160 MiB per layer per device on v5e:2x4). One made
-    from two held values is written out (libtpu 0.0.42, bf16, on v5e:2x4): a SwiGLU's
-    `silu(x @ w_gate) * (x @ w_up)` (models.py's llama) and GPT's `gelu(x @ w + b)`, made from
-    the matmul result and the bias (the sum is fused into its readers); so is, by the same
-    reasoning, one whose source is last read before the value's last matmul (no such case
-    seen in libtpu's dumps). The value is followed back through the fused values it is made
+    from two held values is not this rule's: a SwiGLU's `silu(x @ w_gate) * (x @ w_up)`
+    (gated_values) and GPT's `gelu(x @ w + b)`, made from the matmul result and the bias
+    (biased_activations); one whose source is last read before the value's last matmul is
+    written out (no such case seen in libtpu's dumps). The value is followed back through the fused values it is made
     from (`unmaterialized`) to the written-out ones: besides those free to make (`free`:
     splats, iotas) and reductions of the chain's own values (`_statistic_of`), exactly one,
     an argument or a value read, directly or through a fused value of the chain, by an op
@@ -629,7 +672,8 @@ def reduced_fused_values(graph: Graph, unmaterialized: set[int], free: set[int])
         if len(sources) != 1:
             continue
         # Read by matmuls alone, only a value the chain normalizes by row statistics of its
-        # source (a softmax's) is recomputed: GPT's `gelu(x @ w + b)` is written out.
+        # source (a softmax's) is recomputed here: GPT's `gelu(x @ w + b)` is left to
+        # biased_activations.
         if reduces or _chain_statistics(graph, chain, leaves, free)[1]:
             out.add(value.id)
     return out
@@ -681,14 +725,14 @@ def _broadcast_into(graph: Graph, value_id: int, type_) -> bool:
     return own is not None and type_ is not None and own.elements < type_.elements
 
 
-def _fused_chain(graph: Graph, op, unmaterialized: set[int], selects: frozenset[int] = frozenset()
-                 ) -> tuple[set[int], set[int]] | None:
+def _fused_chain(graph: Graph, op, unmaterialized: set[int], selects: frozenset[int] = frozenset(),
+                 limit: int = 64) -> tuple[set[int], set[int]] | None:
     """The fused chain making `op`'s value and the written-out values it is made from, or
     None: the chain's ops (op indices) are `op` and the producers of the fused values
     (`unmaterialized`) it reads, back to written-out values (its leaves). None where the
     chain leaves `op`'s region, holds a pad or an op no kernel fuses (but the scatters of
     `selects`, fused_selects' values, and dot_generals that contract nothing: elementwise
-    products, op_rules.outer_product), or is longer than 64 ops."""
+    products, op_rules.outer_product), or is longer than `limit` ops."""
     chain: set[int] = set()  # ops of the fused chain making the value
     leaves: set[int] = set()  # written-out values it is made from
     stack = [op.index]
@@ -702,7 +746,7 @@ def _fused_chain(graph: Graph, op, unmaterialized: set[int], selects: frozenset[
                 or not (fusible_producer(node.name) or set(node.results) & selects
                         or outer_product(node))
                 or node.name == "stablehlo.pad"
-                or len(chain) > 64):
+                or len(chain) > limit):
             return None
         for operand in node.operands:
             if operand in unmaterialized:

@@ -16,6 +16,7 @@ from hloplan.op_rules import folded_transposes, free_values, fused_values, outer
 from hloplan.passes.build_sharding_problem import matmul_narrowed, tpu_unmaterialized
 from hloplan.strategies import local_bytes
 from hloplan.tpu_buffers import (
+    biased_activations,
     broadcast_operands,
     combined_values,
     fused_selects,
@@ -158,6 +159,50 @@ def test_matmul_operands_made_from_held_values_are_recomputed() -> None:
         assert (activation in tpu_unmaterialized(graph, fused)) == recomputed
 
 
+def _biased_mlp(x, w1, b, w2, g, approximate, derivative):
+    """An MLP's `gelu(x @ w1 + b) @ w2` and its gradients; `derivative`: the gradient reaches
+    the pre-activation (GELU's derivative, read after the weight gradient of w2), else only
+    w2's weight gradient is taken."""
+    def hidden(w1, b):
+        return jax.nn.gelu(x @ w1 + b, approximate=approximate)
+
+    if derivative:
+        y, vjp = jax.vjp(lambda w1, b, w2: hidden(w1, b) @ w2, w1, b, w2)
+        return y, vjp(g)
+    a = hidden(w1, b)
+    return a @ w2, jnp.einsum("bf,bd->fd", a, g)
+
+
+def test_biased_activations_are_recomputed_in_their_matmuls() -> None:
+    """libtpu writes `x @ w1 + b` in the matmul's kernel and recomputes the GELU in each
+    matmul reading it where GELU's derivative reads the sum after them (hf_bert on
+    v5e:16x16: no buffer of the activation); without that later reader the activation is
+    written out. Exact GELU (erf's polynomials, about 70 ops) and the tanh form alike; a
+    loop carries it as it does gated products (tpu_fusion's fourth set)."""
+    from hloplan.passes.build_sharding_problem import tpu_fusion
+
+    args = (S((256, 128), F32), S((128, 512), F32), S((512,), F32), S((512, 128), F32),
+            S((256, 128), F32))
+    for approximate in (False, True):
+        for derivative in (True, False):
+            graph = _state(lambda *a, approximate=approximate, derivative=derivative:
+                           _biased_mlp(*a, approximate, derivative), *args).graph
+            fused = fused_values(graph, folded_transposes(graph))
+            activation, = (op.results[0] for op in graph.ops if op.results
+                           and graph.type_of(op.results[0]) is not None
+                           and graph.type_of(op.results[0]).shape == (256, 512)
+                           and graph.values[op.results[0]].users
+                           and all(graph.ops[u].name == "stablehlo.dot_general"
+                                   for u in graph.values[op.results[0]].users)
+                           and op.name != "stablehlo.dot_general")
+            unmaterialized, _, carried, gated = tpu_fusion(graph, fused)
+            assert (activation in unmaterialized) == derivative, (approximate, derivative)
+            assert (activation in gated and activation in carried) == derivative
+            free = free_values(graph)
+            assert (activation in biased_activations(graph, fused, free)) == derivative
+            assert activation not in operand_fused_values(graph, fused, free)
+
+
 def _normed_conv(x, w1, w2, scale, bias, g, read):
     """A pre-activation block: relu(norm(h)) of a convolution's output h, with per-channel
     statistics, scale and bias, read by the next convolution and by its kernel gradient;
@@ -179,7 +224,7 @@ def test_convolution_inputs_are_recomputed_with_their_norms() -> None:
     """libtpu computes a convolution's input relu(norm(h)) inside each convolution reading it,
     from h and the per-channel values broadcast into it (linen_resnet's pre-activation
     blocks: no buffer for the relu, 8 MiB per block per device on v5e:4x8), where h is held
-    past them anyway; a dot's operand made with a bias is written out (`_gated`, GPT's
+    past them anyway; a dot's operand made with a bias is biased_activations' (GPT's
     `gelu(x @ w + b)`)."""
     f32 = jnp.float32
     args = (S((8, 16, 16, 32), f32), S((3, 3, 32, 64), f32), S((3, 3, 64, 64), f32),
