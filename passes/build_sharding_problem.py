@@ -1111,13 +1111,13 @@ class _ProblemBuilder:
             return (mxu_itemsize(type_, self.comm.model)
                     * math.prod(local_shape(type_, strategy.operands[k], self.mesh)))
 
-        passes = 0.0
+        moved = 0.0
         if moving is not None and any(op.attrs.get("padding") or ()):
             trips = math.prod(self.mesh.axis_sizes[a] for a in reduced) // 4
-            passes += trips * mxu_bytes(moving)
+            moved += trips * mxu_bytes(moving)
         if self._relaid_loop_copy(op, strategy):
-            passes += 3 * mxu_bytes(0)
-        return passes / self.comm.model.hbm_bandwidth
+            moved += 3 * mxu_bytes(0)
+        return moved / self.comm.model.hbm_bandwidth
 
     def _stays_loop(self, strategy: OpStrategy) -> bool:
         """Whether `strategy`'s collective-matmul loop stays a loop in libtpu's program: over
