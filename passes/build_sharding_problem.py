@@ -76,6 +76,7 @@ from hloplan.tpu_buffers import (
     fused_selects,
     gated_values,
     gathers_rows,
+    in_place_sums,
     matmul_recomputed_sources,
     minor_dims,
     normalized_values,
@@ -251,6 +252,9 @@ class _ProblemBuilder:
         self.unmaterialized, self.reader_fused, self.normalized, self.gated = (
             tpu_fusion(graph, kept_fused) if device.fused_reductions
             else (unmaterialized_values(graph, kept_fused), set(), set(), set()))
+        # Sums written into the buffer of a value their kernel reads last: sum id -> that value.
+        self.in_place = (in_place_sums(graph, self.unmaterialized)
+                         if device.fused_reductions else {})
         # Written-out values that a reshard makes again from their fused chain's source
         # (tpu_buffers.recomputed_sources): value id -> that source.
         self.recomputed = (recomputed_sources(graph, self.unmaterialized, free_values(graph))
@@ -1512,6 +1516,12 @@ class _ProblemBuilder:
             if until is not None:
                 for value_id in op.operands:
                     last_use[value_id] = max(last_use[value_id], until)
+        # A convolution sum written into the buffer of a value its kernel adds in last
+        # (tpu_buffers.in_place_sums): that value dies as the sum is born, as at a barrier.
+        for written, operand in self.in_place.items():
+            made = graph.values[written].producer
+            if last_use[operand] == made:
+                last_use[operand] = max(graph.values[operand].producer, made - 1)
         return last_use
 
     def _lifetimes(self) -> tuple[dict[int, list[int]], dict[int, list[int]]]:

@@ -154,6 +154,40 @@ def reduced_matmul_sums(graph: Graph, unmaterialized: set[int]) -> dict[int, set
     return out
 
 
+def in_place_sums(graph: Graph, unmaterialized: set[int]) -> dict[int, int]:
+    """Convolution sums (reduced_matmul_sums) that XLA's TPU compiler writes into the buffer
+    of a written-out value their kernel adds in: one of the sum's shape and dtype, not a
+    program input or output, that the kernel reads last (every reader is the sum's op or an
+    unmaterialized op of its chain). The kernel reads it elementwise, so its output aliases
+    it (the fusion's `aliasing_operands`): the two never hold separate buffers. A ResNet
+    block's two input gradients (flax linen ResNet with GroupNorm, libtpu 0.0.42, v5e:2x4,
+    32 images of 64x64 per device): `fusion.227`, Block_1's 1x1 Conv_0 gradient, is written
+    out (`f32[32,64,64,64]`, 64 MiB tiled); `fusion.197` computes Conv_1's gradient, adds
+    `fusion.227`, writes the ReLU gradient's select with its GroupNorm reductions into
+    `fusion.227`'s buffer (one slice of the buffer assignment for both). Convolutions'
+    sums only: reduced_matmul_sums finds a dot_general's among unmaterialized values alone,
+    and none written into an operand's buffer was seen. Written value id -> the value whose
+    buffer it takes."""
+    out: dict[int, int] = {}
+    for written, chain in reduced_matmul_sums(graph, unmaterialized).items():
+        value = graph.values[written]
+        if written in unmaterialized or not chain <= unmaterialized:
+            continue
+        kernel = {graph.values[v].producer for v in chain} | {value.producer}
+        operands = sorted({v for index in kernel for v in graph.ops[index].operands})
+        for operand in operands:
+            source = graph.values[operand]
+            type_ = source.type
+            if (operand in unmaterialized or operand in chain or operand in graph.outputs
+                    or operand in graph.arguments or type_ is None or type_.shape != value.type.shape
+                    or type_.dtype != value.type.dtype
+                    or not all(u in kernel for u in source.users)):
+                continue
+            out[written] = operand
+            break
+    return out
+
+
 def _read_beyond_reductions(graph: Graph, value) -> bool:
     """Whether a kernel other than reductions reads `value`: a reader that is neither a
     reduce nor an elementwise op whose one result only reduces read."""

@@ -21,6 +21,7 @@ from hloplan.tpu_buffers import (
     combined_values,
     fused_selects,
     gated_values,
+    in_place_sums,
     matmul_recomputed_sources,
     normalized_values,
     operand_fused_values,
@@ -847,3 +848,26 @@ def test_a_convolution_writes_the_select_its_gradient_sum_makes() -> None:
     unmaterialized = tpu_unmaterialized(graph, fused)
     assert select not in unmaterialized
     assert len(gradients & unmaterialized) == 1
+
+
+def test_a_convolution_sum_takes_the_buffer_of_the_gradient_it_adds() -> None:
+    """The kernel writing the ReLU gradient's select reads the other convolution's input
+    gradient elementwise and last: libtpu writes the select into that gradient's buffer (flax
+    linen ResNet on v5e:2x4, 32 images of 64x64 per device: `fusion.197` aliases its output
+    with `fusion.227`, Block_1's Conv_0 gradient). The two are never live together."""
+    args = (S((8, 32, 32, 64), F32), S((3, 3, 64, 64), F32), S((1, 1, 64, 64), F32),
+            S((64,), F32))
+    state = _state(_norm_relu_convs, *args)
+    graph, space, problem = state.graph, state.space, state.problem
+    fused = fused_values(graph, folded_transposes(graph))
+    unmaterialized = tpu_unmaterialized(graph, fused)
+    select, = (op.results[0] for op in _ops(graph, "stablehlo.select")
+               if graph.type_of(op.results[0]).shape == (8, 32, 32, 64))
+    written, = (op.results[0] for op in _ops(graph, "stablehlo.convolution")
+                if "transpose" in (op.label or "") and op.results[0] not in unmaterialized
+                and graph.type_of(op.results[0]).shape == (8, 32, 32, 64))
+    assert in_place_sums(graph, unmaterialized) == {select: written}
+    ranges = {r.node: r for r in problem.live_ranges}
+    gradient = ranges[space.node_of[graph.values[written].producer]]
+    made = ranges[space.node_of[graph.values[select].producer]]
+    assert gradient.last < made.first
