@@ -264,16 +264,7 @@ def gated_values(graph: Graph, unmaterialized: set[int], free: set[int]) -> set[
     a single such value is operand_fused_values'; GPT's `gelu(x @ w + b)` reads a bias
     besides, smaller than it: biased_activations'. Value ids."""
     out = set()
-    for op, value in _elementwise_results(graph):
-        readers = [graph.ops[u] for u in value.users]
-        if (value.id in unmaterialized or value.id in graph.outputs or value.type is None
-                or not readers or not all(u.name == "stablehlo.dot_general"
-                                          and not u.attrs.get("lhs_batch") for u in readers)):
-            continue
-        found = _fused_chain(graph, op, unmaterialized)
-        if found is None:
-            continue
-        chain, leaves = found
+    for value, chain, leaves in _matmul_read_chains(graph, unmaterialized):
         sources = leaves - free
         # The sources are matmul results of one input (`x @ w_gate`, `x @ w_up`), as against
         # a backward pass's product of a gradient and an activation's derivative.
@@ -291,6 +282,21 @@ def gated_values(graph: Graph, unmaterialized: set[int], free: set[int]) -> set[
         if late & made or sources <= late:
             out.add(value.id)
     return out
+
+
+def _matmul_read_chains(graph: Graph, unmaterialized: set[int], limit: int = 64):
+    """(value, chain, leaves) of each elementwise value that is written out unless recomputed,
+    read only by matmuls with no batch dims, and made by a fused chain (_fused_chain, with
+    its op limit): gated_values' and biased_activations' candidates."""
+    for op, value in _elementwise_results(graph):
+        readers = [graph.ops[u] for u in value.users]
+        if (value.id in unmaterialized or value.id in graph.outputs or value.type is None
+                or not readers or not all(u.name == "stablehlo.dot_general"
+                                          and not u.attrs.get("lhs_batch") for u in readers)):
+            continue
+        found = _fused_chain(graph, op, unmaterialized, limit=limit)
+        if found is not None:
+            yield value, *found
 
 
 def biased_activations(graph: Graph, unmaterialized: set[int], free: set[int]) -> set[int]:
@@ -312,17 +318,8 @@ def biased_activations(graph: Graph, unmaterialized: set[int], free: set[int]) -
     operand_fused_values or gated_values take (one held source, two matmul results) are
     theirs. Value ids."""
     out = set()
-    for op, value in _elementwise_results(graph):
-        readers = [graph.ops[u] for u in value.users]
-        if (value.id in unmaterialized or value.id in graph.outputs or value.type is None
-                or not readers or not all(u.name == "stablehlo.dot_general"
-                                          and not u.attrs.get("lhs_batch") for u in readers)):
-            continue
-        # An exact GELU, erf's polynomials included, is about 70 ops.
-        found = _fused_chain(graph, op, unmaterialized, limit=256)
-        if found is None:
-            continue
-        chain, leaves = found
+    # An exact GELU, erf's polynomials included, is about 70 ops.
+    for value, chain, leaves in _matmul_read_chains(graph, unmaterialized, limit=256):
         sources = _same_shape_sources(graph, leaves, free, value.type)
         rest = leaves - free - set(sources)
         if (len(sources) != 1 or not rest

@@ -75,16 +75,22 @@ def _kernel_gradient(images: int, side: int, channels: int, out: int, stride: in
     return step, args
 
 
-def test_planner_holds_the_loops_copy_in_its_layout() -> None:
-    """linen_resnet's second block on v5e:2x4 (8 images per device, 64 channels, chunks of 8):
-    each looped strategy reading the activation sharded over its 8 images holds its loop's
-    bf16 copy with the images in the lanes, 64 MiB (4 MiB unpadded)."""
+def _planned_kernel_gradient():
+    """linen_resnet's second block's kernel gradient planned for tpu-v5e on 8 devices: the
+    compile state, the convolution and its problem node."""
     step, args = _kernel_gradient(64, 64, 64, 128, 2)
     data = export.export(jax.jit(step))(*args).serialize()
     state = compile_bytes(data, "step.jaxexport",
                           make_options("8", device="tpu-v5e", mesh_views="off")).state
     conv = next(op for op in state.graph.ops if op.name == "stablehlo.convolution")
-    node = state.problem.nodes[state.space.node_of[conv.index]]
+    return state, conv, state.problem.nodes[state.space.node_of[conv.index]]
+
+
+def test_planner_holds_the_loops_copy_in_its_layout() -> None:
+    """linen_resnet's second block on v5e:2x4 (8 images per device, 64 channels, chunks of 8):
+    each looped strategy reading the activation sharded over its 8 images holds its loop's
+    bf16 copy with the images in the lanes, 64 MiB (4 MiB unpadded)."""
+    state, conv, node = _planned_kernel_gradient()
     mesh = state.options.mesh
     checked = 0
     for strategy, held in zip(state.space.strategies[conv.index], node.strategies, strict=True):
@@ -108,12 +114,7 @@ def test_a_padded_relaid_loop_pays_for_its_extra_kernels() -> None:
     for one onto output channels) in bf16, and, where the loop relays the input into the
     images-minor layout, three more passes over the input (written in bf16, copied). A
     strategy that does not loop pays nothing more."""
-    step, args = _kernel_gradient(64, 64, 64, 128, 2)
-    data = export.export(jax.jit(step))(*args).serialize()
-    state = compile_bytes(data, "step.jaxexport",
-                          make_options("8", device="tpu-v5e", mesh_views="off")).state
-    conv = next(op for op in state.graph.ops if op.name == "stablehlo.convolution")
-    node = state.problem.nodes[state.space.node_of[conv.index]]
+    state, conv, node = _planned_kernel_gradient()
     mesh, model = state.options.mesh, state.options.device
     checked = {"relaid": 0, "moving output gradient": 0, "no loop": 0}
     for strategy, held in zip(state.space.strategies[conv.index], node.strategies, strict=True):
