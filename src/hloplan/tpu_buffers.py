@@ -857,10 +857,9 @@ def _statistic_of(graph: Graph, value_id: int, made: set[int], free: set[int],
     for _ in range(limit):
         op = graph.ops[graph.values[value_id].producer]
         if op.name == "stablehlo.reduce":
-            return op.operands[0] if op.operands[0] in made else None is not None
+            return op.operands[0] in made
         operands = [v for v in op.operands if v not in free]
         if op.name == "arg" or len(operands) != 1:
             return False
         value_id = operands[0]
     return False
-
