@@ -274,14 +274,22 @@ def gated_values(graph: Graph, unmaterialized: set[int], free: set[int]) -> set[
                 or not all(p.name == "stablehlo.dot_general" for p in producers)
                 or len({p.operands[0] for p in producers}) != 1):
             continue
-        last = max(value.users)
-        made = {r for index in chain for r in graph.ops[index].results} - {value.id}
-        late = {v for v in made | sources
-                if any(u > last and u not in chain for u in graph.values[v].users)}
+        made, late = _read_late(graph, value, chain, sources)
         # A fused value of the chain read late is recomputed there from all the sources.
         if late & made or sources <= late:
             out.add(value.id)
     return out
+
+
+def _read_late(graph: Graph, value, chain: set[int], sources: set[int]
+               ) -> tuple[set[int], set[int]]:
+    """(the chain's values besides `value`, those of them and of `sources` that an op outside
+    the chain reads after `value`'s last reader): what the backward pass reads again."""
+    last = max(value.users)
+    made = {r for index in chain for r in graph.ops[index].results} - {value.id}
+    late = {v for v in made | sources
+            if any(u > last and u not in chain for u in graph.values[v].users)}
+    return made, late
 
 
 def _matmul_read_chains(graph: Graph, unmaterialized: set[int], limit: int = 64):
@@ -326,10 +334,7 @@ def biased_activations(graph: Graph, unmaterialized: set[int], free: set[int]) -
                 or graph.ops[graph.values[sources[0]].producer].name != "stablehlo.dot_general"
                 or not all(_broadcast_into(graph, v, value.type) for v in rest)):
             continue
-        last = max(value.users)
-        made = {r for index in chain for r in graph.ops[index].results} - {value.id}
-        if any(u > last and u not in chain
-               for v in made | set(sources) for u in graph.values[v].users):
+        if _read_late(graph, value, chain, set(sources))[1]:
             out.add(value.id)
     return out
 
