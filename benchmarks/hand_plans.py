@@ -163,44 +163,107 @@ def describe(plan: HandPlan, mesh, state_spec) -> dict:
     return out
 
 
-def exported_plans(exported, donated: tuple[int, ...], mesh) -> dict[str, tuple]:
-    """Data parallel and FSDP for a program known only as a single-device jax.export.Exported
-    (the third-party corpus's train steps): the top-level arguments `donated` names are the
+def exported_plans(exported, donated: tuple[int, ...], mesh, tensor_dim=None,
+                   expert_dim=None) -> dict[str, tuple]:
+    """The hand plans for a program known as a single-device jax.export.Exported (the
+    third-party corpus's train steps): the top-level arguments `donated` names are the
     training state, the others the batch.
 
     * dp: every batch tensor split on its leading dim over all mesh axes (replicated where
       the device count does not divide it), the state replicated;
-    * fsdp: dp, and every state tensor on its largest dim the device count divides.
+    * fsdp: dp, and every state tensor on its largest dim the device count divides;
+
+    and where the expert who knows the model gives `tensor_dim(path, shape)` (the dim of a
+    state tensor Megatron splits, corpus_hand_rules.py; `path` its jax.tree_util.keystr in
+    the parameters, an optimizer moment's that of its parameter: _parameter_paths) or
+    `expert_dim` (likewise, the experts' dim), on a mesh of two axes or more,
+    the data over the first and the model over the last:
+
+    * tp_dp: the batch over the first axis, each state tensor's `tensor_dim` over the last
+      (where the axis divides it);
+    * fsdp_tp: tp_dp, and every state tensor also on its largest free dim the first axis
+      divides;
+    * ep_dp: the batch over the first axis, each expert weight's experts over the last.
+
+    A model-parallel plan whose rules split no tensor over the last axis (8 experts over 16
+    devices) is left out.
 
     {name: (in_shardings, out_shardings)} for jax.jit(exported.call): the results that repeat
     the state tensors in order (same shape and dtype; a train step returns its new state) keep
     their sharding, the others (the loss) are replicated."""
     every = tuple(mesh.axis_names)
     mesh_shape = dict(mesh.shape)
-    devices = math.prod(mesh_shape.values())
     args, kwargs = jax.tree.unflatten(exported.in_tree, exported.in_avals)
     if kwargs:
         raise ValueError("exported_plans: keyword arguments are not supported")
     out_avals = jax.tree.unflatten(exported.out_tree, exported.out_avals)
     replicated = NamedSharding(mesh, PartitionSpec())
 
-    def batch(aval):
-        split = aval.shape and aval.shape[0] % devices == 0
-        return NamedSharding(mesh, PartitionSpec(every) if split else PartitionSpec())
+    def batch_over(axes):
+        parts = math.prod(mesh_shape[a] for a in axes)
 
-    def sharded(aval):
-        spec = shard_largest_free_dim([None] * len(aval.shape), aval.shape, every, mesh_shape)
-        return NamedSharding(mesh, PartitionSpec(*spec))
+        def batch(aval):
+            split = aval.shape and aval.shape[0] % parts == 0
+            return NamedSharding(mesh, PartitionSpec(axes) if split else PartitionSpec())
+        return batch
 
-    plans = {}
-    for name, state in (("dp", lambda aval: replicated), ("fsdp", sharded)):
-        ins = tuple(jax.tree.map(state if i in donated else batch, arg)
-                    for i, arg in enumerate(args))
+    paths = _parameter_paths(args, donated)
+
+    def state_over(model_dim=None, model_axis=None, fsdp_axes=()):
+        def state(where, aval):
+            spec = [None] * len(aval.shape)
+            if model_dim is not None:
+                dim = model_dim(paths[where], tuple(aval.shape))
+                if dim is not None and aval.shape[dim] % mesh_shape[model_axis] == 0:
+                    spec[dim] = model_axis
+            if fsdp_axes:
+                spec = shard_largest_free_dim(spec, aval.shape, fsdp_axes, mesh_shape)
+            return NamedSharding(mesh, PartitionSpec(*spec) if any(spec) else PartitionSpec())
+        return state
+
+    layouts = {"dp": (state_over(), batch_over(every)),
+               "fsdp": (state_over(fsdp_axes=every), batch_over(every))}
+    if len(every) >= 2:
+        data, model = every[:1], every[-1]
+        if tensor_dim is not None:
+            layouts["tp_dp"] = (state_over(tensor_dim, model), batch_over(data))
+            layouts["fsdp_tp"] = (state_over(tensor_dim, model, data), batch_over(data))
+        if expert_dim is not None:
+            layouts["ep_dp"] = (state_over(expert_dim, model), batch_over(data))
+
+    plans, skipped = {}, set()
+    for name, (state, batch) in layouts.items():
+        ins = tuple(jax.tree.unflatten(jax.tree.structure(arg), [
+            state((i, k), aval) if i in donated else batch(aval)
+            for k, aval in enumerate(jax.tree.leaves(arg))]) for i, arg in enumerate(args))
+        if name in ("tp_dp", "ep_dp") and not any(
+                s.spec for i in donated for s in jax.tree.leaves(ins[i])):
+            skipped.add(name)  # the rules split no tensor over this mesh's model axis
+        if name in skipped or name == "fsdp_tp" and "tp_dp" in skipped:
+            continue
         kept = [(aval, sharding)
                 for i, arg in enumerate(args) if i in donated
                 for aval, sharding in zip(jax.tree.leaves(arg), jax.tree.leaves(ins[i]))]
         plans[name] = (ins, _results_keeping(kept, out_avals, replicated))
     return plans
+
+
+def _parameter_paths(args, donated: tuple[int, ...]) -> dict[tuple[int, int], str]:
+    """{(argument, leaf index): path} of the state tensors: the first state argument's own
+    paths (jax.tree_util.keystr), and, for a later one (an optimizer state the program takes
+    as a flat list: optax's count, then each moment's tensors in the parameters' order), the
+    path of the parameter each tensor repeats, matched in order by shape."""
+    first, *rest = sorted(donated)
+    params = jax.tree_util.tree_flatten_with_path(args[first])[0]
+    paths = {(first, k): jax.tree_util.keystr(path) for k, (path, _) in enumerate(params)}
+    for i in rest:
+        position = 0
+        for k, (path, aval) in enumerate(jax.tree_util.tree_flatten_with_path(args[i])[0]):
+            paths[i, k] = jax.tree_util.keystr(path)
+            if params and aval.shape == params[position % len(params)][1].shape:
+                paths[i, k] = paths[first, position % len(params)]
+                position += 1
+    return paths
 
 
 def _results_keeping(kept: list, out_avals, default):

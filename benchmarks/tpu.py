@@ -356,7 +356,7 @@ def _corpus_case_at(name: str, topology, sizes: dict, keep: Path | None,
     compiled = sum(v["compiled"] for v in table.values())
     solver = result.plan["solver"]
     score = entry["compiled"]["score"]
-    quality = corpus_plan_quality(data, donated, topology.name, score) if hand \
+    quality = corpus_plan_quality(data, donated, topology.name, score, name) if hand \
         else {"hloplan_score": score}
     return {**quality, "program": name, "library": program.library, "topology": report["topology"],
             "sizes": sizes, "planning_s": planning_s,
@@ -371,10 +371,13 @@ def _corpus_case_at(name: str, topology, sizes: dict, keep: Path | None,
 
 
 def corpus_plan_quality(data: bytes, donated: tuple[int, ...], topology_name: str,
-                        ours: dict) -> dict:
-    """hloplan's plan (`ours`: its compiled score) against the hand plans a user writes for a
-    program known only by its export (hand_plans.exported_plans: data parallel and FSDP),
-    each compiled by libtpu for the topology and scored by the same formula."""
+                        ours: dict, name: str) -> dict:
+    """hloplan's plan (`ours`: its compiled score) against the hand plans
+    (hand_plans.exported_plans): data parallel and FSDP, which a user writes for a program
+    known only by its export, and Megatron TP + DP, FSDP + TP and expert parallel, which an
+    expert writes for the model `name` (corpus_hand_rules.py); each compiled by libtpu for the
+    topology and scored by the same formula."""
+    import corpus_hand_rules
     import hand_plans
     import jax
 
@@ -382,7 +385,10 @@ def corpus_plan_quality(data: bytes, donated: tuple[int, ...], topology_name: st
     exported = jax.export.deserialize(bytearray(data))
     donated = tuple(donated)
     hand: dict[str, dict] = {}
-    for plan, shardings in hand_plans.exported_plans(exported, donated, tm.mesh).items():
+    plans = hand_plans.exported_plans(exported, donated, tm.mesh,
+                                      corpus_hand_rules.TENSOR_DIMS.get(name),
+                                      corpus_hand_rules.EXPERT_DIMS.get(name))
+    for plan, shardings in plans.items():
         started = time.perf_counter()
         try:
             compiled = hand_plans.compile_exported_plan(exported, donated, shardings)
@@ -456,8 +462,9 @@ def main() -> None:
     parser.add_argument("--keep-plans", metavar="DIR",
                         help="--corpus: write each program's plan to DIR/PROGRAM and keep it")
     parser.add_argument("--corpus-hand", action="store_true",
-                        help="--corpus: also compile data parallel and FSDP hand plans and "
-                        "score all three plans by the formula")
+                        help="--corpus: also compile the hand plans (data parallel and FSDP; "
+                        "Megatron TP + DP, FSDP + TP and expert parallel by "
+                        "corpus_hand_rules.py) and score every plan by the formula")
     args = parser.parse_args()
     if args.corpus is not None:
         corpus_main(args.corpus.split(","), args.output or str(CORPUS_RESULTS), args.topology,

@@ -1,6 +1,7 @@
-"""benchmarks/hand_plans.py's data-parallel and FSDP plans for a program known only by its
-single-device export (the corpus's hand baselines on TPU): the shardings they give, and the
-sharded program's result on 8 CPU devices against the single-device one."""
+"""benchmarks/hand_plans.py's plans for a program known only by its single-device export
+(the corpus's hand baselines on TPU: data parallel, FSDP, and the tensor- and expert-parallel
+plans of an expert's partition rules): the shardings they give, and the sharded program's
+result on 8 CPU devices against the single-device one."""
 
 from __future__ import annotations
 
@@ -72,3 +73,78 @@ def test_dp_and_fsdp_shardings_and_results(devices8):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5,
                                        err_msg=name)
+
+
+def test_tensor_and_expert_parallel_shardings_and_results(devices8):
+    """The rules an expert gives (the Megatron dim of each state tensor, by its path) place
+    the model over the last mesh axis and the batch over the first; the optimizer moments,
+    matched by shape here as keras's are, follow their parameters."""
+    state, batch = _example()
+    exported = jax.export.export(jax.jit(_step, donate_argnums=(0,)))(state, batch)
+    mesh = jax.make_mesh((2, 4), ("x", "y"), devices=devices8)
+    by_shape = {(24,): 0, (16, 24): 1, (24, 4): 0}  # column-split w1 and b1, row-split w2
+
+    def tensor_dim(path, shape):
+        return by_shape.get(shape)
+
+    def expert_dim(path, shape):
+        return 0 if "w1" in path else None
+
+    plans = hand_plans.exported_plans(exported, (0,), mesh, tensor_dim, expert_dim)
+    assert set(plans) == {"dp", "fsdp", "tp_dp", "fsdp_tp", "ep_dp"}
+    specs = {name: [s.spec for s in jax.tree.leaves(ins[0])] for name, (ins, _) in plans.items()}
+    # params b1, w1, w2, then their moments in the same order
+    assert specs["tp_dp"] == [P("y"), P(None, "y"), P("y", None)] * 2
+    # fsdp_tp also splits each tensor's largest free dim the first axis divides
+    assert specs["fsdp_tp"] == [P("y"), P("x", "y"), P("y", "x")] * 2
+    # w1's 16 rows divide by 4; the key names w1 in the params, not in the moments' list
+    assert specs["ep_dp"] == [P(), P("y", None), P()] + [P()] * 3
+    for name in ("tp_dp", "fsdp_tp", "ep_dp"):
+        assert [s.spec for s in jax.tree.leaves(plans[name][0][1])] == [P("x")] * 2
+
+    expected = _step(state, batch)
+    for name in ("tp_dp", "fsdp_tp", "ep_dp"):
+        shardings = plans[name]
+        compiled = hand_plans.compile_exported_plan(exported, (0,), shardings)
+        got = compiled(*jax.device_put((state, batch), shardings[0]))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5,
+                                       err_msg=name)
+
+
+def test_a_model_parallel_plan_that_splits_nothing_is_left_out(devices8):
+    state, batch = _example()
+    exported = jax.export.export(jax.jit(_step, donate_argnums=(0,)))(state, batch)
+    mesh = jax.make_mesh((2, 4), ("x", "y"), devices=devices8)
+    # rules naming no tensor: no tp_dp, nor fsdp_tp (FSDP over the first axis alone); 6
+    # experts do not divide over 4 devices: no ep_dp
+    plans = hand_plans.exported_plans(exported, (0,), mesh, lambda path, shape: None,
+                                      lambda path, shape: 0 if shape == (6,) else None)
+    assert set(plans) == {"dp", "fsdp"}
+
+
+def test_moments_passed_as_a_flat_list_take_their_parameters_paths(devices8):
+    """An optax state flattened into a list (a count, then each moment's tensors in the
+    parameters' order) is split as the parameter each tensor repeats, found by its path."""
+    (params, moments), batch = _example()
+
+    def step(params, opt, batch):
+        count, *moments = opt
+        loss, (new_params, new_moments) = _step((params, moments), batch)
+        return loss, new_params, [count + 1, *new_moments]
+
+    opt = [np.zeros((), np.int32), *moments]
+    exported = jax.export.export(jax.jit(step, donate_argnums=(0, 1)))(params, opt, batch)
+    mesh = jax.make_mesh((2, 4), ("x", "y"), devices=devices8)
+    by_name = {"['b1']": 0, "['w1']": 1, "['w2']": 0}
+    plans = hand_plans.exported_plans(exported, (0, 1), mesh,
+                                      lambda path, shape: by_name.get(path))
+    ins, outs = plans["tp_dp"]
+    assert [s.spec for s in jax.tree.leaves(ins[1])] == \
+        [P()] + [P("y"), P(None, "y"), P("y", None)]
+    assert [s.spec for s in jax.tree.leaves(outs[2])] == [s.spec for s in jax.tree.leaves(ins[1])]
+    expected = step(params, opt, batch)
+    compiled = hand_plans.compile_exported_plan(exported, (0, 1), plans["tp_dp"])
+    got = compiled(*jax.device_put((params, opt, batch), ins))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
