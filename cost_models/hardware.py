@@ -89,6 +89,9 @@ Schema (all fields required unless marked optional)::
     scatter-chunk = {tiles = 1071, exponent = 0.635, max-devices = 32, max-lane-tiles = 3}
                                  # optional: each padded shard is split in pieces of at most
                                  # tiles x n^-exponent tiles over n devices (ScatterChunk)
+    vector-gather-lanes = 128    # optional: an all-gather of a vector (one dim longer than 1)
+                                 # whose shard is not a multiple of this many elements runs as
+                                 # an all-reduce of the zero-padded whole (libtpu)
     collective-matmul-intensity = 4224  # optional: a dot loops where its FLOPs per device reach
                                  # this per byte of one chunk (1/n) of its partial sums
                                  # (libtpu's check); absent: the estimated loop's time decides
@@ -165,7 +168,8 @@ _APART = "reduce-scatter-apart"  # [combiner] sub-table: slices where libtpu mer
 _LEVEL_FIELDS = {"name", "devices", "bandwidth", "latency"}
 _COLLECTIVES_FIELDS = ("gathers", "matmul-input-dtype", "reassociate", "collective-matmul",
                        "collective-matmul-intensity", "collective-matmul-side",
-                       "merge-identical", "scatter-tiles", "scatter-chunk")
+                       "merge-identical", "scatter-tiles", "scatter-chunk",
+                       "vector-gather-lanes")
 _GATHERS = ("per-dim", "one")
 
 
@@ -309,6 +313,10 @@ class DeviceModel:
     # [collectives]: how many of those tiles one piece of a padded reduce-scatter holds at most
     # (ScatterChunk); None: every shard is one piece (two for rows of an odd number of lanes).
     scatter_chunk: ScatterChunk | None = None
+    # [collectives]: an all-gather of a vector (one dim longer than 1) whose shard is not a
+    # whole number of this many elements runs as an all-reduce of the zero-padded whole
+    # (libtpu: a dynamic-update-slice into zeros, then an all-reduce); None: as an all-gather.
+    vector_gather_lanes: int | None = None
     # [buffers]: reductions fuse the elementwise values they read, so those are never written
     # out; and the dtype f32 values read only by matmuls are written in (None: f32).
     fused_reductions: bool = False
@@ -620,6 +628,12 @@ def _parse_collectives(table: Any, source: str) -> dict[str, Any]:
             continue
         if name == "scatter-chunk":
             found["scatter_chunk"] = _scatter_chunk(value, source, f"collectives.{key}")
+            continue
+        if name == "vector-gather-lanes":
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise _fail(source, f"field 'collectives.{key}' must be a positive integer, "
+                                    f"got {value!r}")
+            found["vector_gather_lanes"] = value
             continue
         value = _string(value, source, f"collectives.{key}")
         if name == "matmul-input-dtype":

@@ -402,3 +402,91 @@ def test_padded_scatters_split_in_pieces_as_libtpu_compiles_them():
         shard, n = case[4]
         partial, permute = comm.tiled_scatter(shard, 4, 0, n, row_major=True)
         assert (partial * (n - 1) / n, permute) == pytest.approx((scattered, permuted)), case
+
+
+# Vectors gathered to every device on v5e:4x4 (x=4, y=4), f32 unless marked: (shape, the dim's
+# mesh axes, dtype) -> the collective libtpu 0.0.42 compiles. A vector whose shard is not a
+# multiple of 128 elements is written into zeros and all-reduced; other gathers stay gathers.
+VECTOR_GATHERS = [
+    ((1024,), (X, Y), "float32", "all-reduce"),   # 64 a device
+    ((3072,), (X, Y), "float32", "all-reduce"),   # 192
+    ((640,), (X,), "float32", "all-reduce"),      # 160
+    ((256,), (X,), "float32", "all-reduce"),      # 64
+    ((1, 1024), (X, Y), "float32", "all-reduce"),  # dims of size 1 do not count
+    ((1024,), (X, Y), "bfloat16", "all-reduce"),
+    ((2048,), (X, Y), "float32", "all-gather"),   # 128
+    ((512,), (X,), "float32", "all-gather"),      # 128
+    ((1024,), (X,), "float32", "all-gather"),     # 256
+    ((2048,), (X, Y), "bfloat16", "all-gather"),
+    ((2, 1024), (X, Y), "float32", "all-gather"),  # not a vector
+    ((128, 64), (X, Y), "float32", "all-gather"),
+]
+
+
+def _vector_gather_kind(comm, shape, axes):
+    ids = tuple(comm.mesh.axis_names.index(a) for a in axes)
+    src = tuple(ids if d == len(shape) - 1 else () for d in range(len(shape)))
+    cost = comm.reshard(shape, 4, src, tuple(() for _ in shape))
+    return [kind for kind, _, _ in cost.collectives]
+
+
+def test_vector_gathers_with_partial_lane_shards_are_all_reduces():
+    for name in ("tpu-v5e", "tpu-v6e", "tpu-v5p"):
+        assert load_device_model(name).vector_gather_lanes == 128
+    text = ('name = "t"\nplatform = "tpu"\nmemory = "1GiB"\nhbm_bandwidth = 1e10\n[flops]\n'
+            'default = 1e9\n[[interconnect]]\nname = "ici"\ndevices = 0\nbandwidth = 1e10\n'
+            'latency = 1e-6\n[collectives]\n')
+    assert _load_text(text + "vector_gather_lanes = 256\n", "ok.toml").vector_gather_lanes == 256
+    for bad in ("0", "128.0", "true", '"128"'):
+        with pytest.raises(DeviceModelError, match="must be a positive integer"):
+            _load_text(text + f"vector-gather-lanes = {bad}\n", "bad.toml")
+    comm = CommModel(load_device_model("tpu-v5e"), parse_mesh("x=4,y=4"))
+    for shape, axes, _, kind in VECTOR_GATHERS:
+        assert _vector_gather_kind(comm, shape, axes) == [kind], (shape, axes)
+    # the all-reduce moves the whole vector twice around the ring, as libtpu's does, and pays
+    # a launch of the all-gather's n - 1 steps (not a share of a merged buffer)
+    model = load_device_model("tpu-v5e")
+    comm = CommModel(model, parse_mesh("x=4,y=4"), combine=model.combiner)  # as the planner's
+    cost = comm.reshard((1024,), 4, ((0, 1),), ((),))
+    (_, _, sent), = cost.collectives
+    assert sent == pytest.approx(2 * 15 / 16 * 4096)
+    group = comm.group((0, 1))
+    assert cost.seconds == pytest.approx(
+        sent / group.bandwidth + 15 * group.latency + comm.model.collective_overhead)
+    assert comm.collective("all-reduce", 4096, (0, 1)) < cost.seconds / 10
+    # a device model without the field gathers
+    gpu = CommModel(load_device_model("h100"), parse_mesh("x=4,y=4"))
+    assert _vector_gather_kind(gpu, (1024,), (X, Y)) == ["all-gather"]
+
+
+_LIBTPU_VECTOR_GATHERS = r"""
+import json, re, sys
+import jax, jax.numpy as jnp
+import numpy as np
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+topo = topologies.get_topology_desc(topology_name="v5e:4x4", platform="tpu")
+mesh = Mesh(np.array(topo.devices).reshape(4, 4), ("x", "y"))
+out = []
+for shape, axes, dtype in json.loads(sys.argv[1]):
+    spec = P(*([None] * (len(shape) - 1)), tuple(axes))
+    f = jax.jit(lambda a: a * 2, in_shardings=NamedSharding(mesh, spec),
+                out_shardings=NamedSharding(mesh, P()))
+    text = f.lower(jax.ShapeDtypeStruct(tuple(shape), dtype)).compile().as_text()
+    out.append(sorted(set(re.findall(
+        r"= [^=]*? (all-gather|all-reduce|collective-permute|all-to-all)(?:-start)?\(", text))))
+print(json.dumps(out))
+"""
+
+
+@needs_libtpu
+def test_vector_gathers_as_libtpu_compiles_them():
+    from hloplan.tpu import child_env
+
+    cases = [[list(shape), list(axes), dtype] for shape, axes, dtype, _ in VECTOR_GATHERS]
+    done = subprocess.run([sys.executable, "-c", _LIBTPU_VECTOR_GATHERS, json.dumps(cases)],
+                          env=child_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    compiled = json.loads(done.stdout.strip().splitlines()[-1])
+    for (shape, axes, dtype, kind), kinds in zip(VECTOR_GATHERS, compiled, strict=True):
+        assert kinds == [kind], (shape, axes, dtype)
