@@ -482,7 +482,8 @@ class CommModel:
             # them into one all-reduce of 2(n - 1) steps (keras_gemma's nine norm scales on
             # v5e:16x16) and leaves others apart at 2(n - 1) each (a convnet's norm parameters
             # on v5e:2x4), by no rule found. Priced as merged (nearly free) the planner split
-            # every vector; at 2(n - 1) steps each it split none, and lost to either split.
+            # every vector, at 2(n - 1) steps each none; both plans compiled slower (docs/tpu.md,
+            # `vector-gather-lanes`).
             nonlocal seconds
             sent = self.bytes_sent(ALL_REDUCE, nbytes, axes)
             if sent > 0:

@@ -148,3 +148,48 @@ def test_moments_passed_as_a_flat_list_take_their_parameters_paths(devices8):
     got = compiled(*jax.device_put((params, opt, batch), ins))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("program, path, shape, dim", [
+    # paths as the corpus's exports name them (jax.tree_util.keystr of the parameters)
+    ("hf_gpt2", "['transformer']['h']['0']['attn']['c_attn']['kernel']", (2304, 768), 0),
+    ("hf_gpt2", "['transformer']['h']['0']['attn']['c_attn']['bias']", (2304,), 0),
+    ("hf_gpt2", "['transformer']['h']['0']['attn']['c_proj']['kernel']", (768, 768), 1),
+    ("hf_gpt2", "['transformer']['h']['0']['attn']['c_proj']['bias']", (768,), None),
+    ("hf_gpt2", "['transformer']['h']['0']['mlp']['c_proj']['kernel']", (768, 3072), 1),
+    ("hf_gpt2", "['transformer']['wpe']['embedding']", (1024, 768), None),
+    ("hf_bert", "['bert']['encoder']['layer']['0']['attention']['output']['dense']['kernel']",
+     (768, 768), 0),
+    ("hf_bert", "['bert']['encoder']['layer']['0']['output']['dense']['kernel']", (3072, 768), 0),
+    ("hf_bert", "['bert']['encoder']['layer']['0']['attention']['self']['query']['kernel']",
+     (768, 768), 1),
+    ("hf_bert", "['bert']['encoder']['layer']['0']['output']['LayerNorm']['scale']", (768,),
+     None),
+    ("hf_bert", "['cls']['predictions']['transform']['dense']['kernel']", (768, 768), None),
+    ("hf_llama", "['model']['layers']['0']['self_attn']['o_proj']['kernel']", (2048, 2048), 0),
+    ("hf_llama", "['model']['layers']['0']['mlp']['gate_proj']['kernel']", (2048, 8192), 1),
+    ("hf_llama", "['lm_head']['kernel']", (2048, 32000), 1),
+    ("hf_bart", "['model']['encoder']['layers']['0']['self_attn']['out_proj']['kernel']",
+     (1024, 1024), 0),
+    ("hf_bart", "['model']['decoder']['layers']['0']['encoder_attn']['k_proj']['bias']",
+     (1024,), 0),
+    ("haiku_transformer", "['multi_head_attention_1/linear']['w']", (1024, 1024), 0),
+    ("haiku_transformer", "['mlp_1/~/linear_1']['b']", (1024,), None),
+    ("haiku_transformer", "['linear']['w']", (1024, 32000), 1),
+    ("keras_gemma", "[0][5]", (1024, 8, 128), 1),
+    ("keras_gemma", "[0][6]", (1024, 1, 128), None),
+    ("keras_moe", "[0][3]", (8, 2048, 1024), 1),
+    ("keras_moe", "[0][4]", (1024, 8), None),
+    ("linen_resnet", "['Block_0']['Conv_0']['kernel']", (3, 3, 64, 64), 3),
+    ("linen_resnet", "['Block_1']['Conv_0']['kernel']", (1, 1, 64, 128), None),
+    ("linen_resnet", "['Block_1']['Conv_2']['kernel']", (3, 3, 128, 128), 2),
+    ("linen_resnet", "['Block_1']['GroupNorm_0']['scale']", (64,), None),
+])
+def test_corpus_tensor_parallel_rules(program, path, shape, dim):
+    """Megatron's split of each kind of tensor (corpus_hand_rules.py): column-split matmuls on
+    their outputs, row-split ones on their inputs, whatever the library's kernel layout."""
+    import corpus_hand_rules
+
+    assert corpus_hand_rules.TENSOR_DIMS[program](path, shape) == dim
+    if program == "keras_moe" and len(shape) == 3 and shape[0] == 8:
+        assert corpus_hand_rules.EXPERT_DIMS[program](path, shape) == 0
