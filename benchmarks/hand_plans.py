@@ -253,6 +253,8 @@ def _parameter_paths(args, donated: tuple[int, ...]) -> dict[tuple[int, int], st
     paths (jax.tree_util.keystr), and, for a later one (an optimizer state the program takes
     as a flat list: optax's count, then each moment's tensors in the parameters' order), the
     path of the parameter each tensor repeats, matched in order by shape."""
+    if not donated:
+        return {}
     first, *rest = sorted(donated)
     params = jax.tree_util.tree_flatten_with_path(args[first])[0]
     paths = {(first, k): jax.tree_util.keystr(path) for k, (path, _) in enumerate(params)}

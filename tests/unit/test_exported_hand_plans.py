@@ -193,3 +193,14 @@ def test_corpus_tensor_parallel_rules(program, path, shape, dim):
     assert corpus_hand_rules.TENSOR_DIMS[program](path, shape) == dim
     if program == "keras_moe" and len(shape) == 3 and shape[0] == 8:
         assert corpus_hand_rules.EXPERT_DIMS[program](path, shape) == 0
+
+
+def test_a_program_without_state_is_all_batch(devices8):
+    """Nothing donated (an inference function): every argument is split as a batch."""
+    state, batch = _example()
+    exported = jax.export.export(jax.jit(_step))(state, batch)
+    mesh = jax.make_mesh((2, 4), ("x", "y"), devices=devices8)
+    plans = hand_plans.exported_plans(exported, (), mesh, lambda path, shape: 0)
+    ins, _ = plans["dp"]
+    assert [s.spec for s in jax.tree.leaves(ins[1])] == [P(("x", "y"))] * 2
+    assert set(plans) == {"dp", "fsdp"}  # no state: no tensor-parallel split
