@@ -98,6 +98,8 @@ Schema (all fields required unless marked optional)::
     collective-matmul-side = true  # optional: a loop whose dot is replicated over the mesh axes
                                  # it does not reduce spans the whole slice or at most the
                                  # slice's shorter side (4 at least) of tpu_topology's slice
+    collective-matmul-overlap = 1.0  # optional, 0 to 1: the share of the loop's sends that run
+                                 # under its chunk kernels the planner counts as hidden
 
 Without a [combiner] table: all-reduces and reduce-scatters merge into 30 MiB buffers (XLA's
 default GPU threshold) and all-gathers are not merged (`DEFAULT_COMBINER`). The planner amortises
@@ -168,7 +170,7 @@ _APART = "reduce-scatter-apart"  # [combiner] sub-table: slices where libtpu mer
 _LEVEL_FIELDS = {"name", "devices", "bandwidth", "latency"}
 _COLLECTIVES_FIELDS = ("gathers", "matmul-input-dtype", "reassociate", "collective-matmul",
                        "collective-matmul-intensity", "collective-matmul-side",
-                       "merge-identical", "scatter-tiles", "scatter-chunk",
+                       "collective-matmul-overlap", "merge-identical", "scatter-tiles", "scatter-chunk",
                        "vector-gather-lanes")
 _GATHERS = ("per-dim", "one")
 
@@ -301,6 +303,10 @@ class DeviceModel:
     # [collectives]: a loop whose dot is replicated over the mesh axes it does not reduce spans
     # the whole slice or at most max(4, the slice's shorter side) devices (collective_matmul_spans).
     collective_matmul_side: bool = False
+    # [collectives]: the share of a loop's sends that its chunk kernels could hide which the
+    # planner counts as hidden (strategies._price): 1, all but the last two chunks' sends and
+    # what outlasts the compute; 0, every send in full, as every other collective is counted.
+    collective_matmul_overlap: float = 1.0
     # [collectives]: whether the compiler merges identical ops (same operands and attributes)
     # before it partitions the program, whatever shardings they were given (libtpu's CSE): one
     # op in one layout, the copy's readers resharding from it.
@@ -610,6 +616,13 @@ def _parse_collectives(table: Any, source: str) -> dict[str, Any]:
                                 f"{', '.join(_COLLECTIVES_FIELDS)})")
         if name == "collective-matmul-intensity":
             found["collective_matmul_intensity"] = _number(value, source, f"collectives.{key}")
+            continue
+        if name == "collective-matmul-overlap":
+            share = _number(value, source, f"collectives.{key}", positive=False)
+            if not 0.0 <= share <= 1.0:
+                raise _fail(source, f"field 'collectives.{key}' must be between 0 and 1, "
+                                    f"got {value!r}")
+            found["collective_matmul_overlap"] = share
             continue
         if name in ("reassociate", "collective-matmul", "merge-identical",
                     "collective-matmul-side"):

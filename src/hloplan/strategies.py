@@ -562,8 +562,10 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
     copied = -1
     if chunked is not None:
         # The loop sends each chunk's partial sums while the next chunk computes: only what
-        # outlasts the compute, and the last two chunks' sends, are not hidden.
-        communication = max(0.0, communication - compute) + 2 * communication / reduce_split
+        # outlasts the compute, and the last two chunks' sends, cannot be hidden; the device
+        # model says how much of the rest the plan counts as hidden (collective_matmul_overlap).
+        exposed = max(0.0, communication - compute) + 2 * communication / reduce_split
+        communication += comm.model.collective_matmul_overlap * (exposed - communication)
         # It never holds the whole partial sums, but carries its operands in its own layouts:
         # libtpu copies one of them (in the MXU's input dtype) before the loop, which one
         # depending on layouts; the larger is counted. Where that operand reaches the loop

@@ -56,9 +56,11 @@ def _weight_gradient(tokens: int, d: int, f: int) -> tuple[OpRule, list, list]:
 
 
 def _scattered(devices: int, tokens: int, d: int, f: int, collective_matmul: bool,
-               hbm=None):
+               hbm=None, overlap: float | None = None):
     """The strategy that shards t over all devices and reduce-scatters dW over them on d."""
     table = "collective-matmul = true\n" if collective_matmul else ""
+    if overlap is not None:
+        table += f"collective-matmul-overlap = {overlap}\n"
     comm = CommModel(_load_text(MODEL + table, "toy.toml"), parse_mesh(str(devices)))
     rule, operands, results = _weight_gradient(tokens, d, f)
     (strategy,) = [s for s in enumerate_strategies(rule, operands, results, comm.mesh, comm,
@@ -103,6 +105,26 @@ def test_chunks_reread_the_stationary_operand():
     assert looped.accumulators == 2 * d * f * f32 / n
 
 
+def test_the_share_of_the_loop_sends_counted_as_hidden():
+    # collective-matmul-overlap = 0 counts every send of the loop in full, as the compiled
+    # score counts every collective; a share between counts that part of what could hide.
+    n, tokens, d, f = 16, 16 * 16384, 1024, 8192
+    sent = (n - 1) / n * d * f * 4 / LINK
+    hidden = _scattered(n, tokens, d, f, collective_matmul=True)
+    exposed = hidden.communication
+    assert exposed < sent / 2
+    assert _scattered(n, tokens, d, f, True, overlap=1.0).communication == pytest.approx(exposed)
+    counted = _scattered(n, tokens, d, f, True, overlap=0)
+    assert counted.communication == pytest.approx(sent)
+    half = _scattered(n, tokens, d, f, True, overlap=0.5)
+    assert half.communication == pytest.approx((sent + exposed) / 2)
+    # Only the communication is counted differently: the loop's kernels, collectives and memory
+    # are the loop's.
+    for other in (counted, half):
+        assert (other.compute, other.collectives, other.transient, other.accumulators) == (
+            hidden.compute, hidden.collectives, hidden.transient, hidden.accumulators)
+
+
 def test_no_loop_where_communication_dwarfs_compute_or_beyond_32_devices():
     # A short contraction: the reduce-scatter takes far longer than the matmul, so libtpu's
     # cost check keeps one matmul and one reduce-scatter.
@@ -128,6 +150,12 @@ def test_collective_matmul_field():
                       "toy.toml").collective_matmul_intensity == 4224.0
     with pytest.raises(DeviceModelError, match="must be positive"):
         _load_text(MODEL + "collective-matmul-intensity = 0\n", "bad.toml")
+    assert _load_text(MODEL, "toy.toml").collective_matmul_overlap == 1.0
+    assert _load_text(MODEL + "collective-matmul-overlap = 0\n",
+                      "toy.toml").collective_matmul_overlap == 0.0
+    for bad in ("1.5", "-0.1"):
+        with pytest.raises(DeviceModelError, match="between 0 and 1|must not be negative"):
+            _load_text(MODEL + f"collective-matmul-overlap = {bad}\n", "bad.toml")
 
 
 def _v5e_scattered(mesh: str, tokens: int, d: int, f: int, dtype: str = "f32"):
