@@ -11,8 +11,9 @@ The compile path, top to bottom in this file:
                                or gradient accumulation against a recomputing plan
             plan_accumulated   gradient accumulation (or the user's pipeline) where no
                                single-program plan fits
-        select_compiled        (--select compiled) the model's plan and the canonical plans
-                               (data parallel, FSDP) compiled by the target compiler; the
+        select_compiled        (--select compiled) the model's plan, the canonical plans
+                               (data parallel, FSDP) and the plan with collective-matmul loops'
+                               sends counted in full, compiled by the target compiler; the
                                lowest compiled score kept
         verify                 (--verify-memory) XLA compiles the plan; plan again with a reserve
         emit                   the files of the plan kept, rendered once
@@ -36,7 +37,7 @@ from pathlib import Path
 from hloplan import ir
 from hloplan.cost_models import DeviceModelError, load_device_model
 from hloplan.diagnostics import Diagnostic, HloplanError, NoPlanFits, UsageError
-from hloplan.emit.artifact import PLAN_FILE, REFERENCE_FILE, render, write_plan_dir
+from hloplan.emit.artifact import MODULE_FILE, PLAN_FILE, REFERENCE_FILE, render, write_plan_dir
 from hloplan.mesh import MESH_VIEW_CHOICES, MeshError, MeshSpec, idle_axes, mesh_views, parse_mesh
 from hloplan.passes.extract_graph import ExtractGraph
 from hloplan.passes.inline_calls import InlineCalls
@@ -665,9 +666,28 @@ def plan_canonical(job: Job, options: CompileOptions, kind: str) -> Candidate | 
     return _single_candidate(kind, state, parse_seconds, why)
 
 
+def plan_serial_loops(job: Job, options: CompileOptions) -> Candidate | NotApplicable | None:
+    """The program planned with the device model's collective-matmul loops' sends counted in
+    full (DeviceModel.collective_matmul_overlap = 0), as the compiled score counts them; None
+    where the device model runs no such loop or counts their sends so already."""
+    device = options.device
+    if not device.collective_matmul or device.collective_matmul_overlap == 0.0:
+        return None
+    serial = dataclasses.replace(
+        options, device=dataclasses.replace(device, collective_matmul_overlap=0.0))
+    program, parse_seconds = job.source.load()
+    try:
+        state = run_passes(program, serial, job.passes)
+    except NoPlanFits as error:
+        return NotApplicable("serial-loops", error=error)
+    return _single_candidate("single", state, parse_seconds,
+                             "the program as it stands, the loops' sends counted in full")
+
+
 def select_compiled(job: Job, options: CompileOptions, chosen: Candidate) -> Selected:
-    """--select compiled: the model's plan and the canonical plans (a single program each)
-    compiled by the target compiler (verify.resolve_target: libtpu for a TPU device model when
+    """--select compiled: the model's plan, the canonical plans (a single program each) and the
+    plan that counts collective-matmul loops' sends in full (plan_serial_loops; where it differs
+    from the model's) compiled by the target compiler (verify.resolve_target: libtpu for a TPU device model when
     installed, else XLA's CPU compiler on simulated devices), each scored on its compiled HLO
     (score.compiled_score, with the device model's figures); the lowest score among those
     whose compiled peak is within the budget is kept (the model's plan when none is)."""
@@ -697,10 +717,18 @@ def select_compiled(job: Job, options: CompileOptions, chosen: Candidate) -> Sel
             else:
                 message = way.error.diagnostics[0].message if way.error else "not planned"
                 entries.append({"name": kind, "no_plan": message})
+        serial = plan_serial_loops(job, options)
+        if isinstance(serial, Candidate):
+            candidates.append(serial)
+            entries.append({"name": "serial-loops", "way": "single"})
+        elif serial is not None:
+            message = serial.error.diagnostics[0].message if serial.error else "not planned"
+            entries.append({"name": "serial-loops", "no_plan": message})
     notes = [target.note] if target.note else []
     scored: list[tuple[float, Candidate, Rendered, dict]] = []
     budget = options.budget
     plans = iter(candidates)
+    modules: dict[bytes, str] = {}  # a module already compiled -> its candidate's name
     for entry in entries:
         if "no_plan" in entry:
             continue
@@ -708,6 +736,11 @@ def select_compiled(job: Job, options: CompileOptions, chosen: Candidate) -> Sel
         entry["estimated_step_s"] = _round(candidate.estimate.step_seconds)
         entry["estimated_peak_bytes"] = int(candidate.estimate.peak_bytes)
         rendered = render_candidate(job, candidate)
+        module = rendered.files.get(MODULE_FILE, b"")
+        if entry["name"] == "serial-loops" and module in modules:
+            entry["same_plan_as"] = modules[module]  # not compiled again
+            continue
+        modules.setdefault(module, entry["name"])
         files = {**rendered.files, PLAN_FILE: dumps(rendered.plan).encode()}
         try:
             result = _compile_files(files, target, device, TIMEOUT_S, _run_child)

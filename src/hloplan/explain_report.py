@@ -421,6 +421,9 @@ def selection_lines(plan: dict) -> list[str]:
         lead = "  * " if c["name"] == sel["chosen"] else "    "
         if "no_plan" in c:
             lines.append(f"{lead}{c['name']}: no plan ({c['no_plan']})")
+        elif "same_plan_as" in c:
+            lines.append(f"{lead}{c['name']}: estimated {format_seconds(c['estimated_step_s'])}, "
+                         f"the same plan as {c['same_plan_as']}")
         elif "compile_error" in c:
             lines.append(f"{lead}{c['name']}: estimated {format_seconds(c['estimated_step_s'])}, "
                          f"not compiled ({c['compile_error']})")

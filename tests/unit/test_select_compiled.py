@@ -1,10 +1,12 @@
-"""`hloplan compile --select compiled`: the model's plan and the canonical plans (data parallel,
-FSDP; restricted solves of the same ILP) compiled by the target compiler, the lowest compiled
-score kept and recorded in plan.json and `hloplan explain`."""
+"""`hloplan compile --select compiled`: the model's plan, the canonical plans (data parallel,
+FSDP; restricted solves of the same ILP) and, for a device model with collective-matmul loops,
+the plan counting the loops' sends in full, compiled by the target compiler, the lowest
+compiled score kept and recorded in plan.json and `hloplan explain`."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -28,9 +30,13 @@ def _check_selection(plan, platform):
     sel = plan["selection"]
     assert sel["platform"] == platform
     names = [c["name"] for c in sel["candidates"]]
-    assert names == ["model", "dp", "fsdp"]
+    loops = plan["device_model"]["name"].startswith("tpu")
+    assert names == ["model", "dp", "fsdp"] + (["serial-loops"] if loops else [])
     compiled = [c for c in sel["candidates"] if "compiled_step_s" in c]
-    assert len(compiled) == 3
+    serial = [c for c in sel["candidates"] if "same_plan_as" in c]
+    assert len(compiled) + len(serial) == len(names)
+    # A candidate whose module is one compiled already is not compiled again.
+    assert all(c["name"] == "serial-loops" and c["same_plan_as"] in names for c in serial)
     for c in compiled:
         assert c["compiled_step_s"] > 0 and c["estimated_step_s"] > 0
         assert c["compiled_peak_bytes"] > 0
@@ -67,6 +73,29 @@ def test_select_compiled_libtpu(tmp_path, helpers):
     plan = _select(tmp_path, "tpu-v5e", ("tpu",), helpers)
     _check_selection(plan, "tpu")
     assert plan["selection"]["topology"] == "v5e:2x2"
+    out = CliRunner().invoke(main, ["explain", str(tmp_path / "plan")])
+    assert out.exit_code == 0, out.output
+    assert "serial-loops: estimated" in out.output
+
+
+def test_serial_loops_candidate_only_where_the_model_hides_loop_sends():
+    """plan_serial_loops plans again only for a device model whose collective-matmul loops'
+    sends it counts as hidden; the candidate's device model counts them in full."""
+    import dataclasses
+
+    from hloplan.compiler import Job, plan_serial_loops
+    from hloplan.cost_models import load_device_model
+
+    class Source:  # never loaded where no candidate is planned
+        def load(self):
+            raise AssertionError("planned")
+
+    job = Job(source=Source(), pipeline=None, passes=None, after_pass=None)
+    tpu = load_device_model("tpu-v5e")
+    assert tpu.collective_matmul and tpu.collective_matmul_overlap == 1.0
+    for device in (load_device_model("h100"),
+                   dataclasses.replace(tpu, collective_matmul_overlap=0.0)):
+        assert plan_serial_loops(job, SimpleNamespace(device=device)) is None
 
 
 @pytest.mark.parametrize("kind", ["dp", "fsdp"])
