@@ -61,6 +61,7 @@ def test_select_compiled_cpu(tmp_path, helpers):
     devices) and scored with the device model's figures."""
     plan = _select(tmp_path, "h100", ("cpu",), helpers)
     _check_selection(plan, "cpu")
+    assert "collective_matmul_overlap" not in plan["device_model"]  # h100 runs no such loop
     out = CliRunner().invoke(main, ["explain", str(tmp_path / "plan")])
     assert out.exit_code == 0, out.output
     assert "candidates compiled by XLA (cpu" in out.output
@@ -76,6 +77,9 @@ def test_select_compiled_libtpu(tmp_path, helpers):
     out = CliRunner().invoke(main, ["explain", str(tmp_path / "plan")])
     assert out.exit_code == 0, out.output
     assert "serial-loops: estimated" in out.output
+    # plan.json says how the kept plan priced the loops' sends.
+    kept_serial = plan["selection"]["chosen"] == "serial-loops"
+    assert plan["device_model"]["collective_matmul_overlap"] == (0.0 if kept_serial else 1.0)
 
 
 def test_serial_loops_candidate_only_where_the_model_hides_loop_sends():
