@@ -170,8 +170,8 @@ _APART = "reduce-scatter-apart"  # [combiner] sub-table: slices where libtpu mer
 _LEVEL_FIELDS = {"name", "devices", "bandwidth", "latency"}
 _COLLECTIVES_FIELDS = ("gathers", "matmul-input-dtype", "reassociate", "collective-matmul",
                        "collective-matmul-intensity", "collective-matmul-side",
-                       "collective-matmul-overlap", "merge-identical", "scatter-tiles", "scatter-chunk",
-                       "vector-gather-lanes")
+                       "collective-matmul-overlap", "merge-identical", "scatter-tiles",
+                       "scatter-chunk", "vector-gather-lanes")
 _GATHERS = ("per-dim", "one")
 
 

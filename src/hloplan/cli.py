@@ -132,8 +132,9 @@ main.add_command(explain_command)
 @click.option("--select", "select", type=click.Choice(["estimate", "compiled"]),
               default="estimate", show_default=True,
               help="how the plan is kept: the cost model's fastest, or 'compiled': the model's "
-                   "plan, data parallel and FSDP compiled by the target compiler (libtpu for a "
-                   "TPU device model) and the lowest compiled score kept")
+                   "plan, data parallel, FSDP and (TPU device models) the plan counting "
+                   "collective-matmul loops' sends in full, compiled by the target compiler "
+                   "(libtpu for a TPU device model) and the lowest compiled score kept")
 @click.option("--donate", type=click.Choice(DONATE_CHOICES), default="export",
               show_default=True,
               help="arguments whose buffers the results reuse: those the export donates, also "

@@ -687,10 +687,11 @@ def plan_serial_loops(job: Job, options: CompileOptions) -> Candidate | NotAppli
 def select_compiled(job: Job, options: CompileOptions, chosen: Candidate) -> Selected:
     """--select compiled: the model's plan, the canonical plans (a single program each) and the
     plan that counts collective-matmul loops' sends in full (plan_serial_loops; where it differs
-    from the model's) compiled by the target compiler (verify.resolve_target: libtpu for a TPU device model when
-    installed, else XLA's CPU compiler on simulated devices), each scored on its compiled HLO
-    (score.compiled_score, with the device model's figures); the lowest score among those
-    whose compiled peak is within the budget is kept (the model's plan when none is)."""
+    from the model's) compiled by the target compiler (verify.resolve_target: libtpu for a TPU
+    device model when installed, else XLA's CPU compiler on simulated devices), each scored on
+    its compiled HLO (score.compiled_score, with the device model's figures); the lowest score
+    among those whose compiled peak is within the budget is kept (the model's plan when none
+    is)."""
     from hloplan.canonical import CANONICAL
     from hloplan.verify import TIMEOUT_S, VerifyError, _run_child, resolve_target
 
