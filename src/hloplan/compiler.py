@@ -37,7 +37,7 @@ from pathlib import Path
 from hloplan import ir
 from hloplan.cost_models import DeviceModelError, load_device_model
 from hloplan.diagnostics import Diagnostic, HloplanError, NoPlanFits, UsageError
-from hloplan.emit.artifact import MODULE_FILE, PLAN_FILE, REFERENCE_FILE, render, write_plan_dir
+from hloplan.emit.artifact import PLAN_FILE, REFERENCE_FILE, render, write_plan_dir
 from hloplan.mesh import MESH_VIEW_CHOICES, MeshError, MeshSpec, idle_axes, mesh_views, parse_mesh
 from hloplan.passes.extract_graph import ExtractGraph
 from hloplan.passes.inline_calls import InlineCalls
@@ -729,19 +729,20 @@ def select_compiled(job: Job, options: CompileOptions, chosen: Candidate) -> Sel
     scored: list[tuple[float, Candidate, Rendered, dict]] = []
     budget = options.budget
     plans = iter(candidates)
-    modules: dict[bytes, str] = {}  # a module already compiled -> its candidate's name
+    modules: dict[str, str] = {}  # a module already compiled -> its candidate's name
     for entry in entries:
         if "no_plan" in entry:
             continue
         candidate = next(plans)
         entry["estimated_step_s"] = _round(candidate.estimate.step_seconds)
         entry["estimated_peak_bytes"] = int(candidate.estimate.peak_bytes)
-        rendered = render_candidate(job, candidate)
-        module = rendered.files.get(MODULE_FILE, b"")
+        # module.mlir as rendered, compared before rendering the artifact
+        module = ir.module_text(candidate.state.program.module)
         if entry["name"] == "serial-loops" and module in modules:
-            entry["same_plan_as"] = modules[module]  # not compiled again
+            entry["same_plan_as"] = modules[module]  # not rendered nor compiled again
             continue
         modules.setdefault(module, entry["name"])
+        rendered = render_candidate(job, candidate)
         files = {**rendered.files, PLAN_FILE: dumps(rendered.plan).encode()}
         try:
             result = _compile_files(files, target, device, TIMEOUT_S, _run_child)

@@ -74,9 +74,13 @@ def test_select_compiled_libtpu(tmp_path, helpers):
     plan = _select(tmp_path, "tpu-v5e", ("tpu",), helpers)
     _check_selection(plan, "tpu")
     assert plan["selection"]["topology"] == "v5e:2x2"
+    # No matmul of this step loops on libtpu: counting loop sends in full plans the same
+    # program, which is not compiled twice.
+    by_name = {c["name"]: c for c in plan["selection"]["candidates"]}
+    assert by_name["serial-loops"]["same_plan_as"] == "model"
     out = CliRunner().invoke(main, ["explain", str(tmp_path / "plan")])
     assert out.exit_code == 0, out.output
-    assert "serial-loops: estimated" in out.output
+    assert "serial-loops: estimated" in out.output and "the same plan as model" in out.output
     # plan.json says how the kept plan priced the loops' sends.
     kept_serial = plan["selection"]["chosen"] == "serial-loops"
     assert plan["device_model"]["collective_matmul_overlap"] == (0.0 if kept_serial else 1.0)
