@@ -37,7 +37,7 @@ from pathlib import Path
 from hloplan import ir
 from hloplan.cost_models import DeviceModelError, load_device_model
 from hloplan.diagnostics import Diagnostic, HloplanError, NoPlanFits, UsageError
-from hloplan.emit.artifact import PLAN_FILE, REFERENCE_FILE, render, write_plan_dir
+from hloplan.emit.artifact import MODULE_FILE, PLAN_FILE, REFERENCE_FILE, render, write_plan_dir
 from hloplan.mesh import MESH_VIEW_CHOICES, MeshError, MeshSpec, idle_axes, mesh_views, parse_mesh
 from hloplan.passes.extract_graph import ExtractGraph
 from hloplan.passes.inline_calls import InlineCalls
@@ -716,33 +716,32 @@ def select_compiled(job: Job, options: CompileOptions, chosen: Candidate) -> Sel
                 unrestricted = way.state.facts.get("canonical", {}).get("unrestricted_nodes", 0)
                 entries.append({"name": kind, "way": kind, "unrestricted_nodes": unrestricted})
             else:
-                message = way.error.diagnostics[0].message if way.error else "not planned"
-                entries.append({"name": kind, "no_plan": message})
+                entries.append(_no_plan_entry(kind, way))
         serial = plan_serial_loops(job, options)
         if isinstance(serial, Candidate):
             candidates.append(serial)
             entries.append({"name": "serial-loops", "way": "single"})
         elif serial is not None:
-            message = serial.error.diagnostics[0].message if serial.error else "not planned"
-            entries.append({"name": "serial-loops", "no_plan": message})
+            entries.append(_no_plan_entry("serial-loops", serial))
     notes = [target.note] if target.note else []
     scored: list[tuple[float, Candidate, Rendered, dict]] = []
     budget = options.budget
     plans = iter(candidates)
-    modules: dict[str, str] = {}  # a module already compiled -> its candidate's name
+    modules: dict[bytes, str] = {}  # module.mlir of each candidate rendered -> its name
     for entry in entries:
         if "no_plan" in entry:
             continue
         candidate = next(plans)
         entry["estimated_step_s"] = _round(candidate.estimate.step_seconds)
         entry["estimated_peak_bytes"] = int(candidate.estimate.peak_bytes)
-        # module.mlir as rendered, compared before rendering the artifact
-        module = ir.module_text(candidate.state.program.module)
-        if entry["name"] == "serial-loops" and module in modules:
-            entry["same_plan_as"] = modules[module]  # not rendered nor compiled again
-            continue
-        modules.setdefault(module, entry["name"])
+        if entry["name"] == "serial-loops":
+            # Its module.mlir, compared before rendering (which exports the sharded program).
+            same = modules.get(ir.module_text(candidate.state.program.module).encode())
+            if same is not None:
+                entry["same_plan_as"] = same  # not rendered nor compiled again
+                continue
         rendered = render_candidate(job, candidate)
+        modules.setdefault(rendered.files[MODULE_FILE], entry["name"])
         files = {**rendered.files, PLAN_FILE: dumps(rendered.plan).encode()}
         try:
             result = _compile_files(files, target, device, TIMEOUT_S, _run_child)
@@ -772,6 +771,12 @@ def select_compiled(job: Job, options: CompileOptions, chosen: Candidate) -> Sel
     record = {**target.describe(), "score_device": options.device.name, "notes": notes,
               "candidates": entries, "chosen": entry["name"], "why": why}
     return Selected(rendered, record, time.perf_counter() - started)
+
+
+def _no_plan_entry(name: str, way: NotApplicable) -> dict:
+    """plan.json's selection entry of a candidate that gave no plan: why not."""
+    return {"name": name,
+            "no_plan": way.error.diagnostics[0].message if way.error else "not planned"}
 
 
 def _compile_files(files: dict[str, bytes], target, device: str, timeout: float, run) -> dict:
