@@ -12,6 +12,8 @@ Entry points:
 * `memory_stats(compiled)` -> dict of `compiled.memory_analysis()` byte counts
 * `preallocated_temp_bytes(text)` (`dumped_temp_bytes(dir)`), `live_range_peak(text)`: XLA's
   buffer-assignment and live-range dumps
+* `scheduled_overlap(text, kernel_seconds, collective_seconds)`: how much of each asynchronous
+  collective the kernels scheduled between its start and its done hide
 * `parse_replica_groups(text, num_devices=...)` and `shape_bytes(shape)` are exposed for reuse.
 
 Device ids in replica groups are the SPMD partition ids, i.e. positions in the mesh's row-major
@@ -51,6 +53,7 @@ __all__ = [
     "collective_stats",
     "memory_stats",
     "parse_replica_groups",
+    "scheduled_overlap",
     "shape_bytes",
 ]
 
@@ -1496,6 +1499,68 @@ def kernel_stats(hlo_text: str, flop_rate: float, hbm_bandwidth: float) -> Kerne
                        sum(k.multiplier for k in kernels), sum(k.bytes for k in kernels),
                        sum(k.flops for k in kernels))
 
+
+
+def _async_spans(module: _Module, comp: _Computation) -> list[tuple[str, int, int]]:
+    """The asynchronous collectives of one scheduled computation: (the collective's name as
+    collective_stats gives it, the position of its start, the position of its done). A
+    `*-start` / `*-done` pair, or an AsyncCollectiveStart fusion and the AsyncCollectiveDone
+    fusion holding a copy of its collective (same kind and channel)."""
+    spans: list[tuple[str, int, int]] = []
+    open_fused: dict[tuple[str, str], tuple[str, int]] = {}
+    starts: dict[str, int] = {}
+    for position, ins in enumerate(comp.instrs):
+        spec = _OPCODES.get(ins.opcode)
+        if spec is not None and spec[1]:
+            starts[ins.name] = position
+        elif ins.opcode.endswith("-done") and ins.operands and ins.operands[0] in starts:
+            spans.append((ins.operands[0], starts.pop(ins.operands[0]), position))
+        elif ins.opcode == "fusion":
+            callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
+            fused = module.computations.get(callee.group(1)) if callee else None
+            if fused is None:
+                continue
+            start, done = _is_async_collective_start(fused), _is_async_collective_done(fused)
+            if not (start or done):
+                continue
+            for inner in fused.instrs:
+                channel = _CHANNEL.search(inner.attrs)
+                if inner.opcode not in _OPCODES or channel is None:
+                    continue
+                key = (_OPCODES[inner.opcode][0], channel.group(1))
+                if start:
+                    open_fused[key] = (inner.name, position)
+                elif key in open_fused:
+                    name, began = open_fused.pop(key)
+                    spans.append((name, began, position))
+    return spans
+
+
+def scheduled_overlap(hlo_text: str, kernel_seconds: Mapping[str, float],
+                      collective_seconds: Mapping[str, float]) -> dict[str, float]:
+    """How much of each asynchronous collective the compiled schedule hides: per execution,
+    the kernels the module schedules between its start and its done (each kernel's seconds
+    shared evenly among the collectives in flight over it), up to the collective's own seconds.
+
+    `kernel_seconds`: seconds per execution by kernel name (compiled_kernels' names);
+    `collective_seconds`: seconds per execution by collective name (CollectiveOp.name). Names
+    of collectives that are not asynchronous, or whose done is in another computation, get 0.
+    A compiled module's instructions are printed in their schedule's order."""
+    module = _parse_module(hlo_text)
+    hidden = {name: 0.0 for name in collective_seconds}
+    for comp in module.computations.values():
+        spans = [s for s in _async_spans(module, comp) if s[0] in collective_seconds]
+        if not spans:
+            continue
+        in_flight = [0] * len(comp.instrs)
+        for _, began, ended in spans:
+            for position in range(began + 1, ended):
+                in_flight[position] += 1
+        for name, began, ended in spans:
+            under = sum(kernel_seconds.get(comp.instrs[p].name, 0.0) / in_flight[p]
+                        for p in range(began + 1, ended))
+            hidden[name] = min(collective_seconds[name], under)
+    return hidden
 
 # ---------------------------------------------------------------------------------------------
 # Memory

@@ -71,6 +71,7 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
 
     ops = []
     collectives: dict[str, dict] = {}
+    hidden = 0.0
     folded = reassociated(state)
     # A masked lookup's all-reduce and its reader's slice, compiled as a reduce-scatter and a
     # reshard from the scattered layout (build_sharding_problem._scatter_first_gathers).
@@ -105,6 +106,7 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
             entry["bytes"] += sent
         if op.name == "arg":
             continue
+        hidden += chosen.hidden
         ops.append({
             "id": f"%{op_index}",
             "op": op.name,
@@ -115,6 +117,7 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
             "compute_s": _round(compute),
             "communication_s": _round(communication),
             "resharding_in_s": _round(resharding),
+            **({"hidden_s": _round(chosen.hidden)} if chosen.hidden else {}),
             "times_per_step": op.multiplier,
             "replicated_fallback": state.space.fallbacks.get(op_index),
         })
@@ -182,6 +185,9 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
             "compute_s": _round(evaluation.compute),
             "communication_s": _round(evaluation.communication),
             "resharding_s": _round(evaluation.resharding),
+            # Collective seconds counted as hidden behind the kernels of the ops that send
+            # them (collective-matmul loops), not in communication_s
+            "hidden_s": _round(hidden),
             # The first launch of each kind of merged collective the plan issues (included in
             # communication_s; the ops' own communication prices their share of the rest).
             "launches": [{"collective": label, "seconds": _round(seconds)}

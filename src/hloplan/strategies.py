@@ -36,6 +36,9 @@ class OpStrategy:
     # The operand whose copy `transient` holds (a collective-matmul loop's copy of its larger
     # operand, collective_matmul_copy_bytes); -1: none.
     copied: int = -1
+    # Of `communication`'s collectives, the seconds counted as hidden behind the op's own
+    # kernels (a collective-matmul loop's sends; collective_matmul_overlap), not included.
+    hidden: float = 0.0
 
 
 def axis_roles(strategy: OpStrategy, ndim: int) -> tuple[tuple[int, ...], ...]:
@@ -559,13 +562,14 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
     transient = sum(computed_bytes) - sum(result_bytes)
     if passed:
         transient = moved_updates + gathered
-    copied = -1
+    copied, hidden = -1, 0.0
     if chunked is not None:
         # The loop sends each chunk's partial sums while the next chunk computes: only what
         # outlasts the compute, and the last two chunks' sends, cannot be hidden; the device
         # model says how much of the rest the plan counts as hidden (collective_matmul_overlap).
         exposed = max(0.0, communication - compute) + 2 * communication / reduce_split
-        communication += comm.model.collective_matmul_overlap * (exposed - communication)
+        hidden = comm.model.collective_matmul_overlap * (communication - exposed)
+        communication -= hidden
         # It never holds the whole partial sums, but carries its operands in its own layouts:
         # libtpu copies one of them (in the MXU's input dtype) before the loop, which one
         # depending on layouts; the larger is counted. Where that operand reaches the loop
@@ -579,4 +583,5 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
         name += " <- " + " ".join(spec_text(s, mesh) for s in operands if s is not None)
     return OpStrategy(results, operands, reduced, compute * multiplier,
                       communication * multiplier, sum(result_bytes), tuple(collectives), name,
-                      transient=transient, accumulators=accumulators, copied=copied)
+                      transient=transient, accumulators=accumulators, copied=copied,
+                      hidden=hidden * multiplier)

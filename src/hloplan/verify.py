@@ -297,7 +297,8 @@ def verify_plan(plan_dir: str | os.PathLike, compiler: str = "auto",
     the compiler made of it beside the plan's predictions: per program the per-device peak and
     the collectives per kind and mesh axes (executions and per-device bytes per step). With
     `score_device` (a device model's name or file), each compiled program's "score" as well
-    (hloplan.score.compiled_score under that model's figures)."""
+    (hloplan.score.compiled_score under that model's figures); compiled by libtpu, a plan for
+    a device model at hand is scored under that model by default."""
     from hloplan.cost_models import DeviceModelError, load_device_model
     from hloplan.emit.loader import PlanLoadError, read_plan
 
@@ -314,6 +315,10 @@ def verify_plan(plan_dir: str | os.PathLike, compiler: str = "auto",
             raise UsageError(f"the plan's device model {plan['device_model']['name']!r} is "
                              "not a shipped one: pass --topology (e.g. v5e:2x4)") from None
     target = resolve_target(model, int(plan["mesh"]["devices"]), compiler, topology)
+    if score_device is None and target.compiler == "tpu" and model is not None:
+        # libtpu's schedule says which kernels run while each asynchronous collective is in
+        # flight: scored under the plan's own device model, beside what the plan hides
+        score_device = plan["device_model"]["name"]
     with tempfile.TemporaryDirectory(prefix="hloplan-verify-") as tmp:
         copy = Path(tmp) / "plan"
         shutil.copytree(plan_dir, copy)
@@ -333,7 +338,8 @@ def verify_plan(plan_dir: str | os.PathLike, compiler: str = "auto",
         if name == "program":
             est = plan["estimate"]
             entry["predicted"] = {"peak_bytes": est["peak_memory_bytes"],
-                                  "collectives": _predicted(est["collectives"])}
+                                  "collectives": _predicted(est["collectives"]),
+                                  "hidden_s": est.get("hidden_s", 0.0)}
         else:
             task = next(t for t in pipeline["tasks"] if t["name"] == name)
             entry["predicted"] = {"peak_bytes": task["peak_memory_bytes"], "collectives": []}
@@ -388,8 +394,26 @@ def format_verify_report(report: dict) -> str:
                          f"{c['count']:>5} x {format_bytes(c['bytes']):>12}")
         if not p_by and not c_by:
             lines.append("  (no collectives)")
+        if "score" in comp:
+            lines.extend(_overlap_lines(pred, comp["score"]))
     lines.extend(f"note: {n}" for n in report["notes"])
     return "\n".join(lines)
+
+
+def _overlap_lines(predicted: dict, score: dict) -> list[str]:
+    """The collective seconds the plan counts as hidden behind its ops' kernels, beside what
+    the compiled schedule hides: per asynchronous collective, the kernels scheduled between
+    its start and its done (hloplan.score)."""
+    from hloplan.units import format_seconds
+
+    asynchronous = {k: v for k, v in score["collectives"].items() if v.get("hidden_seconds")}
+    planned = format_seconds(predicted.get("hidden_s") or 0.0)
+    lines = [f"  collective seconds hidden: predicted {planned}, under the kernels scheduled "
+             f"between start and done {format_seconds(score['hidden_s'])} of "
+             f"{format_seconds(score['communication_s'])}"]
+    lines.extend(f"    {label}: {format_seconds(v['hidden_seconds'])} of "
+                 f"{format_seconds(v['seconds'])}" for label, v in sorted(asynchronous.items()))
+    return lines
 
 
 def _record_digests(plan_dir: Path, paths: list[Path]) -> None:

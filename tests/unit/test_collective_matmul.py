@@ -118,6 +118,9 @@ def test_the_share_of_the_loop_sends_counted_as_hidden():
     assert counted.communication == pytest.approx(sent)
     half = _scattered(n, tokens, d, f, True, overlap=0.5)
     assert half.communication == pytest.approx((sent + exposed) / 2)
+    # What is not counted is recorded as hidden (plan.json's hidden_s).
+    assert hidden.hidden == pytest.approx(sent - exposed)
+    assert half.hidden == pytest.approx((sent - exposed) / 2) and counted.hidden == 0.0
     # Only the communication is counted differently: the loop's kernels, collectives and memory
     # are the loop's.
     for other in (counted, half):
@@ -243,6 +246,11 @@ def test_plan_lists_the_loop_collective_permutes(tmp_path):
     permutes = listed["collective-permute"]
     assert permutes["axes"] == "x" and permutes["count"] == n + 1
     assert permutes["bytes"] == pytest.approx((n + 1) * d * f * 4 / n, rel=1e-4)
+    # The loop's sends counted as hidden behind its chunk kernels, per op and in all.
+    estimate = result.plan["estimate"]
+    looped = [op for op in result.plan["ops"] if op.get("hidden_s")]
+    assert looped and estimate["hidden_s"] == pytest.approx(
+        sum(op["hidden_s"] for op in looped), rel=1e-4)
 
 
 def test_copies_read_after_a_loop_are_held_across_it():
