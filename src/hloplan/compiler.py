@@ -666,13 +666,31 @@ def plan_canonical(job: Job, options: CompileOptions, kind: str) -> Candidate | 
     return _single_candidate(kind, state, parse_seconds, why)
 
 
-def plan_serial_loops(job: Job, options: CompileOptions) -> Candidate | NotApplicable | None:
+def _priced_alike_serial(state: CompileState) -> bool:
+    """Whether the plan in `state` is also a plan of the same problem with the loops' sends
+    counted in full: it counts none of them as hidden, so it costs the same, and no strategy
+    of the problem counts a negative share (a loop whose last two chunks' sends outlast the
+    reduce-scatter it replaces), so counting them in full lowers no other plan's cost."""
+    space = state.space
+    if space is None or state.solution is None:
+        return False
+    if any(state.chosen(index).hidden for index in space.strategies):
+        return False
+    return all(s.hidden >= 0.0 for strategies in space.strategies.values() for s in strategies)
+
+
+def plan_serial_loops(job: Job, options: CompileOptions,
+                      chosen: Candidate | None = None) -> Candidate | NotApplicable | None:
     """The program planned with the device model's collective-matmul loops' sends counted in
     full (DeviceModel.collective_matmul_overlap = 0), as the compiled score counts them; None
-    where the device model runs no such loop or counts their sends so already."""
+    where the device model runs no such loop or counts their sends so already. `chosen` (the
+    model's single-program plan) is returned where it is such a plan already
+    (_priced_alike_serial): planning again could only find one of equal cost."""
     device = options.device
     if not device.collective_matmul or device.collective_matmul_overlap == 0.0:
         return None
+    if chosen is not None and chosen.way == "single" and _priced_alike_serial(chosen.state):
+        return chosen
     serial = dataclasses.replace(
         options, device=dataclasses.replace(device, collective_matmul_overlap=0.0))
     program, parse_seconds = job.source.load()
@@ -717,7 +735,7 @@ def select_compiled(job: Job, options: CompileOptions, chosen: Candidate) -> Sel
                 entries.append({"name": kind, "way": kind, "unrestricted_nodes": unrestricted})
             else:
                 entries.append(_no_plan_entry(kind, way))
-        serial = plan_serial_loops(job, options)
+        serial = plan_serial_loops(job, options, chosen)
         if isinstance(serial, Candidate):
             candidates.append(serial)
             entries.append({"name": "serial-loops", "way": "single"})

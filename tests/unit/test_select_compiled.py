@@ -106,6 +106,34 @@ def test_serial_loops_candidate_only_where_the_model_hides_loop_sends():
         assert plan_serial_loops(job, SimpleNamespace(device=device)) is None
 
 
+def test_serial_loops_candidate_is_the_models_plan_where_it_prices_alike():
+    """Where the model's plan counts no loop send as hidden and no strategy of its problem
+    counts a negative share, counting the sends in full raises no cost of that plan and
+    lowers none of another's: plan_serial_loops returns the model's plan without planning
+    again. Otherwise it plans again."""
+    from hloplan.compiler import Job, make_options, plan_serial_loops
+    from hloplan.strategies import OpStrategy
+
+    class Source:
+        def load(self):
+            raise AssertionError("planned")
+
+    def candidate(hidden_chosen, hidden_other):
+        strategies = {0: [OpStrategy((), (), hidden=hidden_chosen),
+                          OpStrategy((), (), hidden=hidden_other)]}
+        state = SimpleNamespace(space=SimpleNamespace(strategies=strategies), solution=object(),
+                                chosen=lambda index: strategies[index][0])
+        return SimpleNamespace(way="single", state=state)
+
+    job = Job(source=Source(), pipeline=None, passes=None, after_pass=None)
+    options = make_options("2x2", device="tpu-v5e", mesh_views="off")
+    alike = candidate(0.0, 2e-6)
+    assert plan_serial_loops(job, options, alike) is alike
+    for chosen in (candidate(1e-6, 0.0), candidate(0.0, -1e-6)):
+        with pytest.raises(AssertionError, match="planned"):
+            plan_serial_loops(job, options, chosen)
+
+
 @pytest.mark.parametrize("kind", ["dp", "fsdp"])
 def test_canonical_plans(kind, tmp_path, helpers):
     """solve-sharding.canonical: the same ILP restricted to data parallel or FSDP layouts; the
