@@ -170,7 +170,8 @@ _APART = "reduce-scatter-apart"  # [combiner] sub-table: slices where libtpu mer
 _LEVEL_FIELDS = {"name", "devices", "bandwidth", "latency"}
 _COLLECTIVES_FIELDS = ("gathers", "matmul-input-dtype", "reassociate", "collective-matmul",
                        "collective-matmul-intensity", "collective-matmul-side",
-                       "collective-matmul-overlap", "merge-identical", "scatter-tiles",
+                       "collective-matmul-overlap", "collective-matmul-async-devices",
+                       "merge-identical", "scatter-tiles",
                        "scatter-chunk", "vector-gather-lanes")
 _GATHERS = ("per-dim", "one")
 
@@ -307,6 +308,11 @@ class DeviceModel:
     # planner counts as hidden (strategies._price): 1, all but the last two chunks' sends and
     # what outlasts the compute; 0, every send in full, as every other collective is counted.
     collective_matmul_overlap: float = 1.0
+    # [collectives]: the most devices of a slice on which the compiler runs a loop's
+    # collective-permutes asynchronously, beside its chunk kernels; on a larger slice they run
+    # between the kernels and the loop's sends are counted in full (collective_matmul_overlap_on;
+    # None: asynchronous on every slice).
+    collective_matmul_async_devices: int | None = None
     # [collectives]: whether the compiler merges identical ops (same operands and attributes)
     # before it partitions the program, whatever shardings they were given (libtpu's CSE): one
     # op in one layout, the copy's readers resharding from it.
@@ -353,6 +359,13 @@ class DeviceModel:
         except UsageError:  # no slice has that many devices (multislice): no rule
             return None
         return self.unmerged_reduce_scatters.get(shape)
+
+    def collective_matmul_overlap_on(self, devices: int) -> float:
+        """The share of collective-matmul loops' sends counted as hidden on a slice of
+        `devices` devices: collective_matmul_overlap, or 0 on a slice larger than
+        collective_matmul_async_devices."""
+        limit = self.collective_matmul_async_devices
+        return self.collective_matmul_overlap if limit is None or devices <= limit else 0.0
 
     def reduce_scatter_apart(self, devices: int, group: int) -> bool:
         """Whether libtpu leaves a reduce-scatter over `group` of a mesh of `devices` devices
@@ -642,11 +655,11 @@ def _parse_collectives(table: Any, source: str) -> dict[str, Any]:
         if name == "scatter-chunk":
             found["scatter_chunk"] = _scatter_chunk(value, source, f"collectives.{key}")
             continue
-        if name == "vector-gather-lanes":
+        if name in ("vector-gather-lanes", "collective-matmul-async-devices"):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise _fail(source, f"field 'collectives.{key}' must be a positive integer, "
                                     f"got {value!r}")
-            found["vector_gather_lanes"] = value
+            found[name.replace("-", "_")] = value
             continue
         value = _string(value, source, f"collectives.{key}")
         if name == "matmul-input-dtype":

@@ -683,11 +683,13 @@ def plan_serial_loops(job: Job, options: CompileOptions,
                       chosen: Candidate | None = None) -> Candidate | NotApplicable | None:
     """The program planned with the device model's collective-matmul loops' sends counted in
     full (DeviceModel.collective_matmul_overlap = 0), as the compiled score counts them; None
-    where the device model runs no such loop or counts their sends so already. `chosen` (the
+    where the device model runs no such loop or counts their sends so already on the plan's
+    slice. `chosen` (the
     model's single-program plan) is returned where it is such a plan already
     (_priced_alike_serial): planning again could only find one of equal cost."""
     device = options.device
-    if not device.collective_matmul or device.collective_matmul_overlap == 0.0:
+    if not device.collective_matmul or device.collective_matmul_overlap_on(
+            options.mesh.size) == 0.0:
         return None
     if chosen is not None and chosen.way == "single" and _priced_alike_serial(chosen.state):
         return chosen

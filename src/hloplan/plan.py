@@ -169,9 +169,10 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
                          # ("all", "partial" or null; [combiner] reduce-scatter-apart)
                          "unmerged_reduce_scatters":
                              options.device.unmerged_reduce_scatters_on(options.mesh.size),
-                         # the share of collective-matmul loops' sends priced as hidden
-                         # (--select compiled's serial-loops candidate: 0)
-                         **({"collective_matmul_overlap": options.device.collective_matmul_overlap}
+                         # the share of collective-matmul loops' sends priced as hidden on
+                         # this slice (--select compiled's serial-loops candidate: 0)
+                         **({"collective_matmul_overlap":
+                             options.device.collective_matmul_overlap_on(options.mesh.size)}
                             if options.device.collective_matmul else {})},
         "memory_budget_bytes": int(options.budget) if options.budget != float("inf") else None,
         "arguments": arguments,

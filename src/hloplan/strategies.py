@@ -541,7 +541,9 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
     elif reduced:
         for k, nbytes in enumerate(computed_bytes):
             if chunked is not None:
-                communication += comm.collective(kind, nbytes, reduced)
+                # priced as the collective-permutes it sends, as listed
+                communication += (reduce_split + 1) * comm.collective_permute(
+                    nbytes / reduce_split, reduced)
                 collectives.extend(collective_matmul_sends(nbytes, reduce_split,
                                                            comm.axes_label(reduced), multiplier))
                 continue
@@ -566,9 +568,11 @@ def _price(rule: OpRule, results, operands, reduced, factor_axes, operand_types,
     if chunked is not None:
         # The loop sends each chunk's partial sums while the next chunk computes: only what
         # outlasts the compute, and the last two chunks' sends, cannot be hidden; the device
-        # model says how much of the rest the plan counts as hidden (collective_matmul_overlap).
+        # model says how much of the rest the plan counts as hidden on this slice
+        # (collective_matmul_overlap_on).
         exposed = max(0.0, communication - compute) + 2 * communication / reduce_split
-        hidden = comm.model.collective_matmul_overlap * (communication - exposed)
+        hidden = (comm.model.collective_matmul_overlap_on(comm.mesh.size)
+                  * (communication - exposed))
         communication -= hidden
         # It never holds the whole partial sums, but carries its operands in its own layouts:
         # libtpu copies one of them (in the MXU's input dtype) before the loop, which one

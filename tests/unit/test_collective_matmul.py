@@ -56,11 +56,13 @@ def _weight_gradient(tokens: int, d: int, f: int) -> tuple[OpRule, list, list]:
 
 
 def _scattered(devices: int, tokens: int, d: int, f: int, collective_matmul: bool,
-               hbm=None, overlap: float | None = None):
+               hbm=None, overlap: float | None = None, async_devices: int | None = None):
     """The strategy that shards t over all devices and reduce-scatters dW over them on d."""
     table = "collective-matmul = true\n" if collective_matmul else ""
     if overlap is not None:
         table += f"collective-matmul-overlap = {overlap}\n"
+    if async_devices is not None:
+        table += f"collective-matmul-async-devices = {async_devices}\n"
     comm = CommModel(_load_text(MODEL + table, "toy.toml"), parse_mesh(str(devices)))
     rule, operands, results = _weight_gradient(tokens, d, f)
     (strategy,) = [s for s in enumerate_strategies(rule, operands, results, comm.mesh, comm,
@@ -89,9 +91,13 @@ def test_chunks_reread_the_stationary_operand():
     assert looped.compute > plain.compute
     # The partial sums travel while the chunks compute: only the last two chunks' sends and
     # what outlasts the compute are not hidden.
+    # The loop is priced as what it sends: n + 1 collective-permutes of 1/n of the partial
+    # sums, where the reduce-scatter sends (n - 1)/n of them.
     sent = (n - 1) / n * d * f * f32 / LINK
     assert plain.communication == pytest.approx(sent)
-    assert looped.communication == pytest.approx(max(0.0, sent - looped.compute) + 2 * sent / n)
+    permuted = (n + 1) / n * d * f * f32 / LINK
+    assert looped.communication == pytest.approx(
+        max(0.0, permuted - looped.compute) + 2 * permuted / n)
     # Listed as libtpu compiles the loop: n + 1 collective-permutes of 1/n of the partial sums.
     assert plain.collectives == (("reduce-scatter", "x", (n - 1) / n * d * f * f32),)
     assert looped.collectives == (("collective-permute", "x", d * f * f32 / n),) * (n + 1)
@@ -109,7 +115,7 @@ def test_the_share_of_the_loop_sends_counted_as_hidden():
     # collective-matmul-overlap = 0 counts every send of the loop in full, as the compiled
     # score counts every collective; a share between counts that part of what could hide.
     n, tokens, d, f = 16, 16 * 16384, 1024, 8192
-    sent = (n - 1) / n * d * f * 4 / LINK
+    sent = (n + 1) / n * d * f * 4 / LINK  # the loop's n + 1 collective-permutes
     hidden = _scattered(n, tokens, d, f, collective_matmul=True)
     exposed = hidden.communication
     assert exposed < sent / 2
@@ -126,6 +132,23 @@ def test_the_share_of_the_loop_sends_counted_as_hidden():
     for other in (counted, half):
         assert (other.compute, other.collectives, other.transient, other.accumulators) == (
             hidden.compute, hidden.collectives, hidden.transient, hidden.accumulators)
+
+
+def test_loop_sends_are_counted_in_full_on_slices_past_the_async_limit():
+    # libtpu runs the loop's collective-permutes synchronously on v5e slices of more than 16
+    # chips: nothing hides them there.
+    n, tokens, d, f = 16, 16 * 16384, 1024, 8192
+    sent = (n + 1) / n * d * f * 4 / LINK
+    within = _scattered(n, tokens, d, f, True, async_devices=16)
+    assert within.hidden > 0 and within.communication == pytest.approx(sent - within.hidden)
+    past = _scattered(n, tokens, d, f, True, async_devices=8)
+    assert past.hidden == 0.0 and past.communication == pytest.approx(sent)
+    v5e = load_device_model("tpu-v5e")
+    assert v5e.collective_matmul_async_devices == 16
+    assert [v5e.collective_matmul_overlap_on(k) for k in (4, 8, 16, 32, 256)] == [1, 1, 1, 0, 0]
+    for bad in ("0", "-4", "2.5", "true", '"16"'):
+        with pytest.raises(DeviceModelError, match="positive integer"):
+            _load_text(MODEL + f"collective-matmul-async-devices = {bad}\n", "bad.toml")
 
 
 def test_no_loop_where_communication_dwarfs_compute_or_beyond_32_devices():

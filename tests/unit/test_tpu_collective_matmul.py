@@ -138,3 +138,40 @@ def test_libtpu_loops_where_the_planner_does():
     assert done.returncode == 0, done.stderr[-2000:]
     compiled = json.loads(done.stdout.strip().splitlines()[-1])
     assert compiled == [_loops(*case) for case in CASES]
+
+
+_LIBTPU_ASYNC = r"""
+import json, sys
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from hloplan.tpu import parse_topology, topology_devices
+
+out = []
+for topology, shape in json.loads(sys.argv[1]):
+    mesh = Mesh(np.array(topology_devices(parse_topology(topology))).reshape(shape), ("x", "y"))
+    t = 4096 * shape[1]  # a weight gradient reduce-scattered over y: looped
+    x = jax.ShapeDtypeStruct((t, 1024), jnp.float32, sharding=NamedSharding(mesh, P("y", "x")))
+    g = jax.ShapeDtypeStruct((t, 4096), jnp.float32, sharding=NamedSharding(mesh, P("y", None)))
+    text = jax.jit(lambda a, b: jnp.einsum("td,tf->df", a, b),
+                   out_shardings=NamedSharding(mesh, P("x", "y"))).lower(x, g).compile().as_text()
+    out.append(["collective-permute-start(" in text, " collective-permute(" in text])
+print(json.dumps(out))
+"""
+
+
+@needs_libtpu
+def test_libtpu_runs_loop_sends_asynchronously_where_the_model_hides_them():
+    """libtpu's loop sends a collective-permute-start / done pair per chunk (kernels between:
+    hideable) on v5e slices of up to 16 chips, and plain collective-permutes on larger ones,
+    as tpu-v5e's `collective-matmul-async-devices` says."""
+    from hloplan.tpu import child_env
+
+    slices = [("v5e:2x4", [2, 4]), ("v5e:4x4", [4, 4]), ("v5e:4x8", [4, 8])]
+    done = subprocess.run([sys.executable, "-c", _LIBTPU_ASYNC, json.dumps(slices)],
+                          env=child_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    compiled = json.loads(done.stdout.strip().splitlines()[-1])
+    v5e = load_device_model("tpu-v5e")
+    for (_, shape), (asynchronous, synchronous) in zip(slices, compiled, strict=True):
+        hidden = v5e.collective_matmul_overlap_on(shape[0] * shape[1]) > 0
+        assert (asynchronous, synchronous) == (hidden, not hidden), shape
