@@ -136,7 +136,7 @@ def test_the_share_of_the_loop_sends_counted_as_hidden():
 
 def test_loop_sends_are_counted_in_full_on_slices_past_the_async_limit():
     # libtpu runs the loop's collective-permutes synchronously on v5e slices of more than 16
-    # chips: nothing hides them there.
+    # chips: nothing hides them there (collective-matmul-async-devices = 16 says so).
     n, tokens, d, f = 16, 16 * 16384, 1024, 8192
     sent = (n + 1) / n * d * f * 4 / LINK
     within = _scattered(n, tokens, d, f, True, async_devices=16)
@@ -144,8 +144,11 @@ def test_loop_sends_are_counted_in_full_on_slices_past_the_async_limit():
     past = _scattered(n, tokens, d, f, True, async_devices=8)
     assert past.hidden == 0.0 and past.communication == pytest.approx(sent)
     v5e = load_device_model("tpu-v5e")
-    assert v5e.collective_matmul_async_devices == 16
-    assert [v5e.collective_matmul_overlap_on(k) for k in (4, 8, 16, 32, 256)] == [1, 1, 1, 0, 0]
+    assert v5e.collective_matmul_async_devices is None  # not set: hidden on every slice
+    assert v5e.collective_matmul_overlap_on(256) == 1.0
+    limited = dataclasses.replace(v5e, collective_matmul_async_devices=16)
+    assert [limited.collective_matmul_overlap_on(k) for k in (4, 8, 16, 32, 256)] == [
+        1, 1, 1, 0, 0]
     for bad in ("0", "-4", "2.5", "true", '"16"'):
         with pytest.raises(DeviceModelError, match="positive integer"):
             _load_text(MODEL + f"collective-matmul-async-devices = {bad}\n", "bad.toml")
