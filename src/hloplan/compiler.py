@@ -684,9 +684,8 @@ def plan_serial_loops(job: Job, options: CompileOptions,
     """The program planned with the device model's collective-matmul loops' sends counted in
     full (DeviceModel.collective_matmul_overlap = 0), as the compiled score counts them; None
     where the device model runs no such loop or counts their sends so already on the plan's
-    slice. `chosen` (the
-    model's single-program plan) is returned where it is such a plan already
-    (_priced_alike_serial): planning again could only find one of equal cost."""
+    slice. `chosen` (the model's single-program plan) is returned where it is such a plan
+    already (_priced_alike_serial): planning again could only find one of equal cost."""
     device = options.device
     if not device.collective_matmul or device.collective_matmul_overlap_on(
             options.mesh.size) == 0.0:

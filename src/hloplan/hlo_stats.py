@@ -1500,7 +1500,6 @@ def kernel_stats(hlo_text: str, flop_rate: float, hbm_bandwidth: float) -> Kerne
                        sum(k.flops for k in kernels))
 
 
-
 def _async_spans(module: _Module, comp: _Computation) -> list[tuple[str, int, int]]:
     """The asynchronous collectives of one scheduled computation: (the collective's name as
     collective_stats gives it, the position of its start, the position of its done). A
@@ -1561,6 +1560,7 @@ def scheduled_overlap(hlo_text: str, kernel_seconds: Mapping[str, float],
                         for p in range(began + 1, ended))
             hidden[name] = min(collective_seconds[name], under)
     return hidden
+
 
 # ---------------------------------------------------------------------------------------------
 # Memory
