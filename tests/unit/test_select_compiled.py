@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from hloplan.cli import main
+from hloplan.mesh import parse_mesh
 from hloplan.tpu import libtpu_available
 
 
@@ -101,9 +102,11 @@ def test_serial_loops_candidate_only_where_the_model_hides_loop_sends():
     job = Job(source=Source(), pipeline=None, passes=None, after_pass=None)
     tpu = load_device_model("tpu-v5e")
     assert tpu.collective_matmul and tpu.collective_matmul_overlap == 1.0
-    for device in (load_device_model("h100"),
-                   dataclasses.replace(tpu, collective_matmul_overlap=0.0)):
-        assert plan_serial_loops(job, SimpleNamespace(device=device)) is None
+    for device, mesh in ((load_device_model("h100"), "2x2"),
+                         (dataclasses.replace(tpu, collective_matmul_overlap=0.0), "2x2"),
+                         # sends counted in full on slices past its async limit
+                         (dataclasses.replace(tpu, collective_matmul_async_devices=16), "4x8")):
+        assert plan_serial_loops(job, SimpleNamespace(device=device, mesh=parse_mesh(mesh))) is None
 
 
 def test_serial_loops_candidate_is_the_models_plan_where_it_prices_alike():
