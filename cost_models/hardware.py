@@ -171,8 +171,7 @@ _LEVEL_FIELDS = {"name", "devices", "bandwidth", "latency"}
 _COLLECTIVES_FIELDS = ("gathers", "matmul-input-dtype", "reassociate", "collective-matmul",
                        "collective-matmul-intensity", "collective-matmul-side",
                        "collective-matmul-overlap", "collective-matmul-async-devices",
-                       "merge-identical", "scatter-tiles",
-                       "scatter-chunk", "vector-gather-lanes")
+                       "merge-identical", "scatter-tiles", "scatter-chunk", "vector-gather-lanes")
 _GATHERS = ("per-dim", "one")
 
 

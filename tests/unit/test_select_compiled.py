@@ -87,19 +87,26 @@ def test_select_compiled_libtpu(tmp_path, helpers):
     assert plan["device_model"]["collective_matmul_overlap"] == (0.0 if kept_serial else 1.0)
 
 
+def _job_never_planned():
+    """A job whose program, loaded only to plan it again, raises AssertionError("planned")."""
+    from hloplan.compiler import Job
+
+    class Source:
+        def load(self):
+            raise AssertionError("planned")
+
+    return Job(source=Source(), pipeline=None, passes=None, after_pass=None)
+
+
 def test_serial_loops_candidate_only_where_the_model_hides_loop_sends():
     """plan_serial_loops plans again only for a device model whose collective-matmul loops'
     sends it counts as hidden; the candidate's device model counts them in full."""
     import dataclasses
 
-    from hloplan.compiler import Job, plan_serial_loops
+    from hloplan.compiler import plan_serial_loops
     from hloplan.cost_models import load_device_model
 
-    class Source:  # never loaded where no candidate is planned
-        def load(self):
-            raise AssertionError("planned")
-
-    job = Job(source=Source(), pipeline=None, passes=None, after_pass=None)
+    job = _job_never_planned()
     tpu = load_device_model("tpu-v5e")
     assert tpu.collective_matmul and tpu.collective_matmul_overlap == 1.0
     for device, mesh in ((load_device_model("h100"), "2x2"),
@@ -114,12 +121,8 @@ def test_serial_loops_candidate_is_the_models_plan_where_it_prices_alike():
     counts a negative share, counting the sends in full raises no cost of that plan and
     lowers none of another's: plan_serial_loops returns the model's plan without planning
     again. Otherwise it plans again."""
-    from hloplan.compiler import Job, make_options, plan_serial_loops
+    from hloplan.compiler import make_options, plan_serial_loops
     from hloplan.strategies import OpStrategy
-
-    class Source:
-        def load(self):
-            raise AssertionError("planned")
 
     def candidate(hidden_chosen, hidden_other):
         strategies = {0: [OpStrategy((), (), hidden=hidden_chosen),
@@ -128,7 +131,7 @@ def test_serial_loops_candidate_is_the_models_plan_where_it_prices_alike():
                                 chosen=lambda index: strategies[index][0])
         return SimpleNamespace(way="single", state=state)
 
-    job = Job(source=Source(), pipeline=None, passes=None, after_pass=None)
+    job = _job_never_planned()
     options = make_options("2x2", device="tpu-v5e", mesh_views="off")
     alike = candidate(0.0, 2e-6)
     assert plan_serial_loops(job, options, alike) is alike
