@@ -4,10 +4,12 @@ The mesh goes in as `sdy.mesh @mesh`; main's arguments and results get `sdy.shar
 planned op's results are fixed by an `sdy.sharding_constraint` right after it (XLA keeps
 constraints; it re-propagates `sdy.sharding` attributes on ops as it likes), but on TPU device
 models an elementwise op, reshape, transpose or broadcast whose layout XLA derives from its
-operands' is left to that propagation (constrain_implied); where a strategy
-needs an operand in another layout than its producer gives, a second constraint before the
-consumer makes that resharding explicit, so XLA's partitioner does what the plan priced (and
-where the plan priced a multi-axis all-gather axis by axis, a constraint per stage). A
+operands' is left to that propagation (constrain_implied), and a result only such a transpose
+reads is pinned after the transpose instead (libtpu folds the transpose into the matmul before
+it only with no constraint between them); where a strategy needs an operand in another layout
+than its producer gives, a second constraint before the consumer makes that resharding
+explicit, so XLA's partitioner does what the plan priced (and where the plan priced a
+multi-axis all-gather axis by axis, a constraint per stage). A
 matmul priced as reading a value from an earlier matmul's layout (a weight all-gathered once for
 the forward and backward matmuls) gets its constraint on the earlier one's constrained operand
 unless resharding from the value's own layout is cheaper: XLA reshards from the value otherwise.
@@ -56,6 +58,7 @@ class PropagateSharding:
         chained: list[tuple[object, int, list, object, int]] = []
         pins: list[tuple[object, int, list, list]] = []  # (while, carry, at entry, at yield)
         argument_specs: dict[int, tuple] = {}
+        moved: list[int] = []  # transposes pinned in place of their operand (_only_transposed)
         for op_index in state.space.strategies:
             op = graph.ops[op_index]
             chosen = state.chosen(op_index)
@@ -75,6 +78,11 @@ class PropagateSharding:
                 if not constrain_implied and self._implied(state, op_index, k):
                     implied += 1
                     continue
+                if not constrain_implied:
+                    transpose = self._only_transposed(state, op_index, k)
+                    if transpose is not None:
+                        moved.append(transpose)
+                        continue
                 if self.constrain_replicated or any(spec):
                     entry[1][result_index] = spec_names(spec, mesh)
             if not self.constrain_operands or op.name == "case.result":
@@ -94,6 +102,12 @@ class PropagateSharding:
                     continue
                 operand_constraints.append((mlir_op, operand_index,
                                             self._stages(state, value_id, given, required)))
+        for op_index in moved:  # the transpose's result pinned instead of its operand
+            mlir_op, (result_index,) = handles.ops[op_index]
+            spec = state.chosen(op_index).results[0]
+            if self.constrain_replicated or any(spec):
+                per_mlir_op.setdefault(id(mlir_op), (mlir_op, {}))[1][result_index] = \
+                    spec_names(spec, mesh)
         results = 0
         for mlir_op, specs in per_mlir_op.values():
             annotator.constrain_results(mlir_op, specs)
@@ -120,6 +134,32 @@ class PropagateSharding:
             len(entry[2]) for entry in operand_constraints + chained)
         state.facts["result_constraints"] = results
         state.facts["implied_results"] = implied
+        state.facts["pinned_after_transpose"] = len(moved)
+
+    def _only_transposed(self, state: CompileState, op_index: int, result: int) -> int | None:
+        """For an op whose partial sums a collective reduces (a weight gradient's matmul): the
+        transpose that is the only reader of its result, where it takes the result as it is
+        and its own layout is implied (_implied); its result is pinned instead of the op's.
+        libtpu folds a transpose right after a matmul into the matmul, but not across a
+        constraint: a weight gradient made as [out, in] and transposed to the weight's
+        [in, out] is then all-reduced as [out, in] and the transpose becomes a layout, which
+        the optimizer update takes on, with the weight and both moments copied into it and
+        back (6 copies of f32[512, 2048] on v5e:2x4), where the unconstrained transpose
+        leaves none. Other matmuls keep their pin (moved, hf_bert's forward attention
+        matmuls on v5e:2x4 compile to 4 more layer-norm kernels)."""
+        graph = state.graph
+        if not state.chosen(op_index).reduced_axes:
+            return None
+        value_id = graph.ops[op_index].results[result]
+        users = set(graph.values[value_id].users)
+        if len(users) != 1 or value_id in graph.outputs:
+            return None
+        (reader,) = users
+        if (graph.ops[reader].name != "stablehlo.transpose" or reader not in state.space.strategies
+                or state.chosen(reader).operands[0] not in (None, self._given(state, value_id))
+                or not self._implied(state, reader, 0)):
+            return None
+        return reader
 
     def _implied(self, state: CompileState, op_index: int, result: int) -> bool:
         """Whether the op's result layout follows from its operands' layouts alone, as XLA's
