@@ -137,19 +137,15 @@ class PropagateSharding:
         state.facts["pinned_after_transpose"] = len(moved)
 
     def _only_transposed(self, state: CompileState, op_index: int, result: int) -> int | None:
-        """For an op whose partial sums a collective reduces (a weight gradient's matmul): the
-        transpose that is the only reader of its result, where it takes the result as it is
-        and its own layout is implied (_implied); its result is pinned instead of the op's.
-        libtpu folds a transpose right after a matmul into the matmul, but not across a
-        constraint: a weight gradient made as [out, in] and transposed to the weight's
-        [in, out] is then all-reduced as [out, in] and the transpose becomes a layout, which
-        the optimizer update takes on, with the weight and both moments copied into it and
-        back (6 copies of f32[512, 2048] on v5e:2x4), where the unconstrained transpose
-        leaves none. Other matmuls keep their pin (moved, hf_bert's forward attention
-        matmuls on v5e:2x4 compile to 4 more layer-norm kernels)."""
+        """The transpose that is the only reader of the op's result, where it takes the result
+        as it is and its own layout is implied (_implied): its result is pinned instead of
+        the op's. libtpu folds a transpose right after a matmul into the matmul, but not
+        across a constraint: a weight gradient made as [out, in] and transposed to the
+        weight's [in, out] is then all-reduced as [out, in] and the transpose becomes a
+        layout, which the optimizer update takes on, with the weight and both moments copied
+        into it and back (6 copies of f32[512, 2048] on v5e:2x4), where the unconstrained
+        transpose leaves none."""
         graph = state.graph
-        if not state.chosen(op_index).reduced_axes:
-            return None
         value_id = graph.ops[op_index].results[result]
         users = set(graph.values[value_id].users)
         if len(users) != 1 or value_id in graph.outputs:

@@ -12,7 +12,6 @@
 // RUN: %split-input %s 2 | hloplan-opt - -p inline-calls,extract-graph,build-sharding-problem,solve-sharding,propagate-sharding --mesh 2x4 --device toy --pass-option build-sharding-problem.staged_gathers=false | filecheck %s --check-prefix=ONESTEP
 // RUN: %split-input %s 3 | hloplan-opt - -p inline-calls,extract-graph,build-sharding-problem,solve-sharding,propagate-sharding --mesh 2x4 --device tpu-v5e | filecheck %s --check-prefix=TPU
 // RUN: %split-input %s 3 | hloplan-opt - -p inline-calls,extract-graph,build-sharding-problem,solve-sharding,propagate-sharding --mesh 2x4 --device tpu-v5e --pass-option propagate-sharding.constrain_implied=true | filecheck %s --check-prefix=EVERY
-// RUN: %split-input %s 4 | hloplan-opt - -p inline-calls,extract-graph,build-sharding-problem,solve-sharding,propagate-sharding --mesh 2x4 --device tpu-v5e | filecheck %s --check-prefix=UNREDUCED
 
 // A batch-64 matmul that is large for the toy device, its relu in a private function and an
 // optimization barrier that also carries a scalar constant. The batch dim is split over all 8
@@ -172,7 +171,7 @@ module @jit_norm {
 // -----
 
 // A weight gradient made as [out, in] and transposed to the weight's [in, out] for its update,
-// its 4096 tokens split over x: the matmul's partial sums are reduced over x. On a TPU device
+// its 4096 tokens split over x (the matmul's partial sums reduced over x). On a TPU device
 // model the transpose's result is pinned, not the matmul's: libtpu folds a transpose into the
 // matmul before it only with no constraint between them (with one, the update runs in the
 // transposed layout, the weight and its moments copied into it and back).
@@ -198,23 +197,3 @@ module @jit_update {
   }
 }
 
-// -----
-
-// The same update on 64 tokens: the plan splits the weight's 128 rows, not the tokens, so
-// nothing is reduced after the matmul, and the matmul's result keeps its pin.
-// UNREDUCED-LABEL: module @jit_update
-// UNREDUCED:         [[G:%.*]] = stablehlo.dot_general %arg2, %arg1, contracting_dims = [0] x [0]
-// UNREDUCED-NEXT:    [[GC:%.*]] = sdy.sharding_constraint [[G]] <@mesh, [{}, {"x", "y"}]> : tensor<256x128xf32>{{$}}
-// UNREDUCED-NEXT:    stablehlo.transpose [[GC]], dims = [1, 0]
-
-module @jit_update {
-  func.func public @main(%w: tensor<128x256xf32>, %x: tensor<64x128xf32>, %dy: tensor<64x256xf32>) -> (tensor<128x256xf32> {jax.result_info = "result"}) {
-    %g = stablehlo.dot_general %dy, %x, contracting_dims = [0] x [0] : (tensor<64x256xf32>, tensor<64x128xf32>) -> tensor<256x128xf32>
-    %t = stablehlo.transpose %g, dims = [1, 0] : (tensor<256x128xf32>) -> tensor<128x256xf32>
-    %c = stablehlo.constant dense<1.000000e-01> : tensor<f32>
-    %cb = stablehlo.broadcast_in_dim %c, dims = [] : (tensor<f32>) -> tensor<128x256xf32>
-    %s = stablehlo.multiply %t, %cb : tensor<128x256xf32>
-    %r = stablehlo.subtract %w, %s : tensor<128x256xf32>
-    return %r : tensor<128x256xf32>
-  }
-}
