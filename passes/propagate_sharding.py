@@ -9,10 +9,10 @@ reads is pinned after the transpose instead (libtpu folds the transpose into the
 it only with no constraint between them); where a strategy needs an operand in another layout
 than its producer gives, a second constraint before the consumer makes that resharding
 explicit, so XLA's partitioner does what the plan priced (and where the plan priced a
-multi-axis all-gather axis by axis, a constraint per stage). A
-matmul priced as reading a value from an earlier matmul's layout (a weight all-gathered once for
-the forward and backward matmuls) gets its constraint on the earlier one's constrained operand
-unless resharding from the value's own layout is cheaper: XLA reshards from the value otherwise.
+multi-axis all-gather axis by axis, a constraint per stage). A matmul priced as reading a value
+from an earlier matmul's layout (a weight all-gathered once for the forward and backward
+matmuls) gets its constraint on the earlier one's constrained operand unless resharding from
+the value's own layout is cheaper: XLA reshards from the value otherwise.
 """
 
 from __future__ import annotations

@@ -196,4 +196,3 @@ module @jit_update {
     return %r : tensor<64x128xf32>
   }
 }
-

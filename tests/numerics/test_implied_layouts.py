@@ -100,3 +100,29 @@ def test_rematerialized_step_keeps_its_barrier_results_constrained(tmp_path):
     expected = jax.jit(remat_step)(*args)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def _update(w, m, v, x, dy):
+    g = jnp.einsum("tf,td->fd", dy, x).T  # a weight gradient made as [F, D] for a [D, F] weight
+    m = m + (g - m) * 0.1
+    v = v + (g * g - v) * 0.001
+    return w - 0.01 * m / (jnp.sqrt(v) + 1e-7), m, v
+
+
+def test_a_transposed_gradient_pinned_after_its_transpose_runs_as_planned(tmp_path):
+    """On TPU device models a result only a transpose reads is pinned after the transpose
+    (propagate-sharding._only_transposed): the sharded step still equals the single-device
+    one."""
+    keys = jax.random.split(jax.random.key(1), 5)
+    d, f, t = 64, 128, 512
+    args = (jax.random.normal(keys[0], (d, f)), 0.1 * jax.random.normal(keys[1], (d, f)),
+            jnp.abs(jax.random.normal(keys[2], (d, f))), jax.random.normal(keys[3], (t, d)),
+            jax.random.normal(keys[4], (t, f)))
+    data = export.export(jax.jit(_update), platforms=("cpu", "tpu"))(*args).serialize()
+    result = _plan(data, None)
+    assert result.state.facts["pinned_after_transpose"] == 1
+    assert _plan(data, True).state.facts["pinned_after_transpose"] == 0
+    result.write(tmp_path / "plan")
+    got = hloplan.load(tmp_path / "plan")(*args)
+    for a, b in zip(got, jax.jit(_update)(*args)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
