@@ -58,7 +58,7 @@ class PropagateSharding:
         chained: list[tuple[object, int, list, object, int]] = []
         pins: list[tuple[object, int, list, list]] = []  # (while, carry, at entry, at yield)
         argument_specs: dict[int, tuple] = {}
-        moved: list[int] = []  # transposes pinned in place of their operand (_only_transposed)
+        moved = 0  # results pinned after the transpose that reads them (_only_transposed)
         for op_index in state.space.strategies:
             op = graph.ops[op_index]
             chosen = state.chosen(op_index)
@@ -78,13 +78,16 @@ class PropagateSharding:
                 if not constrain_implied and self._implied(state, op_index, k):
                     implied += 1
                     continue
-                if not constrain_implied:
-                    transpose = self._only_transposed(state, op_index, k)
-                    if transpose is not None:
-                        moved.append(transpose)
-                        continue
+                pinned = entry
+                transpose = None if constrain_implied else self._only_transposed(
+                    state, op_index, k)
+                if transpose is not None:  # the transpose's result pinned instead
+                    moved += 1
+                    target, (result_index,) = handles.ops[transpose]
+                    spec = state.chosen(transpose).results[0]
+                    pinned = per_mlir_op.setdefault(id(target), (target, {}))
                 if self.constrain_replicated or any(spec):
-                    entry[1][result_index] = spec_names(spec, mesh)
+                    pinned[1][result_index] = spec_names(spec, mesh)
             if not self.constrain_operands or op.name == "case.result":
                 continue
             for k, value_id in enumerate(op.operands):
@@ -102,12 +105,6 @@ class PropagateSharding:
                     continue
                 operand_constraints.append((mlir_op, operand_index,
                                             self._stages(state, value_id, given, required)))
-        for op_index in moved:  # the transpose's result pinned instead of its operand
-            mlir_op, (result_index,) = handles.ops[op_index]
-            spec = state.chosen(op_index).results[0]
-            if self.constrain_replicated or any(spec):
-                per_mlir_op.setdefault(id(mlir_op), (mlir_op, {}))[1][result_index] = \
-                    spec_names(spec, mesh)
         results = 0
         for mlir_op, specs in per_mlir_op.values():
             annotator.constrain_results(mlir_op, specs)
@@ -134,7 +131,7 @@ class PropagateSharding:
             len(entry[2]) for entry in operand_constraints + chained)
         state.facts["result_constraints"] = results
         state.facts["implied_results"] = implied
-        state.facts["pinned_after_transpose"] = len(moved)
+        state.facts["pinned_after_transpose"] = moved
 
     def _only_transposed(self, state: CompileState, op_index: int, result: int) -> int | None:
         """The transpose that is the only reader of the op's result, where it takes the result
