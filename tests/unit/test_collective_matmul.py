@@ -144,11 +144,10 @@ def test_loop_sends_are_counted_in_full_on_slices_past_the_async_limit():
     past = _scattered(n, tokens, d, f, True, async_devices=8)
     assert past.hidden == 0.0 and past.communication == pytest.approx(sent)
     v5e = load_device_model("tpu-v5e")
-    assert v5e.collective_matmul_async_devices is None  # not set: hidden on every slice
-    assert v5e.collective_matmul_overlap_on(256) == 1.0
-    limited = dataclasses.replace(v5e, collective_matmul_async_devices=16)
-    assert [limited.collective_matmul_overlap_on(k) for k in (4, 8, 16, 32, 256)] == [
-        1, 1, 1, 0, 0]
+    assert v5e.collective_matmul_async_devices == 16
+    assert [v5e.collective_matmul_overlap_on(k) for k in (4, 8, 16, 32, 256)] == [1, 1, 1, 0, 0]
+    unlimited = dataclasses.replace(v5e, collective_matmul_async_devices=None)
+    assert unlimited.collective_matmul_overlap_on(256) == 1.0
     for bad in ("0", "-4", "2.5", "true", '"16"'):
         with pytest.raises(DeviceModelError, match="positive integer"):
             _load_text(MODEL + f"collective-matmul-async-devices = {bad}\n", "bad.toml")

@@ -5,7 +5,6 @@ whole slice or at most its shorter side), checked against libtpu where it is ins
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -164,7 +163,7 @@ print(json.dumps(out))
 def test_libtpu_runs_loop_sends_asynchronously_where_the_model_hides_them():
     """libtpu's loop sends a collective-permute-start / done pair per chunk (kernels between:
     hideable) on v5e slices of up to 16 chips, and plain collective-permutes on larger ones,
-    as `collective-matmul-async-devices = 16` says (documented in tpu-v5e.toml, not set)."""
+    as tpu-v5e's `collective-matmul-async-devices = 16` says."""
     from hloplan.tpu import child_env
 
     slices = [("v5e:2x4", [2, 4]), ("v5e:4x4", [4, 4]), ("v5e:4x8", [4, 8])]
@@ -172,7 +171,7 @@ def test_libtpu_runs_loop_sends_asynchronously_where_the_model_hides_them():
                           env=child_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     compiled = json.loads(done.stdout.strip().splitlines()[-1])
-    v5e = dataclasses.replace(load_device_model("tpu-v5e"), collective_matmul_async_devices=16)
+    v5e = load_device_model("tpu-v5e")
     for (_, shape), (asynchronous, synchronous) in zip(slices, compiled, strict=True):
         hidden = v5e.collective_matmul_overlap_on(shape[0] * shape[1]) > 0
         assert (asynchronous, synchronous) == (hidden, not hidden), shape
