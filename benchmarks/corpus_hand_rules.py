@@ -76,6 +76,28 @@ TENSOR_DIMS = {
         (r"\['embed_tokens'\]", 0),
         (r"\['lm_head'\]\['kernel'\]", 1),
     ]),
+    "hf_vit": _by_path([
+        (r"\['attention'\]\['attention'\]\['(query|key|value)'\]\['kernel'\]", 1),
+        (r"\['attention'\]\['attention'\]\['(query|key|value)'\]\['bias'\]", 0),
+        (r"\['attention'\]\['output'\]\['dense'\]\['kernel'\]", 0),
+        (r"\['intermediate'\]\['dense'\]\['kernel'\]", 1),
+        (r"\['intermediate'\]\['dense'\]\['bias'\]", 0),
+        (r"\['layer'\]\['\d+'\]\['output'\]\['dense'\]\['kernel'\]", 0),
+        (r"\['classifier'\]\['kernel'\]", 1),
+        (r"\['classifier'\]\['bias'\]", 0),
+    ]),
+    # flax.nnx MultiHeadAttention kernels: query/key/value (in, heads, head_dim), out
+    # (heads, head_dim, out).
+    "nnx_transformer": _by_path([
+        (r"\['attn'\]\['(query|key|value)'\]\['kernel'\]", 1),
+        (r"\['attn'\]\['out'\]\['kernel'\]", 0),
+        (r"\['up'\]\['kernel'\]", 1),
+        (r"\['up'\]\['bias'\]", 0),
+        (r"\['down'\]\['kernel'\]", 0),
+        (r"\['embed'\]\['embedding'\]", 0),
+        (r"\['head'\]\['kernel'\]", 1),
+        (r"\['head'\]\['bias'\]", 0),
+    ]),
     "haiku_transformer": _by_path([
         (r"multi_head_attention(_\d+)?/(query|key|value)'\]\['w'\]", 1),
         (r"multi_head_attention(_\d+)?/linear'\]\['w'\]", 0),

@@ -35,7 +35,7 @@ Writes benchmarks/tpu_results.json (docs/tpu.md shows the figures).
     .venv/bin/python benchmarks/tpu.py --corpus --topology v5e:4x8   # 30 to 190 s each
 
 plans programs of the third-party corpus (examples/third_party/corpus.py at realistic widths,
-2 layers, 2 sequences of 128 tokens per device, resnet 8 images per device: the batch grows
+2 layers, 2 sequences of 128 tokens per device, resnet and vit 8 images per device: the batch grows
 with the topology; exported for tpu) for the topology's kind (tpu-v5e, tpu-v6e, tpu-v5p) on
 its mesh (v5e:2x4 unless `--topology` says) and sets the plan's predicted collectives beside
 what libtpu compiled of it (hloplan.verify.verify_plan, as `hloplan verify PLAN --compiler tpu`):
@@ -46,7 +46,7 @@ keeps each plan in DIR/PROGRAM (`hloplan verify DIR/PROGRAM` compiles it again).
     .venv/bin/python benchmarks/tpu.py --corpus --corpus-size realistic --topology v5e:4x8
 
 does the same at the sizes users train at (CORPUS_REALISTIC_SIZES: 8 sequences of 512 tokens
-per device, 4 layers, resnet 32 images per device; a batch that does not fit a v5e device is
+per device, 4 layers, resnet and vit 32 images per device; a batch that does not fit a v5e device is
 halved, down to 2 sequences, and the row says which did not fit): rows under
 "realistic" -> topology of tpu_corpus_results.json.
 """
@@ -76,18 +76,20 @@ RESULTS = HERE / "tpu_results.json"
 FORMULA_DEVICE = HERE / "tpu-v5e-calibrated.toml"  # the f32 rate measured on the chip
 CORPUS_RESULTS = HERE / "tpu_corpus_results.json"
 CORPUS_PROGRAMS = ["hf_gpt2", "hf_bert", "hf_llama", "hf_bart", "haiku_transformer",
-                   "linen_resnet", "keras_gemma", "keras_moe"]
+                   "linen_resnet", "keras_gemma", "keras_moe", "hf_vit", "nnx_transformer"]
 # Realistic widths (the corpus's size="real"), shallow and a few sequences per device, like
 # config(): libtpu compiles each in seconds on v5e:2x4; the tiny sizes plan pure data
 # parallelism. `batch` is per device: the program grows with the topology.
 CORPUS_SIZES = {"*": dict(size="real", batch=2, seq=128, layers=2),
-                "linen_resnet": dict(size="real", batch=8)}
+                "linen_resnet": dict(size="real", batch=8),
+                "hf_vit": dict(size="real", batch=8, layers=2)}
 # The sizes users train at (those of benchmarks/corpus.py --bench, which cannot be imported
 # here: it sets XLA_FLAGS for simulated devices): 8 sequences of 512 tokens per device,
-# 4 layers, resnet 32 images per device. Where that does not fit a device's memory, the batch
+# 4 layers, resnet and vit 32 images per device. Where that does not fit a device's memory, the batch
 # per device is halved, at most CORPUS_HALVINGS times (8, 4, 2 sequences).
 CORPUS_REALISTIC_SIZES = {"*": dict(size="real", batch=8, seq=512, layers=4),
-                          "linen_resnet": dict(size="real", batch=32)}
+                          "linen_resnet": dict(size="real", batch=32),
+                          "hf_vit": dict(size="real", batch=32, layers=4)}
 CORPUS_SIZE_TABLES = {"small": CORPUS_SIZES, "realistic": CORPUS_REALISTIC_SIZES}
 CORPUS_HALVINGS = {"small": 0, "realistic": 2}
 CORPUS_TOPOLOGY = "v5e:2x4"  # the rows under "programs" of tpu_corpus_results.json
@@ -319,22 +321,35 @@ def corpus_case(name: str, topology_name: str = CORPUS_TOPOLOGY,
     raise AssertionError("unreachable: the last candidate returns or raises")
 
 
-def _corpus_case_at(name: str, topology, sizes: dict, keep: Path | None,
-                    hand: bool = False) -> dict:
+def corpus_export(name: str, sizes: dict) -> tuple[bytes, tuple[int, ...], str]:
+    """(serialized jax.export for the tpu platform, donated argument numbers, library) of the
+    corpus program `name` built at `sizes`."""
     import jax
-
-    from hloplan.compiler import compile_bytes, make_options
-    from hloplan.verify import verify_plan
 
     sys.path.insert(0, str(HERE.parent / "examples" / "third_party"))
     import corpus
 
-    mesh_text = "x".join(map(str, topology.shape))
     program = corpus.BY_NAME[name]
     step, args = program.build(**sizes)
     donated = getattr(step, "donate_argnums", (0, 1) if len(args) == 4 else (0,))
     exported = jax.export.export(jax.jit(step, donate_argnums=donated), platforms=("tpu",))(*args)
-    data = bytes(exported.serialize())
+    return bytes(exported.serialize()), tuple(donated), program.library
+
+
+def _corpus_case_at(name: str, topology, sizes: dict, keep: Path | None,
+                    hand: bool = False) -> dict:
+    data, donated, library = corpus_export(name, sizes)
+    return corpus_row(name, library, topology, sizes, data, donated, keep, hand)
+
+
+def corpus_row(name: str, library: str, topology, sizes: dict, data: bytes,
+               donated: tuple[int, ...], keep: Path | None, hand: bool = False) -> dict:
+    """The row of one exported corpus program (corpus_export) on the topology: planned,
+    verified by libtpu and, with `hand`, set beside the hand plans."""
+    from hloplan.compiler import compile_bytes, make_options
+    from hloplan.verify import verify_plan
+
+    mesh_text = "x".join(map(str, topology.shape))
     started = time.perf_counter()
     result = compile_bytes(data, f"{name}.jaxexport",
                            make_options(mesh_text, device=device_model_for(topology),
@@ -360,7 +375,7 @@ def _corpus_case_at(name: str, topology, sizes: dict, keep: Path | None,
     score = entry["compiled"]["score"]
     quality = corpus_plan_quality(data, donated, topology.name, score, name) if hand \
         else {"hloplan_score": score}
-    return {**quality, "program": name, "library": program.library, "topology": report["topology"],
+    return {**quality, "program": name, "library": library, "topology": report["topology"],
             "sizes": sizes, "planning_s": planning_s,
             # A plan the time limit cut (a loaded machine) differs from the quiet one's.
             "solver": {"status": solver["status"], "deterministic": solver["deterministic"],

@@ -22,25 +22,35 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402  (sets XLA_FLAGS before jax is imported)
 
 BATCH, SEQ, VOCAB, D_MODEL, HEADS, HIDDEN = 16, 16, 64, 32, 4, 64
+# size="real": a GPT-2-medium-wide decoder (benchmarks/third_party.py's TRANSFORMER).
+REAL = {"VOCAB": 32768, "D_MODEL": 1024, "HEADS": 16, "HIDDEN": 4096}
 
 
-def nnx_transformer(layers: int = 2):
+def nnx_transformer(layers: int = 2, size: str = "tiny", batch: int | None = None,
+                    seq: int | None = None):
+    """A pre-LN decoder of nnx modules (tiny: random weights; size="real": the REAL widths,
+    parameters and optimizer state only as shapes, nnx.eval_shape)."""
     import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
 
+    widths = REAL if size == "real" else {"VOCAB": VOCAB, "D_MODEL": D_MODEL, "HEADS": HEADS,
+                                          "HIDDEN": HIDDEN}
+    batch, seq = batch or BATCH, seq or SEQ
+    vocab, d_model, heads, hidden = (widths[k] for k in ("VOCAB", "D_MODEL", "HEADS", "HIDDEN"))
+
     class Block(nnx.Module):
         def __init__(self, rngs: nnx.Rngs):
-            self.ln1 = nnx.LayerNorm(D_MODEL, rngs=rngs)
+            self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
             # use_bias=False: the key bias gets an exactly-zero gradient (softmax ignores a shift
             # shared by all keys), so its float32 gradient is rounding noise that AdamW's first
             # step turns into +-lr: any reordering of sums (sharding included) changes it.
-            self.attn = nnx.MultiHeadAttention(num_heads=HEADS, in_features=D_MODEL, decode=False,
+            self.attn = nnx.MultiHeadAttention(num_heads=heads, in_features=d_model, decode=False,
                                                use_bias=False, rngs=rngs)
-            self.ln2 = nnx.LayerNorm(D_MODEL, rngs=rngs)
-            self.up = nnx.Linear(D_MODEL, HIDDEN, rngs=rngs)
-            self.down = nnx.Linear(HIDDEN, D_MODEL, rngs=rngs)
+            self.ln2 = nnx.LayerNorm(d_model, rngs=rngs)
+            self.up = nnx.Linear(d_model, hidden, rngs=rngs)
+            self.down = nnx.Linear(hidden, d_model, rngs=rngs)
 
         def __call__(self, x, mask):
             x = x + self.attn(self.ln1(x), mask=mask)
@@ -48,11 +58,11 @@ def nnx_transformer(layers: int = 2):
 
     class Transformer(nnx.Module):
         def __init__(self, rngs: nnx.Rngs):
-            self.embed = nnx.Embed(VOCAB, D_MODEL, rngs=rngs)
-            self.pos = nnx.Param(jax.random.normal(rngs.params(), (SEQ, D_MODEL)) * 0.02)
+            self.embed = nnx.Embed(vocab, d_model, rngs=rngs)
+            self.pos = nnx.Param(jax.random.normal(rngs.params(), (seq, d_model)) * 0.02)
             self.blocks = nnx.List([Block(rngs) for _ in range(layers)])
-            self.ln_f = nnx.LayerNorm(D_MODEL, rngs=rngs)
-            self.head = nnx.Linear(D_MODEL, VOCAB, rngs=rngs)
+            self.ln_f = nnx.LayerNorm(d_model, rngs=rngs)
+            self.head = nnx.Linear(d_model, vocab, rngs=rngs)
 
         def __call__(self, tokens):
             x = self.embed(tokens) + self.pos[...]
@@ -61,12 +71,13 @@ def nnx_transformer(layers: int = 2):
                 x = block(x, mask)
             return self.head(self.ln_f(x))
 
-    model = Transformer(nnx.Rngs(0))
+    model = (nnx.eval_shape(lambda: Transformer(nnx.Rngs(0))) if size == "real"
+             else Transformer(nnx.Rngs(0)))
     graphdef, state = nnx.split(model, nnx.Param)
     # str_keys: nnx.List children are keyed 0, 1, ... and jax.export wants string keys.
     params = _common.str_keys(nnx.to_pure_dict(state))
     tx = optax.adamw(1e-3, weight_decay=1e-2)
-    opt_state = tx.init(params)
+    opt_state = jax.eval_shape(tx.init, params) if size == "real" else tx.init(params)
     opt_leaves, opt_tree = jax.tree.flatten(opt_state)
 
     def step(params, opt_leaves, tokens, labels):
@@ -80,8 +91,8 @@ def nnx_transformer(layers: int = 2):
         return optax.apply_updates(params, updates), jax.tree.leaves(opt_state), loss
 
     key_t, key_l = jax.random.split(jax.random.key(1))
-    tokens = jax.random.randint(key_t, (BATCH, SEQ), 0, VOCAB, dtype=jnp.int32)
-    labels = jax.random.randint(key_l, (BATCH, SEQ), 0, VOCAB, dtype=jnp.int32)
+    tokens = jax.random.randint(key_t, (batch, seq), 0, vocab, dtype=jnp.int32)
+    labels = jax.random.randint(key_l, (batch, seq), 0, vocab, dtype=jnp.int32)
     return step, (params, opt_leaves, tokens, labels)
 
 

@@ -184,6 +184,19 @@ def test_moments_passed_as_a_flat_list_take_their_parameters_paths(devices8):
     ("linen_resnet", "['Block_1']['Conv_0']['kernel']", (1, 1, 64, 128), None),
     ("linen_resnet", "['Block_1']['Conv_2']['kernel']", (3, 3, 128, 128), 2),
     ("linen_resnet", "['Block_1']['GroupNorm_0']['scale']", (64,), None),
+    ("hf_vit", "['vit']['encoder']['layer']['0']['attention']['attention']['query']['kernel']",
+     (768, 768), 1),
+    ("hf_vit", "['vit']['encoder']['layer']['0']['attention']['output']['dense']['kernel']",
+     (768, 768), 0),
+    ("hf_vit", "['vit']['encoder']['layer']['0']['output']['dense']['kernel']", (3072, 768), 0),
+    ("hf_vit", "['vit']['embeddings']['patch_embeddings']['projection']['kernel']",
+     (16, 16, 3, 768), None),
+    ("hf_vit", "['classifier']['kernel']", (768, 1000), 1),
+    ("nnx_transformer", "['blocks']['0']['attn']['key']['kernel']", (1024, 16, 64), 1),
+    ("nnx_transformer", "['blocks']['0']['attn']['out']['kernel']", (16, 64, 1024), 0),
+    ("nnx_transformer", "['blocks']['0']['down']['kernel']", (4096, 1024), 0),
+    ("nnx_transformer", "['blocks']['0']['ln1']['scale']", (1024,), None),
+    ("nnx_transformer", "['head']['kernel']", (1024, 32768), 1),
 ])
 def test_corpus_tensor_parallel_rules(program, path, shape, dim):
     """Megatron's split of each kind of tensor (corpus_hand_rules.py): column-split matmuls on
