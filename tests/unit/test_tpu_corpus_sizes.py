@@ -34,6 +34,32 @@ def test_candidates(tpu_bench):
     assert all(c["seq"] == 512 and c["layers"] == 4 for c in realistic)
     resnet = tpu_bench.corpus_size_candidates("linen_resnet", 32, "realistic")
     assert [c["batch"] for c in resnet] == [1024, 512, 256]
+    vit = tpu_bench.corpus_size_candidates("hf_vit", 8, "realistic")
+    assert [c["batch"] for c in vit] == [256, 128, 64]
+    assert all(c["layers"] == 4 and "seq" not in c for c in vit)
+
+
+def test_nnx_transformer_at_the_real_size_is_built_as_shapes():
+    """The Flax NNX decoder's realistic widths, its parameters and optimizer state only as
+    shapes (nnx.eval_shape): no weights are made."""
+    pytest.importorskip("flax")
+    pytest.importorskip("optax")
+    import sys
+
+    import jax
+
+    sys.path.insert(0, str(REPO_ROOT / "examples" / "third_party"))
+    import flax_train_step
+
+    step, (params, opt, tokens, labels) = flax_train_step.nnx_transformer(
+        layers=1, size="real", batch=2, seq=16)
+    leaves = jax.tree.leaves((params, opt))
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert params["embed"]["embedding"].shape == (32768, 1024)
+    assert params["blocks"]["0"]["attn"]["query"]["kernel"].shape == (1024, 16, 64)
+    assert params["pos"].shape == (16, 1024) and tokens.shape == labels.shape == (2, 16)
+    out = jax.eval_shape(step, params, opt, tokens, labels)
+    assert out[0]["head"]["kernel"].shape == (1024, 32768)
 
 
 def _fake_case(capacity, outcomes, calls):
