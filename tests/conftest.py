@@ -4,7 +4,8 @@ XLA reads XLA_FLAGS once, when jax initialises its backends, so the 8 simulated 
 sharded plans run on must be requested here, before any test module (or hloplan) imports jax.
 
 Tests marked `slow` are skipped unless `--runslow` is given (or HLOPLAN_RUN_SLOW=1, or an explicit
-`-m` expression that selects them, e.g. `pytest -m slow`).
+`-m` expression that selects them, e.g. `pytest -m slow`); tests marked `libtpu` are skipped where
+libtpu is not installed.
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    from hloplan.tpu import libtpu_available
+
+    if not libtpu_available():
+        no_libtpu = pytest.mark.skip(reason="libtpu is not installed (pip install '.[tpu]')")
+        for item in items:
+            if "libtpu" in item.keywords:
+                item.add_marker(no_libtpu)
     if (config.getoption("--runslow") or os.environ.get("HLOPLAN_RUN_SLOW") == "1"
             or "slow" in (config.getoption("-m") or "")):
         return

@@ -16,10 +16,8 @@ from hloplan.cost_models import CommModel, load_device_model
 from hloplan.mesh import parse_mesh
 from hloplan.op_rules import rule_for, window_taps
 from hloplan.strategies import enumerate_strategies
-from hloplan.tpu import libtpu_available
 
-needs_libtpu = pytest.mark.skipif(not libtpu_available(),
-                                  reason="libtpu is not installed (pip install '.[tpu]')")
+needs_libtpu = pytest.mark.libtpu
 
 
 def test_window_taps_leave_out_the_padding():

@@ -13,10 +13,8 @@ import pytest
 
 from hloplan.cost_models import CommModel, load_device_model
 from hloplan.mesh import parse_mesh
-from hloplan.tpu import libtpu_available
 
-needs_libtpu = pytest.mark.skipif(not libtpu_available(),
-                                  reason="libtpu is not installed (pip install '.[tpu]')")
+needs_libtpu = pytest.mark.libtpu
 
 SHAPE = (16384, 2048)  # f32
 CASES = [("v5e:4x8", ((0,), (1,)), ((1,), (0,))),

@@ -13,7 +13,6 @@ from click.testing import CliRunner
 
 from hloplan.cli import main
 from hloplan.mesh import parse_mesh
-from hloplan.tpu import libtpu_available
 
 
 def _select(tmp_path, device, platforms, helpers):
@@ -69,7 +68,7 @@ def test_select_compiled_cpu(tmp_path, helpers):
     assert f"kept {plan['selection']['chosen']}:" in out.output
 
 
-@pytest.mark.skipif(not libtpu_available(), reason="libtpu is not installed (pip install '.[tpu]')")
+@pytest.mark.libtpu
 def test_select_compiled_libtpu(tmp_path, helpers):
     """A TPU device model: libtpu compiles every candidate for v5e:2x2."""
     plan = _select(tmp_path, "tpu-v5e", ("tpu",), helpers)

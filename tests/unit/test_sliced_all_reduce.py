@@ -19,10 +19,8 @@ from jax import export
 import hloplan
 from hloplan.plan import build_plan
 from hloplan.solver.evaluate import evaluate
-from hloplan.tpu import libtpu_available
 
-needs_libtpu = pytest.mark.skipif(not libtpu_available(),
-                                  reason="libtpu is not installed (pip install '.[tpu]')")
+needs_libtpu = pytest.mark.libtpu
 
 SHAPE = (64, 128, 256)  # f32, summed over the last dim; mesh 2x4 as x=2, y=4
 

@@ -16,10 +16,8 @@ from hloplan.hlo_stats import collective_stats
 from hloplan.mesh import parse_mesh
 from hloplan.passes.build_sharding_problem import _ProblemBuilder, reassociated, resharded_type
 from hloplan.strategies import OpStrategy
-from hloplan.tpu import libtpu_available
 
-needs_libtpu = pytest.mark.skipif(not libtpu_available(),
-                                  reason="libtpu is not installed (pip install '.[tpu]')")
+needs_libtpu = pytest.mark.libtpu
 
 MODEL = """\
 name = "toy"

@@ -22,11 +22,9 @@ from hloplan.solver.evaluate import point_contents
 from hloplan.solver.liveness import accumulator_spans, first_live_points
 from hloplan.solver.problem import Solution
 from hloplan.strategies import local_shape
-from hloplan.tpu import libtpu_available
 from hloplan.tpu_buffers import conv_loop_operand_dims, conv_loop_operand_elements, minor_dims
 
-needs_libtpu = pytest.mark.skipif(not libtpu_available(),
-                                  reason="libtpu is not installed (pip install '.[tpu]')")
+needs_libtpu = pytest.mark.libtpu
 
 # (images per device, image side, input channels, output channels, stride) of a 3x3 kernel
 # gradient, images sharded over the 8 chips of v5e:2x4 and the gradient reduce-scattered onto

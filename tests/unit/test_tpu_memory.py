@@ -17,10 +17,8 @@ from jax import export
 import hloplan
 from hloplan.cli import main
 from hloplan.cost_models import DeviceModelError, load_device_model
-from hloplan.tpu import libtpu_available
 
-needs_libtpu = pytest.mark.skipif(not libtpu_available(),
-                                  reason="libtpu is not installed (pip install '.[tpu]')")
+needs_libtpu = pytest.mark.libtpu
 
 TPU_TOML = Path(hloplan.__file__).resolve().parents[2] / "cost_models" / "tpu-v5e.toml"
 

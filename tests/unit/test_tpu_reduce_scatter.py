@@ -14,10 +14,8 @@ import pytest
 from hloplan.cost_models import CommModel, DeviceModelError, load_device_model
 from hloplan.cost_models.hardware import _load_text
 from hloplan.mesh import parse_mesh
-from hloplan.tpu import libtpu_available
 
-needs_libtpu = pytest.mark.skipif(not libtpu_available(),
-                                  reason="libtpu is not installed (pip install '.[tpu]')")
+needs_libtpu = pytest.mark.libtpu
 
 
 def test_slices_where_libtpu_merges_no_reduce_scatter() -> None:

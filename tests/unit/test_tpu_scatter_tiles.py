@@ -17,10 +17,8 @@ from hloplan.graph import TensorType
 from hloplan.mesh import parse_mesh
 from hloplan.op_rules import Factor, OpRule
 from hloplan.strategies import enumerate_strategies
-from hloplan.tpu import libtpu_available
 
-needs_libtpu = pytest.mark.skipif(not libtpu_available(),
-                                  reason="libtpu is not installed (pip install '.[tpu]')")
+needs_libtpu = pytest.mark.libtpu
 
 # Reduce-scattered matmuls on v5e:2x4 (mesh x=2, y=4), f32: the einsum, its operands' shapes and
 # layouts and the result's, and what libtpu 0.0.42 compiled: (reduce-scatter bytes sent per

@@ -11,10 +11,7 @@ import sys
 
 import pytest
 
-from hloplan.tpu import libtpu_available
-
-needs_libtpu = pytest.mark.skipif(not libtpu_available(),
-                                  reason="libtpu is not installed (pip install '.[tpu]')")
+needs_libtpu = pytest.mark.libtpu
 
 # The same plan emitted twice: as propagate-sharding pins it, and with the matmul's result
 # pinned (the transpose left to propagation); the f32 copies libtpu compiles into each.

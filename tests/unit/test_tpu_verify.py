@@ -15,8 +15,7 @@ from hloplan.hlo_stats import collective_stats
 from hloplan.tpu import libtpu_available, parse_topology, topology_for
 from hloplan.verify import NO_LIBTPU, format_verify_report, resolve_target
 
-needs_libtpu = pytest.mark.skipif(not libtpu_available(),
-                                  reason="libtpu is not installed (pip install '.[tpu]')")
+needs_libtpu = pytest.mark.libtpu
 
 
 def test_topology_by_device_count():
