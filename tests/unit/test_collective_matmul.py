@@ -20,8 +20,6 @@ from hloplan.mesh import parse_mesh
 from hloplan.op_rules import Factor, OpRule
 from hloplan.strategies import enumerate_strategies
 
-needs_libtpu = pytest.mark.libtpu
-
 RATE, BANDWIDTH, LINK = 1e14, 2e11, 1e10
 
 MODEL = f"""\
@@ -402,7 +400,7 @@ print(json.dumps(out))
 """
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_libtpu_loops_from_the_intensity():
     """Either side of tpu-v5e's collective-matmul-intensity, the strategy lists what libtpu
     compiles: one reduce-scatter, or the loop's collective-permutes, with their bytes."""

@@ -17,8 +17,6 @@ from hloplan.mesh import parse_mesh
 from hloplan.op_rules import rule_for, window_taps
 from hloplan.strategies import enumerate_strategies
 
-needs_libtpu = pytest.mark.libtpu
-
 
 def test_window_taps_leave_out_the_padding():
     # 3x3 "SAME" over 8 positions: the first and last output lose one tap each
@@ -101,7 +99,7 @@ print(json.dumps(out))
 """
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_libtpu_loops_kernel_gradients():
     from hloplan.tpu import child_env
 

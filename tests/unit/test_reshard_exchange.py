@@ -14,8 +14,6 @@ import pytest
 from hloplan.cost_models import CommModel, load_device_model
 from hloplan.mesh import parse_mesh
 
-needs_libtpu = pytest.mark.libtpu
-
 SHAPE = (16384, 2048)  # f32
 CASES = [("v5e:4x8", ((0,), (1,)), ((1,), (0,))),
          ("v5e:4x8", ((1,), (0,)), ((0,), (1,))),
@@ -65,7 +63,7 @@ print(json.dumps(out))
 """
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_exchange_as_libtpu_compiles_it():
     from hloplan.tpu import child_env
 

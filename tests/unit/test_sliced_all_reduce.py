@@ -20,8 +20,6 @@ import hloplan
 from hloplan.plan import build_plan
 from hloplan.solver.evaluate import evaluate
 
-needs_libtpu = pytest.mark.libtpu
-
 SHAPE = (64, 128, 256)  # f32, summed over the last dim; mesh 2x4 as x=2, y=4
 
 
@@ -131,13 +129,13 @@ def _libtpu_row_sum(read: list) -> list:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_libtpu_compiles_the_sliced_all_reduce_as_a_reduce_scatter():
     ops = _libtpu_row_sum(["y", "x"])
     assert ops == [["reduce-scatter", ["x"], _listed("tpu-v5e", "[y, x] <- [y, x]")["reduce-scatter(x)"]]]
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_libtpu_compiles_the_permuted_slice_as_listed():
     listed = _listed("tpu-v5e", "[(x, y), -] <- [(x, y), -]")
     compiled = {}

@@ -18,8 +18,6 @@ from hloplan.mesh import parse_mesh
 from hloplan.op_rules import Factor, OpRule
 from hloplan.strategies import enumerate_strategies
 
-needs_libtpu = pytest.mark.libtpu
-
 D, F = 1024, 4096  # dW[D, F] = X[t, D]^T G[t, F], f32
 
 
@@ -124,7 +122,7 @@ print(json.dumps(out))
 """
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_libtpu_loops_where_the_planner_does():
     from hloplan.tpu import child_env
 
@@ -157,7 +155,7 @@ print(json.dumps(out))
 """
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_libtpu_runs_loop_sends_asynchronously_where_the_model_hides_them():
     """libtpu's loop sends a collective-permute-start / done pair per chunk (kernels between:
     hideable) on v5e slices of up to 16 chips, and plain collective-permutes on larger ones,

@@ -17,8 +17,6 @@ from hloplan.mesh import parse_mesh
 from hloplan.passes.build_sharding_problem import _ProblemBuilder, reassociated, resharded_type
 from hloplan.strategies import OpStrategy
 
-needs_libtpu = pytest.mark.libtpu
-
 MODEL = """\
 name = "toy"
 platform = "tpu"
@@ -110,7 +108,7 @@ print(json.dumps(out))
 """
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_one_gather_is_what_libtpu_compiles():
     import json
     import subprocess
@@ -158,7 +156,7 @@ MOVED_OR_KEPT = [(XY, ((0,), (), ())), (XY, ((1,), (), ())), (XY, ((), (), (1,))
                  (((), (0,), (1,)), ((), (1,), ()))]
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_axis_moved_or_kept_while_gathering_the_other_as_libtpu_compiles():
     import json
     import subprocess

@@ -24,8 +24,6 @@ from hloplan.solver.problem import Solution
 from hloplan.strategies import local_shape
 from hloplan.tpu_buffers import conv_loop_operand_dims, conv_loop_operand_elements, minor_dims
 
-needs_libtpu = pytest.mark.libtpu
-
 # (images per device, image side, input channels, output channels, stride) of a 3x3 kernel
 # gradient, images sharded over the 8 chips of v5e:2x4 and the gradient reduce-scattered onto
 # its input channels (chunks of channels / 8): the dim libtpu's loop carries minor (0: the
@@ -237,7 +235,7 @@ print(json.dumps(out))
 """
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_libtpu_carries_the_layout_the_planner_holds() -> None:
     from hloplan.tpu import child_env
 
@@ -250,7 +248,6 @@ def test_libtpu_carries_the_layout_the_planner_holds() -> None:
     # Over 8 devices the loop runs 2 trips, each padding its chunks in a kernel of its own
     # (build-sharding-problem _conv_loop_seconds).
     assert [pads for _, pads in found] == [2] * len(CASES)
-
 
 
 _LIBTPU_EARLY_COPY = r"""
@@ -294,7 +291,7 @@ print(json.dumps([position[copy], ends[copy], allocations, whiles]))
 """
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_libtpu_makes_the_relaid_copy_with_the_accumulators() -> None:
     """libtpu (deviceless v5e:2x4) copies the input of a kernel-gradient loop that carries
     the images minor when it allocates the loops' accumulators (its `AllocateBuffer` calls,

@@ -18,8 +18,6 @@ import hloplan
 from hloplan.cli import main
 from hloplan.cost_models import DeviceModelError, load_device_model
 
-needs_libtpu = pytest.mark.libtpu
-
 TPU_TOML = Path(hloplan.__file__).resolve().parents[2] / "cost_models" / "tpu-v5e.toml"
 
 
@@ -130,7 +128,7 @@ def _vocab_step(params, x, y):
     return value, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_estimate_against_libtpu(tmp_path: Path) -> None:
     """Planned for v5e:2x4 and compiled by libtpu (hloplan verify; 128 MiB of logits per
     device): the estimate with the TPU rules is within 15% of libtpu's peak (1.02 measured);
@@ -214,7 +212,7 @@ with tempfile.TemporaryDirectory() as dump:
 """
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_live_peak_is_libtpus_peak_memory() -> None:
     """hlo_stats.live_peak on libtpu's dump (deviceless v5e:2x4 compile) gives
     memory_analysis's peak_memory_in_bytes: the bytes of the buffers live at its peak, ends
@@ -331,7 +329,7 @@ print(json.dumps([d for line in entry.splitlines()
 """
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_libtpu_never_writes_a_gradient_reduced_beside_matmuls_in_f32() -> None:
     """The logits' gradient of a biased head, read by the bias gradient's reduction and two
     matmuls: libtpu (deviceless v5e:2x4) writes one f32 logit-sized buffer, the logits, and
@@ -387,7 +385,7 @@ print(json.dumps(out))
 """
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_libtpu_keeps_a_logit_sized_temporary_in_vmem_when_it_fits() -> None:
     """libtpu's memory-space assignment (deviceless v5e:2x4) puts a softmax head's f32 logits
     in on-chip VMEM (`color 1`, up to 112 MiB on v5e) when they fit: 64 MiB per device there,

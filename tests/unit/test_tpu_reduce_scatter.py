@@ -15,8 +15,6 @@ from hloplan.cost_models import CommModel, DeviceModelError, load_device_model
 from hloplan.cost_models.hardware import _load_text
 from hloplan.mesh import parse_mesh
 
-needs_libtpu = pytest.mark.libtpu
-
 
 def test_slices_where_libtpu_merges_no_reduce_scatter() -> None:
     v5e = load_device_model("tpu-v5e")
@@ -101,7 +99,7 @@ print(json.dumps(out))
 """
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_reduce_scatters_as_libtpu_compiles_them():
     from hloplan.tpu import child_env
 

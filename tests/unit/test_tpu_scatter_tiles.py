@@ -18,8 +18,6 @@ from hloplan.mesh import parse_mesh
 from hloplan.op_rules import Factor, OpRule
 from hloplan.strategies import enumerate_strategies
 
-needs_libtpu = pytest.mark.libtpu
-
 # Reduce-scattered matmuls on v5e:2x4 (mesh x=2, y=4), f32: the einsum, its operands' shapes and
 # layouts and the result's, and what libtpu 0.0.42 compiled: (reduce-scatter bytes sent per
 # device, collective-permute bytes) as hlo_stats counts them. Each is a row of the
@@ -186,7 +184,7 @@ print(json.dumps(out))
 """
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_tiled_scatters_as_libtpu_compiles_them():
     from hloplan.tpu import child_env
 
@@ -233,7 +231,7 @@ PROBES_4X8 = [
 ]
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_tiled_scatters_over_8_as_libtpu_compiles_them():
     from hloplan.tpu import child_env
 
@@ -330,7 +328,7 @@ print(json.dumps(out))
 """
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_scatters_pass_updates_as_libtpu_compiles_them():
     from hloplan.tpu import child_env
 
@@ -386,7 +384,7 @@ print(json.dumps(out))
 """
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_padded_scatters_split_in_pieces_as_libtpu_compiles_them():
     from hloplan.tpu import child_env
 
@@ -477,7 +475,7 @@ print(json.dumps(out))
 """
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_vector_gathers_as_libtpu_compiles_them():
     from hloplan.tpu import child_env
 

@@ -11,8 +11,6 @@ import sys
 
 import pytest
 
-needs_libtpu = pytest.mark.libtpu
-
 # The same plan emitted twice: as propagate-sharding pins it, and with the matmul's result
 # pinned (the transpose left to propagation); the f32 copies libtpu compiles into each.
 _LIBTPU_COPIES = """
@@ -53,7 +51,7 @@ print(json.dumps(counts))
 """
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_a_transposed_weight_gradient_is_pinned_after_its_transpose():
     from hloplan.tpu import child_env
 

@@ -15,8 +15,6 @@ from hloplan.hlo_stats import collective_stats
 from hloplan.tpu import libtpu_available, parse_topology, topology_for
 from hloplan.verify import NO_LIBTPU, format_verify_report, resolve_target
 
-needs_libtpu = pytest.mark.libtpu
-
 
 def test_topology_by_device_count():
     assert [topology_for("v5e", n).name for n in (1, 2, 4, 8, 32, 256)] == [
@@ -122,7 +120,7 @@ def tpu_plan(tmp_path_factory, helpers):
     return out, result.plan
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_verify_memory_uses_libtpu(tpu_plan):
     _, plan = tpu_plan
     check = plan["memory_check"]
@@ -133,7 +131,7 @@ def test_verify_memory_uses_libtpu(tpu_plan):
     assert compiled >= (512 * 2048 * 2 * 4) // 8
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_verify_command_tpu_predicted_vs_compiled(tpu_plan):
     plan_dir, plan = tpu_plan
     out = CliRunner().invoke(main, ["verify", str(plan_dir), "--format", "json"])
@@ -240,7 +238,7 @@ def test_calibrate_keeps_the_base_models_unmeasured_figures(tmp_path):
     assert not (tmp_path / "y.toml").exists()
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_verify_tpu_relabels_a_cpu_export(tmp_path):
     """A program exported for cpu only is compiled for the TPU topology as if exported for it
     (with a note), the relabelled program passing the loader's integrity check."""
