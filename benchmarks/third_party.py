@@ -44,7 +44,9 @@ HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE.parent / "examples" / "third_party"
 
 # Realistic work per device: 8 sequences of 512 tokens (4,096 tokens) per device, hidden 1024.
-TRANSFORMER = {"SEQ": 512, "VOCAB": 32768, "D_MODEL": 1024, "HEADS": 16, "HIDDEN": 4096}
+# The transformer: flax_train_step.py's size="real" widths (1,024 wide, 16 heads, vocabulary
+# 32,768) over 512-token sequences.
+TRANSFORMER_SEQ = 512
 SEQUENCES_PER_DEVICE = 8
 LAYERS = 2
 # The MLP of benchmarks/models.py (2048 -> 8192 -> 8192 -> 2048), 4,096 rows per device.
@@ -75,11 +77,8 @@ def _example(script: str):
 
 def build_transformer(devices: int):
     """(step, args) of the Flax NNX transformer at the realistic size for `devices`."""
-    module = _example("flax_train_step")
-    for name, value in TRANSFORMER.items():
-        setattr(module, name, value)
-    module.BATCH = SEQUENCES_PER_DEVICE * devices
-    return module.nnx_transformer(LAYERS)
+    return _example("flax_train_step").nnx_transformer(
+        LAYERS, size="real", batch=SEQUENCES_PER_DEVICE * devices, seq=TRANSFORMER_SEQ)
 
 
 def transformer_tp(names: list[tuple[str, tuple[int, ...]]]) -> dict[str, int]:

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402  (sets XLA_FLAGS before jax is imported)
 
 BATCH, SEQ, VOCAB, D_MODEL, HEADS, HIDDEN = 16, 16, 64, 32, 4, 64
-# size="real": a GPT-2-medium-wide decoder (benchmarks/third_party.py's TRANSFORMER).
+# size="real": a GPT-2-medium-wide decoder (benchmarks/third_party.py's and benchmarks/tpu.py's).
 REAL = {"VOCAB": 32768, "D_MODEL": 1024, "HEADS": 16, "HIDDEN": 4096}
 
 
