@@ -52,6 +52,13 @@ class PropagateSharding:
         if constrain_implied is None:
             constrain_implied = state.comm.model.platform != "tpu"
         implied = 0
+        implied_memo: dict[tuple[int, int], bool] = {}
+
+        def is_implied(op_index: int, result: int) -> bool:  # asked again for transposes
+            if (op_index, result) not in implied_memo:
+                implied_memo[op_index, result] = self._implied(state, op_index, result)
+            return implied_memo[op_index, result]
+
         per_mlir_op: dict[int, tuple[object, dict[int, tuple]]] = {}
         # (op, operand, the specs to pin in order[, the earlier reader and its operand])
         operand_constraints: list[tuple[object, int, list]] = []
@@ -75,12 +82,12 @@ class PropagateSharding:
             entry = per_mlir_op.setdefault(id(mlir_op), (mlir_op, {}))
             # result_indices number the MLIR op's results; k the graph op's
             for k, (result_index, spec) in enumerate(zip(result_indices, chosen.results)):
-                if not constrain_implied and self._implied(state, op_index, k):
+                if not constrain_implied and is_implied(op_index, k):
                     implied += 1
                     continue
                 pinned = entry
                 transpose = None if constrain_implied else self._only_transposed(
-                    state, op_index, k)
+                    state, op_index, k, is_implied)
                 if transpose is not None:  # the transpose's result pinned instead
                     moved += 1
                     target, (result_index,) = handles.ops[transpose]
@@ -133,7 +140,8 @@ class PropagateSharding:
         state.facts["implied_results"] = implied
         state.facts["pinned_after_transpose"] = moved
 
-    def _only_transposed(self, state: CompileState, op_index: int, result: int) -> int | None:
+    def _only_transposed(self, state: CompileState, op_index: int, result: int,
+                         is_implied) -> int | None:
         """The transpose that is the only reader of the op's result, where it takes the result
         as it is and its own layout is implied (_implied): its result is pinned instead of
         the op's. libtpu folds a transpose right after a matmul into the matmul, but not
@@ -150,7 +158,7 @@ class PropagateSharding:
         (reader,) = users
         if (graph.ops[reader].name != "stablehlo.transpose" or reader not in state.space.strategies
                 or state.chosen(reader).operands[0] not in (None, self._given(state, value_id))
-                or not self._implied(state, reader, 0)):
+                or not is_implied(reader, 0)):
             return None
         return reader
 
