@@ -192,12 +192,14 @@ def _bad_pipeline(plan_dir, exc: Exception) -> str:
 
 
 def _pipeline_report(report: dict, pipelined, pipeline: dict) -> dict:
-    """Collectives compiled into each task (part-A tasks counted once per microbatch)."""
+    """Collectives compiled into each task and those its plan lists (part-A tasks counted once
+    per microbatch)."""
     import jax
 
     from hloplan.hlo_stats import collective_stats
 
     totals: dict[str, dict] = {}
+    predicted: dict[str, dict] = {}
     for task in pipelined.tasks:
         exported = task["exported"]
         mesh = pipelined.meshes[task["stage"]]
@@ -211,12 +213,16 @@ def _pipeline_report(report: dict, pipelined, pipeline: dict) -> dict:
             slot = totals.setdefault(kind, {"count": 0, "bytes": 0.0})
             slot["count"] += count * times
             slot["bytes"] += nbytes * times
+        for entry in task.get("collectives", []):  # plan.json's, per execution of the task
+            slot = predicted.setdefault(entry["kind"], {"count": 0, "bytes": 0.0})
+            slot["count"] += entry["count"] * times
+            slot["bytes"] += entry["bytes"] * times
     report["pipeline"] = {key: pipeline[key] for key in ("stages", "microbatches", "schedule")}
     report["pipeline"]["estimate"] = pipeline["estimate"]
     report["realised"] = {"collectives": dict(sorted(totals.items())),
                           "bytes_sent_per_device": sum(t["bytes"] for t in totals.values()),
                           "memory": {}}
-    report["predicted"] = {"collectives": {}, "peak_memory_bytes": None,
+    report["predicted"] = {"collectives": dict(sorted(predicted.items())), "peak_memory_bytes": None,
                            "step_time_s": pipeline["estimate"]["step_time_s"]}
     return report
 

@@ -59,51 +59,13 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
                  for name, v in zip(graph.argument_names, graph.arguments)]
     results = [_tensor_entry(state, name, v, value_spec(state, v))
                for name, v in zip(graph.output_names, graph.outputs)]
-    from hloplan.passes.build_sharding_problem import (
-        chosen_reshards,
-        reassociated,
-        resharded_type,
-        scatter_first_bytes,
-        scatter_first_reads,
-        scatter_first_reshard,
-        sliced_all_reduces,
-    )
-
     ops = []
-    collectives: dict[str, dict] = {}
     hidden = 0.0
-    folded = reassociated(state)
-    # A masked lookup's all-reduce and its reader's slice, compiled as a reduce-scatter and a
-    # reshard from the scattered layout (build_sharding_problem._scatter_first_gathers).
-    scattered = scatter_first_reads(state)
-    # Likewise any all-reduce read only through one slice over its summed axes (not one
-    # summed into another's, which the fold lists).
-    folded_ops = {index for index, _, _ in folded}
-    scattered.update({index: entry for index, entry in sliced_all_reduces(state).items()
-                      if index not in folded_ops})
     for op_index in sorted(state.space.strategies):
         op = graph.ops[op_index]
         chosen = state.chosen(op_index)
         node = state.space.node_of[op_index]
         compute, communication, resharding = evaluation.per_node[node]
-        listed = chosen.collectives
-        if op_index in scattered:
-            value = graph.values[op.results[0]]
-            mid, _, direct = scattered[op_index]
-            nbytes, permuted = scatter_first_bytes(state.comm, value.type, chosen.results[0],
-                                                   chosen.reduced_axes, mid if direct else None)
-            listed = [("reduce-scatter", axes, state.comm.bytes_sent(
-                "reduce-scatter", nbytes, chosen.reduced_axes) * op.multiplier)
-                      for _, axes, _ in chosen.collectives]
-            listed += [("collective-permute", axes, permuted * op.multiplier)
-                       for _, axes, _ in chosen.collectives if permuted]
-        for kind, axes, sent in listed:
-            if (op_index, kind, axes) in folded:
-                continue  # summed into another's before one collective
-            entry = collectives.setdefault(f"{kind}({axes})", {"kind": kind, "axes": axes,
-                                                               "count": 0, "bytes": 0.0})
-            entry["count"] += 1
-            entry["bytes"] += sent
         if op.name == "arg":
             continue
         hidden += chosen.hidden
@@ -121,35 +83,7 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
             "times_per_step": op.multiplier,
             "replicated_fallback": state.space.fallbacks.get(op_index),
         })
-    # One reshard per value, layout and region: XLA computes the layout once (CSE) however
-    # many consumers in a computation need it (the ILP charges each consuming edge; see
-    # README, fidelity), but once in each branch or loop body that reads it.
-    seen_reshards: set = set()
-    for op, value_id, src, dst, multiplier in chosen_reshards(state):
-        producer = graph.values[value_id].producer
-        mid, direct = None, False
-        if producer in scattered and op.index in scattered[producer][1]:
-            mid, _, direct = scattered[producer]
-        key = (value_id, src, dst, multiplier, op.parent, op.region)
-        if key in seen_reshards:
-            continue
-        seen_reshards.add(key)
-        type_ = resharded_type(graph.type_of(value_id), op, options.device, graph)
-        if mid is None:
-            reshard = state.comm.reshard(type_.shape, type_.itemsize, src, dst)
-        elif direct:
-            # scattered onto `mid`'s own dims: the rest goes from there (nothing where the
-            # reader takes `mid`, a collective-permute where it orders the axes otherwise)
-            reshard = state.comm.reshard(type_.shape, type_.itemsize, mid, dst)
-        else:
-            reshard = scatter_first_reshard(state.comm, type_,
-                                            state.chosen(producer).reduced_axes, mid, dst)
-        for kind, axes, sent in reshard.collectives:
-            label = state.comm.axes_label(axes)
-            entry = collectives.setdefault(f"{kind}({label})", {"kind": kind, "axes": label,
-                                                                "count": 0, "bytes": 0.0})
-            entry["count"] += 1
-            entry["bytes"] += sent * multiplier
+    collectives = listed_collectives(state)
     stats = state.stats
     return {
         "format": PLAN_FORMAT,
@@ -195,7 +129,7 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
                          for label, seconds in evaluation.launches],
             "peak_memory_bytes": int(evaluation.peak_memory),
             "peak": _peak_contents(state, evaluation.peak_point),
-            "collectives": [{**c, "bytes": _round(c["bytes"])} for _, c in sorted(collectives.items())],
+            "collectives": collectives,
         },
         "solver": {
             "name": stats.solver, "status": stats.status, "objective_s": _round(stats.objective),
@@ -222,6 +156,86 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
 
 # How many of the largest things held at the estimated peak plan.json lists.
 PEAK_ENTRIES = 10
+
+
+def listed_collectives(state: CompileState) -> list[dict]:
+    """The collectives the plan in `state` issues per step, per kind and mesh axes ({"kind",
+    "axes", "count", "bytes"}: per-device bytes sent), as plan.json's estimate lists them:
+    each op's own (a masked lookup's all-reduce read through one slice listed as the
+    reduce-scatter it compiles to; partial sums added before one collective listed once) and
+    one reshard per value, layout and region."""
+    from hloplan.passes.build_sharding_problem import (
+        chosen_reshards,
+        reassociated,
+        resharded_type,
+        scatter_first_bytes,
+        scatter_first_reads,
+        scatter_first_reshard,
+        sliced_all_reduces,
+    )
+
+    graph, options = state.graph, state.options
+    collectives: dict[str, dict] = {}
+    folded = reassociated(state)
+    # A masked lookup's all-reduce and its reader's slice, compiled as a reduce-scatter and a
+    # reshard from the scattered layout (build_sharding_problem._scatter_first_gathers).
+    scattered = scatter_first_reads(state)
+    # Likewise any all-reduce read only through one slice over its summed axes (not one
+    # summed into another's, which the fold lists).
+    folded_ops = {index for index, _, _ in folded}
+    scattered.update({index: entry for index, entry in sliced_all_reduces(state).items()
+                      if index not in folded_ops})
+    for op_index in sorted(state.space.strategies):
+        op = graph.ops[op_index]
+        chosen = state.chosen(op_index)
+        listed = chosen.collectives
+        if op_index in scattered:
+            value = graph.values[op.results[0]]
+            mid, _, direct = scattered[op_index]
+            nbytes, permuted = scatter_first_bytes(state.comm, value.type, chosen.results[0],
+                                                   chosen.reduced_axes, mid if direct else None)
+            listed = [("reduce-scatter", axes, state.comm.bytes_sent(
+                "reduce-scatter", nbytes, chosen.reduced_axes) * op.multiplier)
+                      for _, axes, _ in chosen.collectives]
+            listed += [("collective-permute", axes, permuted * op.multiplier)
+                       for _, axes, _ in chosen.collectives if permuted]
+        for kind, axes, sent in listed:
+            if (op_index, kind, axes) in folded:
+                continue  # summed into another's before one collective
+            entry = collectives.setdefault(f"{kind}({axes})", {"kind": kind, "axes": axes,
+                                                               "count": 0, "bytes": 0.0})
+            entry["count"] += 1
+            entry["bytes"] += sent
+    # One reshard per value, layout and region: XLA computes the layout once (CSE) however
+    # many consumers in a computation need it (the ILP charges each consuming edge; see
+    # README, fidelity), but once in each branch or loop body that reads it.
+    seen_reshards: set = set()
+    for op, value_id, src, dst, multiplier in chosen_reshards(state):
+        producer = graph.values[value_id].producer
+        mid, direct = None, False
+        if producer in scattered and op.index in scattered[producer][1]:
+            mid, _, direct = scattered[producer]
+        key = (value_id, src, dst, multiplier, op.parent, op.region)
+        if key in seen_reshards:
+            continue
+        seen_reshards.add(key)
+        type_ = resharded_type(graph.type_of(value_id), op, options.device, graph)
+        if mid is None:
+            reshard = state.comm.reshard(type_.shape, type_.itemsize, src, dst)
+        elif direct:
+            # scattered onto `mid`'s own dims: the rest goes from there (nothing where the
+            # reader takes `mid`, a collective-permute where it orders the axes otherwise)
+            reshard = state.comm.reshard(type_.shape, type_.itemsize, mid, dst)
+        else:
+            reshard = scatter_first_reshard(state.comm, type_,
+                                            state.chosen(producer).reduced_axes, mid, dst)
+        for kind, axes, sent in reshard.collectives:
+            label = state.comm.axes_label(axes)
+            entry = collectives.setdefault(f"{kind}({label})", {"kind": kind, "axes": label,
+                                                                "count": 0, "bytes": 0.0})
+            entry["count"] += 1
+            entry["bytes"] += sent * multiplier
+    return [{**c, "bytes": _round(c["bytes"])} for _, c in sorted(collectives.items())]
 
 
 def _peak_contents(state: CompileState, point: int | None) -> dict | None:

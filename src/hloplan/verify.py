@@ -342,7 +342,8 @@ def verify_plan(plan_dir: str | os.PathLike, compiler: str = "auto",
                                   "hidden_s": est.get("hidden_s", 0.0)}
         else:
             task = next(t for t in pipeline["tasks"] if t["name"] == name)
-            entry["predicted"] = {"peak_bytes": task["peak_memory_bytes"], "collectives": []}
+            entry["predicted"] = {"peak_bytes": task["peak_memory_bytes"],
+                                  "collectives": _predicted(task.get("collectives", []))}
         entry["peak_ratio"] = (entry["predicted"]["peak_bytes"] / entry["compiled"]["peak_bytes"]
                                if entry["compiled"]["peak_bytes"] else None)
         report["programs"][name] = entry

@@ -96,3 +96,22 @@ def test_unequal_submeshes_across_two_processes(heavy_light, tmp_path):
     report = json.loads(result.output)
     assert report["match"] is True, report
     assert all(p["match"] for p in report["per_process"])
+
+
+@pytest.mark.usefixtures("devices8")
+def test_check_totals_the_tasks_listed_collectives(heavy_light, tmp_path):
+    """`hloplan run --check` of a pipelined plan sets the collectives plan.json lists for its
+    tasks (part-A tasks once per microbatch) beside those compiled into them: the same
+    kinds, counts and bytes on this step."""
+    path, _, _, inputs = heavy_light
+    hloplan.compile(path, "8", output=tmp_path / "plan", device="toy",
+                    pipeline=PipelineOptions(3, 4, "1f1b"))
+    tasks = json.loads((tmp_path / "plan" / "plan.json").read_text())["pipeline"]["tasks"]
+    assert any(task["collectives"] for task in tasks)
+    result = CliRunner().invoke(main, ["run", str(tmp_path / "plan"), "--check", "--inputs",
+                                       str(inputs), "--format", "json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    assert report["match"] is True
+    realised = report["realised"]["collectives"]
+    assert realised and report["predicted"]["collectives"] == realised

@@ -122,6 +122,52 @@ def test_pipelined(name, schedule, corpus_program, devices8, helpers, tmp_path):
                    f"{name}, 2 stages x 4 microbatches, {schedule}")
 
 
+def _tpu_export(name: str, **sizes) -> bytes:
+    """The program exported for the tpu platform at `sizes` (real widths, no values), as a
+    TPU user exports it."""
+    import jax
+
+    program = corpus.BY_NAME[name]
+    for module in program.requires:
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed")
+    step, args = program.build(**sizes)
+    donated = getattr(step, "donate_argnums", (0, 1) if len(args) == 4 else (0,))
+    exported = jax.export.export(jax.jit(step, donate_argnums=donated), platforms=("tpu",))
+    return bytes(exported(*args).serialize())
+
+
+@pytest.mark.parametrize("compiler", ["cpu", pytest.param("tpu", marks=pytest.mark.libtpu)])
+def test_pipeline_tasks_list_what_they_compile_to(compiler, corpus_program, devices8, tmp_path):
+    """`hloplan verify` of a pipelined GPT-2 (2 stages on 1x4 submeshes of 2x4): each task's
+    collectives as plan.json lists them beside what the compiler made of the task, per kind
+    and mesh axes, the bytes within 5%: XLA's CPU compiler on simulated devices (the tiny
+    program, toy device model), or libtpu for v5e:2x4 (exported for tpu at 16 sequences of
+    128 tokens, GPT-2's widths, 2 layers; tpu-v5e)."""
+    import hloplan
+    from hloplan.compiler import PipelineOptions
+    from hloplan.verify import verify_plan
+
+    if compiler == "cpu":
+        data, device = corpus_program("hf_gpt2")[0], "toy"
+    else:
+        data, device = _tpu_export("hf_gpt2", size="real", batch=16, seq=128,
+                                   layers=2), "tpu-v5e"
+    hloplan.compile(data, "2x4", output=tmp_path / "plan", device=device,
+                    time_limit=TIME_LIMIT, pipeline=PipelineOptions(2, 4, "1f1b"))
+    report = verify_plan(tmp_path / "plan", compiler=compiler)
+    assert report["platform"] == compiler
+    sent = 0.0
+    for name, entry in report["programs"].items():
+        predicted = {(c["kind"], c["axes"]): c["bytes"] for c in entry["predicted"]["collectives"]}
+        compiled = {(c["kind"], c["axes"]): c["bytes"] for c in entry["compiled"]["collectives"]}
+        assert set(predicted) == set(compiled), (name, predicted, compiled)
+        for key, nbytes in compiled.items():
+            assert predicted[key] == pytest.approx(nbytes, rel=0.05), (name, key)
+        sent += sum(compiled.values())
+    assert sent > 0  # the stages' plans shard over their submeshes
+
+
 @pytest.mark.parametrize("name", ACCUMULATION_CASES)
 def test_accumulates_where_nothing_else_fits(name, corpus_program, devices8, helpers, tmp_path):
     import hloplan

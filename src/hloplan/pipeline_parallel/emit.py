@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from hloplan import ir
 from hloplan.passes.cut_pipeline import CutContext, PipelineCut
+from hloplan.plan import listed_collectives
 from hloplan.state import CompileState
 
 if TYPE_CHECKING:
@@ -77,6 +78,9 @@ def describe(plan: PipelinePlan, state: CompileState) -> dict:
             "inputs": task.inputs, "outputs": task.outputs, "ops": len(task.units),
             "estimated_s": float(f"{tp.seconds:.6g}"),
             "peak_memory_bytes": int(tp.peak_bytes),
+            # per execution of the task, on its stage's submesh (what `hloplan verify` sets
+            # beside the compiled task's)
+            "collectives": listed_collectives(tp.state),
             "source_lines": locations[:8],
         })
     program_outputs = []
