@@ -347,7 +347,28 @@ def verify_plan(plan_dir: str | os.PathLike, compiler: str = "auto",
         entry["peak_ratio"] = (entry["predicted"]["peak_bytes"] / entry["compiled"]["peak_bytes"]
                                if entry["compiled"]["peak_bytes"] else None)
         report["programs"][name] = entry
+    if pipeline.get("tasks"):
+        report["step"] = _step_collectives(report["programs"], pipeline)
     return report
+
+
+def _step_collectives(programs: dict, pipeline: dict) -> dict:
+    """A pipelined plan's collectives per step, per kind and mesh axes, predicted and compiled:
+    each task's times the executions the schedule gives it (part-A tasks once per
+    microbatch), as `hloplan run --check` totals them."""
+    table: dict[tuple[str, str], dict] = {}
+    for task in pipeline["tasks"]:
+        times = pipeline["microbatches"] if task["part"] == "A" else 1
+        entry = programs[task["name"]]
+        for side in ("predicted", "compiled"):
+            for c in entry[side]["collectives"]:
+                slot = table.setdefault((c["kind"], c["axes"]), {
+                    "predicted": {"count": 0, "bytes": 0.0},
+                    "compiled": {"count": 0, "bytes": 0.0}})
+                slot[side]["count"] += c["count"] * times
+                slot[side]["bytes"] += c["bytes"] * times
+    return {"microbatches": pipeline["microbatches"],
+            "collectives": [{"kind": k, "axes": a, **v} for (k, a), v in sorted(table.items())]}
 
 
 def _predicted(entries: list[dict]) -> list[dict]:
@@ -397,6 +418,14 @@ def format_verify_report(report: dict) -> str:
             lines.append("  (no collectives)")
         if "score" in comp:
             lines.extend(_overlap_lines(pred, comp["score"]))
+    if "step" in report:
+        lines.append(f"per step (part-A tasks x {report['step']['microbatches']} microbatches): "
+                     f"{'predicted':>11}   {'compiled':>20}")
+        for c in report["step"]["collectives"]:
+            p, q = c["predicted"], c["compiled"]
+            label = f"{c['kind']} ({c['axes']})"
+            lines.append(f"  {label:<34} {p['count']:>5} x {format_bytes(p['bytes']):>12}   "
+                         f"{q['count']:>5} x {format_bytes(q['bytes']):>12}")
     lines.extend(f"note: {n}" for n in report["notes"])
     return "\n".join(lines)
 

@@ -143,7 +143,7 @@ def test_pipeline_tasks_list_what_they_compile_to(compiler, corpus_program, devi
     collectives as plan.json lists them beside what the compiler made of the task, per kind
     and mesh axes, the bytes within 5%: XLA's CPU compiler on simulated devices (the tiny
     program, toy device model), or libtpu for v5e:2x4 (exported for tpu at 16 sequences of
-    128 tokens, GPT-2's widths, 2 layers; tpu-v5e)."""
+    128 tokens, GPT-2's widths, 2 layers; tpu-v5e), and their totals over the step."""
     import hloplan
     from hloplan.compiler import PipelineOptions
     from hloplan.verify import verify_plan
@@ -166,6 +166,11 @@ def test_pipeline_tasks_list_what_they_compile_to(compiler, corpus_program, devi
             assert predicted[key] == pytest.approx(nbytes, rel=0.05), (name, key)
         sent += sum(compiled.values())
     assert sent > 0  # the stages' plans shard over their submeshes
+    # per step: part-A tasks once per microbatch
+    step = report["step"]
+    assert step["microbatches"] == 4 and step["collectives"]
+    for c in step["collectives"]:
+        assert c["predicted"]["bytes"] == pytest.approx(c["compiled"]["bytes"], rel=0.05), c
 
 
 @pytest.mark.parametrize("name", ACCUMULATION_CASES)
