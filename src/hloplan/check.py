@@ -222,7 +222,8 @@ def _pipeline_report(report: dict, pipelined, pipeline: dict) -> dict:
     report["realised"] = {"collectives": dict(sorted(totals.items())),
                           "bytes_sent_per_device": sum(t["bytes"] for t in totals.values()),
                           "memory": {}}
-    report["predicted"] = {"collectives": dict(sorted(predicted.items())), "peak_memory_bytes": None,
+    report["predicted"] = {"collectives": dict(sorted(predicted.items())),
+                           "peak_memory_bytes": None,
                            "step_time_s": pipeline["estimate"]["step_time_s"]}
     return report
 
