@@ -171,3 +171,38 @@ def test_libtpu_runs_loop_sends_asynchronously_where_the_model_hides_them():
     for (_, shape), (asynchronous, synchronous) in zip(slices, compiled, strict=True):
         hidden = v5e.collective_matmul_overlap_on(shape[0] * shape[1]) > 0
         assert (asynchronous, synchronous) == (hidden, not hidden), shape
+
+
+_LIBTPU_DEVICE_ORDER = r"""
+import json, sys
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from hloplan.tpu import parse_topology, topology_devices
+
+devices = topology_devices(parse_topology("v5e:2x4"))
+out = []
+for ids in json.loads(sys.argv[1]):
+    mesh = Mesh(np.array([devices[i] for i in ids]), ("y",))
+    g = jax.ShapeDtypeStruct((4, 128, 32000), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, P(None, None, "y")))
+    w = jax.ShapeDtypeStruct((1024, 32000), jnp.float32, sharding=NamedSharding(mesh, P(None, "y")))
+    text = jax.jit(lambda a, b: jnp.einsum("bsv,dv->bsd", a, b),
+                   out_shardings=NamedSharding(mesh, P("y"))).lower(g, w).compile().as_text()
+    out.append("collective-permute" in text)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.libtpu
+def test_libtpu_loops_a_four_device_dot_by_the_order_of_its_devices():
+    """A program on 4 of v5e:2x4's 8 chips (a pipeline stage's submesh): the same
+    reduce-scattered dot loops on devices 0-3 and on 4-7 ordered 5, 4, 7, 6, but compiles to
+    one reduce-scatter on 4-7 in ascending order (docs/tpu.md, pipelined plans of the corpus:
+    the second stage's tasks do not loop where the plan lists loops)."""
+    from hloplan.tpu import child_env
+
+    orders = [[0, 1, 2, 3], [5, 4, 7, 6], [4, 5, 6, 7], [2, 3, 4, 5]]
+    done = subprocess.run([sys.executable, "-c", _LIBTPU_DEVICE_ORDER, json.dumps(orders)],
+                          env=child_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, True, False, False]
