@@ -44,6 +44,9 @@ Schema (all fields required unless marked optional)::
                                  # pixels, in features x taps, out features; calibrate writes it)
     buffer_overhead = 3.7e-6     # optional: seconds each argument or result buffer adds to a
                                  # program call (host-side handling at dispatch)
+    partial_slice_devices = 16   # optional, TPU models: the largest slice (chips) on which the
+                                 # compiler builds programs for parts of it (pipeline stages'
+                                 # submeshes); unset: every slice
     matmul_row_tile = 768        # optional: the widest output tile (elements, whole 128s) of
                                  # the compiler's matmul kernels; a kernel recomputing a softmax
                                  # reads it once per tile of the other operand's rows
@@ -159,6 +162,7 @@ _TOP_FIELDS = {
     "conv",
     "buffer_overhead",
     "matmul_row_tile",
+    "partial_slice_devices",
 }
 _COMBINER_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 # XLA's GPU pipeline merges all-reduces and reduce-scatters up to 30 MiB
@@ -343,6 +347,14 @@ class DeviceModel:
     # The widest output tile of the compiler's matmul kernels (strategies.restream_passes);
     # None: a recomputed operand is read once.
     matmul_row_tile: int | None = None
+    # TPU models: the most devices a slice may have for the compiler to build programs on
+    # parts of it (pipeline stages on submeshes, the first stage's holding the slice's first
+    # chips); None: any.
+    partial_slice_devices: int | None = None
+
+    def runs_partial_programs(self, devices: int) -> bool:
+        """Whether a program may run on part of a mesh of `devices` devices (one slice)."""
+        return self.partial_slice_devices is None or devices <= self.partial_slice_devices
 
     def unmerged_reduce_scatters_on(self, devices: int) -> str | None:
         """Which reduce-scatters libtpu leaves unmerged on the slice a mesh of `devices`
@@ -551,6 +563,10 @@ def _parse_model(data: dict[str, Any], source: str) -> DeviceModel:
     if row_tile is not None and (isinstance(row_tile, bool) or not isinstance(row_tile, int)
                                  or row_tile < 128 or row_tile % 128):
         raise _fail(source, "field 'matmul_row_tile' must be a positive multiple of 128")
+    partial = data.get("partial_slice_devices")
+    if partial is not None and (isinstance(partial, bool) or not isinstance(partial, int)
+                                or partial < 1):
+        raise _fail(source, "field 'partial_slice_devices' must be a positive integer")
 
     levels_data = _require(data, "interconnect", source)
     if not isinstance(levels_data, list) or not levels_data:
@@ -614,6 +630,7 @@ def _parse_model(data: dict[str, Any], source: str) -> DeviceModel:
         conv=conv,
         buffer_overhead=buffer_overhead,
         matmul_row_tile=row_tile,
+        partial_slice_devices=partial,
     )
 
 

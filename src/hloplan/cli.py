@@ -318,7 +318,8 @@ def _summary(plan: dict, output: str | None) -> None:
                      f"peak {format_bytes(max(est['memory_per_stage_bytes']))} per device, "
                      f"bubble {est['bubble_fraction']:.0%}")
     elif pipe:
-        lines.append("pipeline: none (one stage is estimated fastest)")
+        why = pipe.get("search", {}).get("single_stage_only")
+        lines.append(f"pipeline: none ({why or 'one stage is estimated fastest'})")
     check = plan.get("memory_check")
     if check:
         last = check["tries"][check["kept"]]

@@ -115,3 +115,27 @@ def test_check_totals_the_tasks_listed_collectives(heavy_light, tmp_path):
     assert report["match"] is True
     realised = report["realised"]["collectives"]
     assert realised and report["predicted"]["collectives"] == realised
+
+
+def test_no_stages_on_part_of_a_v5e_slice_of_more_than_16_chips(heavy_light, tmp_path):
+    """libtpu builds no program for part of a v5e slice of more than 16 chips (tpu-v5e's
+    `partial_slice_devices`): on v5e:4x8 explicit stages are refused with the reason and
+    nothing is written, `--stages auto` keeps one stage and says why, and gradient
+    accumulation (one stage on every device) is still planned; on v5e:2x4 the step pipelines."""
+    from hloplan.diagnostics import UsageError
+
+    path = heavy_light[0]
+    with pytest.raises(UsageError, match="runs no program on part of a slice of more than 16"):
+        hloplan.compile(path, "4x8", output=tmp_path / "refused", device="tpu-v5e",
+                        pipeline=PipelineOptions(2, 4, "1f1b"))
+    assert not (tmp_path / "refused").exists()
+    auto = hloplan.compile(path, "4x8", device="tpu-v5e", pipeline=PipelineOptions())
+    pipe = auto.plan["pipeline"]
+    assert pipe["stages"] == 1 and "runs no program on part of a slice" in pipe["chosen"]
+    assert all(c["stages"] == 1 for c in pipe["candidates"])
+    accumulated = hloplan.compile(path, "4x8", device="tpu-v5e",
+                                  pipeline=PipelineOptions(1, 4, "1f1b"))
+    assert (accumulated.plan["pipeline"]["stages"],
+            accumulated.plan["pipeline"]["microbatches"]) == (1, 4)
+    staged = hloplan.compile(path, "2x4", device="tpu-v5e", pipeline=PipelineOptions(2, 4, "1f1b"))
+    assert staged.plan["pipeline"]["stages"] == 2

@@ -258,3 +258,52 @@ def test_verify_tpu_relabels_a_cpu_export(tmp_path):
     assert report["programs"]["program"]["compiled"]["peak_bytes"] > 0
     # The user's plan directory is left as it was written.
     assert json.loads((plan_dir / "plan.json").read_text())["digests"]
+
+
+_LIBTPU_PART_OF_SLICE = r"""
+import json, sys
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from hloplan.tpu import parse_topology, topology_devices
+
+out = []
+for name in json.loads(sys.argv[1]):
+    devices = topology_devices(parse_topology(name))
+    half = len(devices) // 2
+    compiled = []
+    for part in (devices[:half], devices[half:]):  # a two-stage pipeline's submeshes
+        mesh = Mesh(np.array(part), ("y",))
+        x = jax.ShapeDtypeStruct((half * 8, 128), jnp.float32,
+                                 sharding=NamedSharding(mesh, P("y")))
+        try:
+            jax.jit(lambda a: a.sum(0)).lower(x).compile()
+            compiled.append(True)
+        except Exception as error:
+            if "include all slice devices" not in str(error):
+                raise
+            compiled.append(False)
+    out.append(compiled)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.libtpu
+def test_tpu_v5e_runs_programs_on_part_of_a_slice_as_libtpu_does():
+    """tpu-v5e's `partial_slice_devices`: libtpu compiles a program on either half of a v5e
+    slice of 8 or 16 chips (a two-stage pipeline's submeshes), and on v5e:4x8 and 8x8 refuses
+    one on the half that holds the slice's first chips (the second half compiles): a
+    pipeline's first stage cannot be built there."""
+    import subprocess
+    import sys
+
+    from hloplan.tpu import child_env
+
+    slices = ["v5e:2x4", "v5e:4x4", "v5e:4x8", "v5e:8x8"]
+    done = subprocess.run([sys.executable, "-c", _LIBTPU_PART_OF_SLICE, json.dumps(slices)],
+                          env=child_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    compiled = json.loads(done.stdout.strip().splitlines()[-1])
+    assert compiled == [[True, True], [True, True], [False, True], [False, True]]
+    model = load_device_model("tpu-v5e")
+    assert [model.runs_partial_programs(parse_topology(s).devices) for s in slices] == [
+        first for first, _ in compiled]

@@ -5,9 +5,10 @@ winner's tasks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hloplan.cost_models import CommModel
+from hloplan.diagnostics import UsageError
 from hloplan.op_rules import (
     folded_transposes,
     fused_values,
@@ -70,7 +71,9 @@ class NoPipeline:
         return {"stages": 1, "microbatches": 1,
                 "candidates": [rounded(c) for c in self.candidates],
                 "search": rounded(self.search),
-                "chosen": "single stage: no pipeline beats it under the cost model"}
+                "chosen": "single stage: no pipeline beats it under the cost model" + (
+                    f" ({self.search['single_stage_only']})"
+                    if self.search.get("single_stage_only") else "")}
 
 
 class StageSearch:
@@ -373,6 +376,20 @@ def plan_pipeline(state: CompileState, options: CompileOptions, popts: PipelineO
     program = analyse(graph, mesh, popts)
     if program is None:
         return None
+    single_only = None
+    if not options.device.runs_partial_programs(mesh.size):
+        single_only = (f"{options.device.name} runs no program on part of a slice of more "
+                       f"than {options.device.partial_slice_devices} devices (this mesh: "
+                       f"{mesh.size}): no stages on submeshes")
+        if popts.stages is not None and popts.stages > 1:
+            raise UsageError(f"--stages {popts.stages}: {single_only}; gradient accumulation "
+                             "(--stages 1 --microbatches M) runs on every device")
+        # One stage on every device, its microbatches' gradients accumulated.
+        pairs = {m: [s for s in counts if s == 1] for m, counts in program.pairs.items()}
+        pairs = {m: counts for m, counts in pairs.items() if counts}
+        if not pairs:
+            return None
+        program = replace(program, pairs=pairs)
     analysis, ctx, pairs = program.analysis, program.ctx, program.pairs
     comm = CommModel(options.device, mesh, hosts=options.hosts, combine=options.device.combiner)
     starts = candidate_layers(graph, program, popts, options, comm)
@@ -402,6 +419,8 @@ def plan_pipeline(state: CompileState, options: CompileOptions, popts: PipelineO
              "pairs": search.layers * (search.layers + 1) // 2 * len(shapes) * len(pairs),
              "pairs_planned": len(search.exact), "ilp_solves": planner.solves,
              "max_solves": popts.max_solves, "gap": popts.gap, "optimal": optimal}
+    if single_only:
+        stats["single_stage_only"] = single_only
     if single_stage_seconds is not None:
         candidates.insert(0, {"stages": 1, "microbatches": 1, "submeshes": [str(shapes[-1])],
                               "step_time_s": single_stage_seconds, "fits": True})
