@@ -353,8 +353,12 @@ class DeviceModel:
     partial_slice_devices: int | None = None
 
     def runs_partial_programs(self, devices: int) -> bool:
-        """Whether a program may run on part of a mesh of `devices` devices (one slice)."""
-        return self.partial_slice_devices is None or devices <= self.partial_slice_devices
+        """Whether a program may run on part of a mesh of `devices` devices, where the mesh
+        is one slice (the innermost interconnect level reaches them all); a mesh of several
+        slices is not judged here."""
+        slice_devices = self.interconnect[0].devices if self.interconnect else 0
+        return (self.partial_slice_devices is None or devices <= self.partial_slice_devices
+                or 0 < slice_devices < devices)
 
     def unmerged_reduce_scatters_on(self, devices: int) -> str | None:
         """Which reduce-scatters libtpu leaves unmerged on the slice a mesh of `devices`
