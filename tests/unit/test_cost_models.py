@@ -657,3 +657,24 @@ def test_reshard_bad_shardings(comm: CommModel) -> None:
         comm.reshard(SHAPE, 4, ((0,), (0,)), ((), ()))
     with pytest.raises(ValueError, match="out of range"):
         comm.reshard(SHAPE, 4, ((), ()), ((2,), ()))
+
+
+def test_partial_slice_devices_limits_programs_on_part_of_one_slice():
+    """tpu-v5e builds programs on parts of slices of up to 16 chips; a mesh of several
+    slices (more devices than the innermost link reaches) is not judged; other models and
+    a bad value."""
+    v5e = load_device_model("tpu-v5e")
+    assert [v5e.runs_partial_programs(n) for n in (8, 16, 32, 256, 512)] == [
+        True, True, False, False, True]
+    assert load_device_model("h100").runs_partial_programs(4096)
+
+
+def test_partial_slice_devices_must_be_a_positive_integer(tmp_path: Path) -> None:
+    for bad in ("0", "2.5", "true"):
+        path = tmp_path / "bad.toml"
+        path.write_text(MINIMAL.replace("[flops]", f"partial_slice_devices = {bad}\n[flops]", 1))
+        with pytest.raises(DeviceModelError,
+                           match="field 'partial_slice_devices' must be a positive integer"):
+            load_device_model(path)
+    path.write_text(MINIMAL.replace("[flops]", "partial_slice_devices = 4\n[flops]", 1))
+    assert load_device_model(path).partial_slice_devices == 4
