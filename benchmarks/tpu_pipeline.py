@@ -1,7 +1,7 @@
 """Pipelined plans of the third-party corpus compiled by libtpu: what each task's plan lists
 against what libtpu compiles of it.
 
-    .venv/bin/python benchmarks/tpu_pipeline.py                    # every program, ~10 min on 2 cores
+    .venv/bin/python benchmarks/tpu_pipeline.py             # every program, ~10 min on 2 cores
     .venv/bin/python benchmarks/tpu_pipeline.py --programs hf_gpt2
 
 Needs libtpu (`pip install -e ".[tpu]"`). Each program of the corpus (examples/third_party,
