@@ -51,16 +51,11 @@ def export_case(kind: str, name: str, devices: int) -> bytes:
     import jax
 
     if kind.startswith("corpus"):
-        import corpus
         import tpu
 
         kwargs = (tpu.corpus_sizes(name, devices) if kind == "corpus"
                   else {"size": "real", "batch": 8 * devices, "seq": 512, "layers": 4})
-        step, args = corpus.BY_NAME[name].build(**kwargs)
-        donated = getattr(step, "donate_argnums", (0, 1) if len(args) == 4 else (0,))
-        exported = jax.export.export(jax.jit(step, donate_argnums=donated),
-                                     platforms=("tpu",))(*args)
-        return bytes(exported.serialize())
+        return tpu.corpus_export(name, kwargs)[0]
     import models
     import tpu
     import tpu_memory

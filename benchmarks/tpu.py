@@ -324,16 +324,14 @@ def corpus_case(name: str, topology_name: str = CORPUS_TOPOLOGY,
 def corpus_export(name: str, sizes: dict) -> tuple[bytes, tuple[int, ...], str]:
     """(serialized jax.export for the tpu platform, donated argument numbers, library) of the
     corpus program `name` built at `sizes`."""
-    import jax
-
     sys.path.insert(0, str(HERE.parent / "examples" / "third_party"))
+    import _common
     import corpus
 
     program = corpus.BY_NAME[name]
     step, args = program.build(**sizes)
-    donated = getattr(step, "donate_argnums", (0, 1) if len(args) == 4 else (0,))
-    exported = jax.export.export(jax.jit(step, donate_argnums=donated), platforms=("tpu",))(*args)
-    return bytes(exported.serialize()), tuple(donated), program.library
+    return (_common.export_step(step, args, platforms=("tpu",)),
+            _common.donated_argnums(step, args), program.library)
 
 
 def _corpus_case_at(name: str, topology, sizes: dict, keep: Path | None,

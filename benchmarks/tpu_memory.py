@@ -90,15 +90,10 @@ def _export_model(name: str, devices: int) -> tuple[bytes, dict]:
 def _export_corpus(name: str, devices: int) -> tuple[bytes, dict]:
     """A corpus program at benchmarks/corpus.py's realistic size (4 layers, 8 sequences of 512
     tokens per device), exported for the tpu platform."""
-    import corpus
-    import jax
+    from tpu import corpus_export
 
     kwargs = {"size": "real", "batch": 8 * devices, "seq": 512, "layers": 4}
-    step, args = corpus.BY_NAME[name].build(**kwargs)
-    donated = getattr(step, "donate_argnums", (0, 1) if len(args) == 4 else (0,))
-    exported = jax.export.export(jax.jit(step, donate_argnums=donated),
-                                 platforms=("tpu",))(*args)
-    return bytes(exported.serialize()), kwargs
+    return corpus_export(name, kwargs)[0], kwargs
 
 
 def _plan(data: bytes, mesh_text: str, buffers: bool = True):

@@ -39,16 +39,22 @@ def int_keys(tree):
     return tree
 
 
-def export_step(step, args) -> bytes:
-    """`jax.export` the jitted step for `args`; the serialized bytes `hloplan compile` reads.
-    The step is jitted as a training loop jits it, its state donated so that the new state is
-    written into the old one's buffers: the parameters and optimizer state of a
-    `step(params, opt, x, y)`, the state of a `step(state, data)`; an inference function
-    (marked by a `donate_argnums` attribute, usually `()`) donates what that says."""
+def donated_argnums(step, args) -> tuple[int, ...]:
+    """The arguments a training loop donates to `step`, so that the new state is written into
+    the old one's buffers: the parameters and optimizer state of a `step(params, opt, x, y)`,
+    the state of a `step(state, data)`; an inference function (marked by a `donate_argnums`
+    attribute, usually `()`) donates what that says."""
+    return tuple(getattr(step, "donate_argnums", (0, 1) if len(args) == 4 else (0,)))
+
+
+def export_step(step, args, platforms: tuple[str, ...] | None = None) -> bytes:
+    """`jax.export` the step for `args`, jitted as a training loop jits it (donated_argnums),
+    for `platforms` (default: jax's default backend); the serialized bytes `hloplan compile`
+    reads."""
     import jax
 
-    donated = getattr(step, "donate_argnums", (0, 1) if len(args) == 4 else (0,))
-    exported = jax.export.export(jax.jit(step, donate_argnums=donated))(*args)
+    jitted = jax.jit(step, donate_argnums=donated_argnums(step, args))
+    exported = jax.export.export(jitted, platforms=platforms)(*args)
     return bytes(exported.serialize())
 
 

@@ -125,16 +125,14 @@ def test_pipelined(name, schedule, corpus_program, devices8, helpers, tmp_path):
 def _tpu_export(name: str, **sizes) -> bytes:
     """The program exported for the tpu platform at `sizes` (real widths, no values), as a
     TPU user exports it."""
-    import jax
+    import _common
 
     program = corpus.BY_NAME[name]
     for module in program.requires:
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is not installed")
     step, args = program.build(**sizes)
-    donated = getattr(step, "donate_argnums", (0, 1) if len(args) == 4 else (0,))
-    exported = jax.export.export(jax.jit(step, donate_argnums=donated), platforms=("tpu",))
-    return bytes(exported(*args).serialize())
+    return _common.export_step(step, args, platforms=("tpu",))
 
 
 @pytest.mark.parametrize("compiler", ["cpu", pytest.param("tpu", marks=pytest.mark.libtpu)])
