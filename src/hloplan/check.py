@@ -197,6 +197,7 @@ def _pipeline_report(report: dict, pipelined, pipeline: dict) -> dict:
     import jax
 
     from hloplan.hlo_stats import collective_stats
+    from hloplan.plan import task_executions
 
     totals: dict[str, dict] = {}
     predicted: dict[str, dict] = {}
@@ -208,7 +209,7 @@ def _pipeline_report(report: dict, pipelined, pipeline: dict) -> dict:
         compiled = task["call"].lower(*avals).compile()
         stats = collective_stats(compiled.as_text(), num_devices=mesh.size,
                                  mesh_axes=tuple(zip(mesh.axis_names, mesh.devices.shape)))
-        times = pipeline["microbatches"] if task["part"] == "A" else 1
+        times = task_executions(task, pipeline)
         for kind, (count, nbytes) in stats.by_kind().items():
             slot = totals.setdefault(kind, {"count": 0, "bytes": 0.0})
             slot["count"] += count * times

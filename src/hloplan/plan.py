@@ -158,6 +158,12 @@ def build_plan(state: CompileState, input_bytes: bytes, files: dict[str, str]) -
 PEAK_ENTRIES = 10
 
 
+def task_executions(task: dict, pipeline: dict) -> int:
+    """How many times a step runs a task of plan.json's pipeline section: a part-A task (one
+    microbatch's work) once per microbatch, the others once."""
+    return pipeline["microbatches"] if task["part"] == "A" else 1
+
+
 def listed_collectives(state: CompileState) -> list[dict]:
     """The collectives the plan in `state` issues per step, per kind and mesh axes ({"kind",
     "axes", "count", "bytes"}: per-device bytes sent), as plan.json's estimate lists them:

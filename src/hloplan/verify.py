@@ -356,9 +356,11 @@ def _step_collectives(programs: dict, pipeline: dict) -> dict:
     """A pipelined plan's collectives per step, per kind and mesh axes, predicted and compiled:
     each task's times the executions the schedule gives it (part-A tasks once per
     microbatch), as `hloplan run --check` totals them."""
+    from hloplan.plan import task_executions
+
     table: dict[tuple[str, str], dict] = {}
     for task in pipeline["tasks"]:
-        times = pipeline["microbatches"] if task["part"] == "A" else 1
+        times = task_executions(task, pipeline)
         entry = programs[task["name"]]
         for side in ("predicted", "compiled"):
             for c in entry[side]["collectives"]:
