@@ -55,10 +55,9 @@ from __future__ import annotations
 
 import os
 
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["TPU_SKIP_MDS_QUERY"] = "1"
-os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from hloplan.tpu import child_env
+
+os.environ.update(child_env())  # compiles for TPU topologies, deviceless: before jax loads
 
 import argparse  # noqa: E402
 import json  # noqa: E402
