@@ -354,7 +354,7 @@ def plan_at_mesh(job: Job, options: CompileOptions) -> Candidate:
     else:
         chosen = dataclasses.replace(base, pipeline=way.record, pipeline_state=way.record_state)
     if job.pipeline is None:
-        chosen = _report_recomputing(chosen, base)
+        chosen = _report_recomputing(chosen, base, way)
     return _with_pipeline_time(chosen, started)
 
 
@@ -503,15 +503,22 @@ def plan_accumulated(job: Job, options: CompileOptions, popts: PipelineOptions
     return NotApplicable("accumulated", notes=(Diagnostic("note", f"no plan fits {what}", None),))
 
 
-def _report_recomputing(chosen: Candidate, recomputed: Candidate) -> Candidate:
+def _report_recomputing(chosen: Candidate, recomputed: Candidate,
+                        accumulated: Candidate | NotApplicable) -> Candidate:
     """The warning that says why the plan kept on a mesh is not the program as it stands:
-    its activations are recomputed, or gradients accumulated where recomputing fits too."""
+    its activations are recomputed (and why gradient accumulation, the other way to fit, was
+    not planned, where it was refused), or gradients accumulated where recomputing fits too."""
     budget = format_bytes(recomputed.state.options.budget)
     if chosen.way == "recomputed":
+        refused = ()
+        if isinstance(accumulated, NotApplicable) and accumulated.error is not None:
+            why = accumulated.error.diagnostics[0]
+            where = f"{why.location}: " if why.location else ""
+            refused = (f"gradients are not accumulated instead: {where}{why.message}",)
         note = Diagnostic(
             "warning", f"no plan fits the memory budget of {budget} per device as the program "
             f"stands: {recomputed.why}", None,
-            ("module.mlir and sharded.jaxexport hold the recomputing program",))
+            ("module.mlir and sharded.jaxexport hold the recomputing program", *refused))
     else:
         note = Diagnostic(
             "warning", f"no plan fits the memory budget of {budget} per device as the program "

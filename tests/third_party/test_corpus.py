@@ -192,6 +192,43 @@ def test_accumulates_where_nothing_else_fits(name, corpus_program, devices8, hel
                    f"{name}, gradients accumulated over {pipe['microbatches']} microbatches")
 
 
+def test_recomputes_where_batch_statistics_rule_out_accumulation(corpus_program, devices8,
+                                                                 helpers, tmp_path):
+    """keras_cnn (keras 3, BatchNorm): under a budget tighter than any plan of the program as
+    it stands, gradient accumulation is ruled out (batch statistics) and hloplan recomputes
+    activations after the forward pass instead; the plan fits its budget, says so (compile's
+    warning, `hloplan explain`), and gives the single-device answer."""
+    import hloplan
+    from click.testing import CliRunner
+
+    from hloplan.cli import main
+
+    data, args, want = corpus_program("keras_cnn")
+    peak = hloplan.compile(data, "8", device="toy",
+                           time_limit=TIME_LIMIT).plan["estimate"]["peak_memory_bytes"]
+    for fraction in (0.9, 0.85, 0.8, 0.75, 0.7):
+        budget = int(fraction * peak)
+        result = hloplan.compile(data, "8", output=tmp_path / "plan", device="toy",
+                                 time_limit=TIME_LIMIT, memory_budget=budget)
+        if result.plan.get("rematerialized"):
+            break
+    else:
+        pytest.fail(f"no budget from 0.9 to 0.7 of the {peak:.0f} B peak made hloplan recompute")
+    plan = result.plan
+    assert plan["rematerialized"]["values"] > 0
+    assert plan["estimate"]["peak_memory_bytes"] <= budget
+    assert not (plan.get("pipeline") or {}).get("tasks")  # no microbatches: batch statistics
+    (warning,) = [entry for entry in result.state.log.warnings
+                  if "recomputed after the forward pass" in entry.message]
+    assert any(note.startswith("gradients are not accumulated instead") and
+               "batch statistics" in note for note in warning.notes), warning.notes
+    explained = CliRunner().invoke(main, ["explain", str(tmp_path / "plan")])
+    assert explained.exit_code == 0, explained.output
+    assert "activations after the forward pass" in explained.output
+    _run_and_match(tmp_path / "plan", args, want, devices8, helpers,
+                   f"keras_cnn under {budget} B, activations recomputed")
+
+
 @pytest.mark.parametrize("name", [_param(p) for p in BATCH_STATISTICS])
 def test_batch_statistics_are_refused(name, corpus_program):
     import hloplan
