@@ -198,9 +198,9 @@ def test_recomputes_where_batch_statistics_rule_out_accumulation(corpus_program,
     it stands, gradient accumulation is ruled out (batch statistics) and hloplan recomputes
     activations after the forward pass instead; the plan fits its budget, says so (compile's
     warning, `hloplan explain`), and gives the single-device answer."""
-    import hloplan
     from click.testing import CliRunner
 
+    import hloplan
     from hloplan.cli import main
 
     data, args, want = corpus_program("keras_cnn")
