@@ -6,7 +6,9 @@ Every program compiles, runs and matches on meshes 8, 2x4 and 2x2x2 (in CI: 8 an
 all, 2x2x2 for two); where its batch splits,
 `stages=2, microbatches=4` pipelines (GPipe and 1F1B) and the memory-budget fallback to
 gradient accumulation do too; a program normalising with batch statistics is refused at the
-op that reads them.  Each program is exported once per session.  A library that is not
+op that reads them, and under a tight budget recomputes activations instead; `hloplan explain`
+describes every program's plan, its decisions' costs checked against the evaluator, and its
+jax shardings run.  Each program is exported once per session.  A library that is not
 installed skips its programs.
 """
 
@@ -62,6 +64,9 @@ MESH_CASES = [_param(p, mesh, slow=(bool(p.xfail) and mesh != MESHES[0])
 PIPELINE_CASES = [_param(p, s, slow=(p.name, s) not in CI_PIPELINES) for p in SPLITTING
                   for s in SCHEDULES]
 ACCUMULATION_CASES = [_param(p, slow=p.name not in CI_ACCUMULATION) for p in TRAIN_SPLITTING]
+# explain: a transformer, the MoE and a convnet in CI, the rest slow (about 9 s each)
+CI_EXPLAIN = {"hf_gpt2", "keras_moe", "linen_resnet"}
+EXPLAIN_CASES = [_param(p, slow=p.name not in CI_EXPLAIN) for p in corpus.PROGRAMS]
 
 
 @pytest.fixture(scope="session")
@@ -190,6 +195,55 @@ def test_accumulates_where_nothing_else_fits(name, corpus_program, devices8, hel
     assert max(pipe["estimate"]["memory_per_stage_bytes"]) <= budget
     _run_and_match(tmp_path / "plan", args, want, devices8, helpers,
                    f"{name}, gradients accumulated over {pipe['microbatches']} microbatches")
+
+
+@pytest.mark.parametrize("name", EXPLAIN_CASES)
+def test_explain_describes_and_reproduces_the_plan(name, corpus_program, devices8, helpers,
+                                                   tmp_path):
+    """`hloplan explain` of a plan on 2x4: the text names every argument; the JSON's step-time
+    parts and memory parts add up to the estimate, and each of its top decisions costs what
+    the independent evaluator (solver.explain.next_best) says the next-best strategy would;
+    `--format jax` (the plan as jax shardings, to paste into the user's code) runs and gives
+    the single-device answer."""
+    import json
+
+    from click.testing import CliRunner
+
+    import hloplan
+    from hloplan.cli import main
+    from hloplan.solver.evaluate import evaluate
+    from hloplan.solver.explain import next_best
+
+    data, args, want = corpus_program(name)
+    plan_dir = tmp_path / "plan"
+    result = hloplan.compile(data, "2x4", output=plan_dir, device="toy", time_limit=TIME_LIMIT)
+    runner = CliRunner()
+    text = runner.invoke(main, ["explain", str(plan_dir), "--verbose"])
+    assert text.exit_code == 0, text.output
+    for argument in result.plan["arguments"]:
+        assert argument["name"] in text.stdout, argument["name"]
+    report = json.loads(runner.invoke(main, ["explain", str(plan_dir), "--format",
+                                             "json"]).stdout)
+    estimate = report["estimate"]
+    assert sum(p["seconds"] for p in report["step_time_breakdown"]) == pytest.approx(
+        estimate["step_time_s"], rel=1e-4)
+    assert sum(p["bytes"] for p in report["memory"]["parts"]) == pytest.approx(
+        estimate["peak_memory_bytes"], rel=1e-9)
+    state = result.state
+    base = evaluate(state.problem, state.solution).total
+    assert len(report["decisions"]) == 10
+    for decision in report["decisions"]:
+        node = state.space.node_of[int(decision["id"][1:])]
+        alternative, evaluation = next_best(state.problem, state.solution, node)
+        assert decision["delta"]["total_s"] == pytest.approx(evaluation.total - base,
+                                                             rel=1e-4, abs=1e-12), decision
+        assert decision["next_best_feasible"] == evaluation.feasible
+    pasted = runner.invoke(main, ["explain", str(plan_dir), "--format", "jax"])
+    assert pasted.exit_code == 0, pasted.output
+    namespace: dict = {}
+    exec(compile(pasted.stdout, f"<explain --format jax: {name}>", "exec"), namespace)
+    helpers.assert_trees_close(namespace["step"](*args), want, rtol=2e-4, atol=2e-5,
+                               context=f"{name}: explain --format jax")
 
 
 def test_recomputes_where_batch_statistics_rule_out_accumulation(corpus_program, devices8,
