@@ -8,7 +8,7 @@ all, 2x2x2 for two); where its batch splits,
 gradient accumulation do too; a program normalising with batch statistics is refused at the
 op that reads them, and under a tight budget recomputes activations instead; `hloplan explain`
 describes every program's plan, its decisions' costs checked against the evaluator, and its
-jax shardings run.  Each program is exported once per session.  A library that is not
+jax shardings run; and the plans run as a job of two processes (`hloplan run --processes 2`).  Each program is exported once per session.  A library that is not
 installed skips its programs.
 """
 
@@ -67,6 +67,8 @@ ACCUMULATION_CASES = [_param(p, slow=p.name not in CI_ACCUMULATION) for p in TRA
 # explain: a transformer, the MoE and a convnet in CI, the rest slow (about 9 s each)
 CI_EXPLAIN = {"hf_gpt2", "keras_moe", "linen_resnet"}
 EXPLAIN_CASES = [_param(p, slow=p.name not in CI_EXPLAIN) for p in corpus.PROGRAMS]
+# two-process runs: GPT-2 in CI (about 30 s), the rest slow
+MULTIPROCESS_CASES = [_param(p, slow=p.name != "hf_gpt2") for p in corpus.PROGRAMS]
 
 
 @pytest.fixture(scope="session")
@@ -244,6 +246,31 @@ def test_explain_describes_and_reproduces_the_plan(name, corpus_program, devices
     exec(compile(pasted.stdout, f"<explain --format jax: {name}>", "exec"), namespace)
     helpers.assert_trees_close(namespace["step"](*args), want, rtol=2e-4, atol=2e-5,
                                context=f"{name}: explain --format jax")
+
+
+@pytest.mark.parametrize("name", MULTIPROCESS_CASES)
+def test_runs_as_a_two_process_job(name, corpus_program, tmp_path):
+    """`hloplan run --check --processes 2`: the plan on 2x4 as one jax.distributed job of two
+    local CPU processes of 4 devices each, the mesh's x axis across them; each process's
+    shards of the results match the single-device program."""
+    import json
+
+    from click.testing import CliRunner
+
+    import hloplan
+    from hloplan.cli import main
+
+    data, _, _ = corpus_program(name)
+    hloplan.compile(data, "2x4", output=tmp_path / "plan", device="toy", time_limit=TIME_LIMIT)
+    result = CliRunner().invoke(main, ["run", str(tmp_path / "plan"), "--check", "--processes",
+                                       "2", "--format", "json", "--timeout", "240"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["match"] is True and report["processes"] == 2
+    assert [p["local_devices"] for p in report["per_process"]] == [4, 4]
+    assert all(p["match"] for p in report["per_process"])
+    assert report["cross_process_axes"] == ["x"]
 
 
 def test_recomputes_where_batch_statistics_rule_out_accumulation(corpus_program, devices8,
