@@ -362,8 +362,14 @@ def write_docs() -> None:
         "(`examples/third_party/corpus.py`) holds train steps and inference functions written "
         "with Hugging Face transformers (Flax), Flax (NNX and Linen), Equinox, Haiku and "
         "Keras 3 (JAX backend), with optax, each exported with `jax.export` the way its "
-        "library's own examples train it. `tests/third_party/test_corpus.py` checks them in "
-        "CI at the tiny sizes below.",
+        "library's own examples train it. `tests/third_party/test_corpus.py` checks them at "
+        "the tiny sizes below, each plan run and compared with the single-device program: "
+        "every program on meshes 8, 2x4 and 2x2x2; pipelines (GPipe, 1F1B) and the "
+        "gradient-accumulation fallback; recomputation under a tight budget (keras_cnn, "
+        "whose BatchNorm rules accumulation out); `hloplan explain` (its decisions' costs "
+        "checked against the independent evaluator, its `--format jax` shardings run); "
+        "`--select compiled --verify-memory`; two-process jobs (`hloplan run --processes "
+        "2`). CI runs a subset of each; `--runslow` runs all.",
         "",
         "This page is written by `benchmarks/corpus.py --docs` from "
         "`benchmarks/corpus_report.json` and `benchmarks/corpus_results.json`; do not edit "
@@ -399,7 +405,11 @@ def write_docs() -> None:
              "so tensorflow, even on the JAX backend; the Keras programs here are written with "
              "`keras.layers` and `keras.ops` instead. T5 in transformers 4.57 calls "
              "`jnp.clip(a_max=...)`, which jax 0.10 removed, so the encoder-decoder is BART.",
-             "", "## Plan quality at realistic sizes (compile-only)", ""]
+             "", "## Plan quality at realistic sizes (compile-only)", "",
+             "On TPU v5e, the same programs at the same sizes planned for tpu-v5e and compiled "
+             "by libtpu\nfor v5e:2x4, 4x8 and 16x16 beside data parallel, FSDP and the Megatron "
+             "and expert-parallel\nplans an expert writes for each model: "
+             "[docs/tpu.md](tpu.md#third-party-programs-plan-quality).", ""]
     if bench:
         text += [f"`{bench['command']}` ({bench['wall_s'] / 60:.1f} min): the train steps at "
                  f"realistic widths ({BENCH_LAYERS} layers of each transformer; "
