@@ -9,7 +9,8 @@ gradient accumulation do too; a program normalising with batch statistics is ref
 op that reads them, and under a tight budget recomputes activations instead; `hloplan explain`
 describes every program's plan, its decisions' costs checked against the evaluator, and its
 jax shardings run; `--select compiled --verify-memory` keeps the lowest compiled score and
-checks it fits; and the plans run as a job of two processes (`hloplan run --processes 2`).  Each program is exported once per session.  A library that is not
+records its compiled peak; and the plans run as a job of two processes (`hloplan run
+--processes 2`).  Each program is exported once per session.  A library that is not
 installed skips its programs.
 """
 
@@ -302,10 +303,10 @@ def test_runs_as_a_two_process_job(name, corpus_program, tmp_path):
 
 def test_recomputes_where_batch_statistics_rule_out_accumulation(corpus_program, devices8,
                                                                  helpers, tmp_path):
-    """keras_cnn (keras 3, BatchNorm): under a budget tighter than any plan of the program as
-    it stands, gradient accumulation is ruled out (batch statistics) and hloplan recomputes
-    activations after the forward pass instead; the plan fits its budget, says so (compile's
-    warning, `hloplan explain`), and gives the single-device answer."""
+    """keras_cnn (keras 3, BatchNorm): under a budget for which hloplan finds no plan of the
+    program as it stands, gradient accumulation is ruled out (batch statistics) and hloplan
+    recomputes activations after the forward pass instead; the plan fits its budget, says so
+    (compile's warning, `hloplan explain`), and gives the single-device answer."""
     from click.testing import CliRunner
 
     import hloplan
