@@ -179,6 +179,15 @@ def collective_ratios(predicted: dict, compiled: dict) -> dict:
                                    if compiled_bytes else None)}
 
 
+def bytes_ratios(table: dict[str, dict]) -> float | None:
+    """Sets each slot's predicted / compiled bytes ("ratio"; None where nothing was compiled)
+    of a {kind(axes): {"predicted", "compiled"}} table; returns the ratio of all bytes."""
+    for slot in table.values():
+        slot["ratio"] = slot["predicted"] / slot["compiled"] if slot["compiled"] else None
+    compiled = sum(v["compiled"] for v in table.values())
+    return sum(v["predicted"] for v in table.values()) / compiled if compiled else None
+
+
 def best_hand(hand: dict) -> tuple[str | None, float | None]:
     """(name, step) of the fastest hand plan whose compiled peak fits the device, or (None,
     None) where none does; `hand` maps names to formula() results."""
@@ -364,10 +373,7 @@ def corpus_row(name: str, library: str, topology, sizes: dict, data: bytes,
             slot = table.setdefault(f"{c['kind']}({c['axes']})",
                                     {"predicted": 0.0, "compiled": 0.0})
             slot[side] += c["bytes"]
-    for slot in table.values():
-        slot["ratio"] = slot["predicted"] / slot["compiled"] if slot["compiled"] else None
-    predicted = sum(v["predicted"] for v in table.values())
-    compiled = sum(v["compiled"] for v in table.values())
+    total_ratio = bytes_ratios(table)
     solver = result.plan["solver"]
     score = entry["compiled"]["score"]
     quality = corpus_plan_quality(data, donated, topology.name, score, name) if hand \
@@ -377,8 +383,8 @@ def corpus_row(name: str, library: str, topology, sizes: dict, data: bytes,
             # A plan the time limit cut (a loaded machine) differs from the quiet one's.
             "solver": {"status": solver["status"], "deterministic": solver["deterministic"],
                        "step_s": result.plan["estimate"]["step_time_s"]},
-            "collectives": table, "collective_bytes_ratio": predicted / compiled if compiled
-            else None, "peak_ratio": entry["peak_ratio"],
+            "collectives": table, "collective_bytes_ratio": total_ratio,
+            "peak_ratio": entry["peak_ratio"],
             "peak_bytes": {"predicted": entry["predicted"]["peak_bytes"],
                            "compiled": entry["compiled"]["peak_bytes"]},
             "notes": report["notes"]}

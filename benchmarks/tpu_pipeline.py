@@ -73,14 +73,10 @@ def measure(name: str) -> dict:
         started = time.perf_counter()
         report = verify_plan(Path(tmp) / "plan", compiler="tpu", topology=TOPOLOGY)
         row["verify_s"] = time.perf_counter() - started
-    step = report["step"]["collectives"]
-    predicted = sum(c["predicted"]["bytes"] for c in step)
-    compiled = sum(c["compiled"]["bytes"] for c in step)
     row["collectives"] = {f"{c['kind']}({c['axes']})": {
-        "predicted": c["predicted"]["bytes"], "compiled": c["compiled"]["bytes"],
-        "ratio": c["predicted"]["bytes"] / c["compiled"]["bytes"] if c["compiled"]["bytes"]
-        else None} for c in step}
-    row["collective_bytes_ratio"] = predicted / compiled if compiled else None
+        "predicted": c["predicted"]["bytes"], "compiled": c["compiled"]["bytes"]}
+        for c in report["step"]["collectives"]}
+    row["collective_bytes_ratio"] = tpu.bytes_ratios(row["collectives"])
     row["kinds_within_5pct"] = sum(1 for v in row["collectives"].values()
                                    if v["ratio"] is not None and abs(v["ratio"] - 1) <= 0.05)
     peaks = {task: entry["peak_ratio"] for task, entry in report["programs"].items()
