@@ -495,7 +495,12 @@ def _cbc_run(built: Built, *, time_limit: float, threads: int, mip: bool,
             var.setInitialValue(float(value))
     path = None if pulp.COIN_CMD(msg=False).available() else _cbc_path()
     limit = max(float(time_limit), 0.01)
-    solver = pulp.COIN_CMD(mip=mip, msg=False, timeLimit=limit, threads=threads,
+    # CBC 2.10's threaded search ("threads N", N >= 1) now and then leaves its one worker
+    # waiting to start until the time limit (about 1 solve in 300, even on a two-variable
+    # model), returning an unproven incumbent; "threads 0" (PuLP's default) searches on the
+    # main thread and does not.
+    solver = pulp.COIN_CMD(mip=mip, msg=False, timeLimit=limit,
+                           threads=threads if threads > 1 else None,
                            gapRel=built.gap, warmStart=bool(start is not None and mip), path=path,
                            maxNodes=int(built.node_limit) if mip else None)
     started = time.perf_counter()
