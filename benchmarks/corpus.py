@@ -365,7 +365,7 @@ def write_docs() -> None:
         "library's own examples train it. `tests/third_party/test_corpus.py` checks them at "
         "the tiny sizes below, each plan run and compared with the single-device program: "
         "every program on meshes 8, 2x4 and 2x2x2; pipelines (GPipe, 1F1B) and the "
-        "gradient-accumulation fallback; recomputation under a tight budget (keras_cnn, "
+        "gradient-accumulation fallback; recomputation under a tight budget (haiku_resnet, "
         "whose BatchNorm rules accumulation out); `hloplan explain` (its decisions' costs "
         "checked against the independent evaluator, its `--format jax` shardings run); "
         "`--select compiled --verify-memory`; two-process jobs (`hloplan run --processes "

@@ -36,6 +36,12 @@ class SolveSharding:
     # strategies in the plans so far (exact while the sources keep them), from the third solve
     # on also under a budget lowered by the excess; at most this many times.
     max_tightening: int = 3
+    # A held copy is charged to every strategy of its reader as if the reader's sources kept
+    # the strategies of the plans so far, so the problem holding them can have no solution
+    # while a plan fits (its sources change, and with them its copies). It is then solved
+    # under these multiples of its budget, and the first plan whose peak with the copies it
+    # does read fits the budget is kept.
+    loosen: tuple[float, ...] = (1.05, 1.1, 1.2, 1.4)
     # "" (the planner's own plan), or a canonical plan solved as a restriction of the same ILP:
     # "dp" or "fsdp" (hloplan/canonical.py; `--select compiled` plans both).
     canonical: str = ""
@@ -90,6 +96,33 @@ class SolveSharding:
                 f"({cuts[0]}): the plan solved again after it depends on this machine's speed",
                 notes=("raise --time-limit for the same plan on any machine",))
 
+    def _loosened(self, state: CompileState, original: ShardingProblem,
+                  problem: ShardingProblem, links) -> bool:
+        """Solve `problem` (copies held) under looser budgets, keeping the first plan whose
+        peak with the copies it reads fits `original`'s budget; whether one did."""
+        options = state.options
+        budget = original.memory_budget
+        for factor in self.loosen:
+            nominal = problem.memory_budget * factor
+            try:
+                solution, stats = axes.solve(
+                    dataclasses.replace(problem, memory_budget=nominal),
+                    time_limit=options.time_limit, solver=options.solver,
+                    decompose=options.decompose, links=links, gap=options.gap)
+            except InfeasibleError:
+                continue
+            choice = Solution(solution.choice[:len(original.nodes)])
+            if evaluate(original, choice).peak_memory <= budget * (1 + 1e-9):
+                state.solution, state.stats = choice, stats
+                state.facts["memory_loosened"] = factor
+                state.log.remark(
+                    f"solve-sharding: the resharded copies charged as the earlier plans read "
+                    f"them left no plan under {format_bytes(problem.memory_budget)}; solved with "
+                    f"them under {format_bytes(nominal)}, the plan fits "
+                    f"{format_bytes(budget)} with the copies it reads")
+                return True
+        return False
+
     def _solve(self, state: CompileState, original: ShardingProblem, links) -> int:
         """Plan `original` into state.solution and state.stats, solving again with the copies
         read held while the plan is over the budget; how many times it was solved again."""
@@ -105,6 +138,8 @@ class SolveSharding:
                 # Without the nodes standing for held copies (_with_copies_held).
                 state.solution = Solution(solution.choice[:len(original.nodes)])
             except InfeasibleError as exc:
+                if attempt and self._loosened(state, original, problem, links):
+                    break
                 # Callers that plan parts of a program (pipeline stages) report the smallest
                 # peak.
                 details = getattr(exc, "details", None)

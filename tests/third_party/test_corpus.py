@@ -303,16 +303,16 @@ def test_runs_as_a_two_process_job(name, corpus_program, tmp_path):
 
 def test_recomputes_where_batch_statistics_rule_out_accumulation(corpus_program, devices8,
                                                                  helpers, tmp_path):
-    """keras_cnn (keras 3, BatchNorm): under a budget for which hloplan finds no plan of the
-    program as it stands, gradient accumulation is ruled out (batch statistics) and hloplan
-    recomputes activations after the forward pass instead; the plan fits its budget, says so
-    (compile's warning, `hloplan explain`), and gives the single-device answer."""
+    """haiku_resnet (haiku + optax, BatchNorm): under a budget for which hloplan finds no plan
+    of the program as it stands, gradient accumulation is ruled out (batch statistics) and
+    hloplan recomputes activations after the forward pass instead; the plan fits its budget,
+    says so (compile's warning, `hloplan explain`), and gives the single-device answer."""
     from click.testing import CliRunner
 
     import hloplan
     from hloplan.cli import main
 
-    data, args, want = corpus_program("keras_cnn")
+    data, args, want = corpus_program("haiku_resnet")
     peak = hloplan.compile(data, "8", device="toy",
                            time_limit=TIME_LIMIT).plan["estimate"]["peak_memory_bytes"]
     for fraction in (0.9, 0.85, 0.8, 0.75, 0.7):
@@ -335,7 +335,7 @@ def test_recomputes_where_batch_statistics_rule_out_accumulation(corpus_program,
     assert explained.exit_code == 0, explained.output
     assert "activations after the forward pass" in explained.output
     _run_and_match(tmp_path / "plan", args, want, devices8, helpers,
-                   f"keras_cnn under {budget} B, activations recomputed")
+                   f"haiku_resnet under {budget} B, activations recomputed")
 
 
 @pytest.mark.parametrize("name", [_param(p) for p in BATCH_STATISTICS])
