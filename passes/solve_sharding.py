@@ -141,10 +141,12 @@ class SolveSharding:
                 if attempt and self._loosened(state, original, problem, links):
                     break
                 # Callers that plan parts of a program (pipeline stages) report the smallest
-                # peak.
+                # peak: known only for the problem as given (the held copies overcharge plans
+                # whose sources move).
                 details = getattr(exc, "details", None)
-                raise NoPlanFits(_infeasible_diagnostic(state, exc, attempt),
-                                 getattr(details, "min_peak", None)) from None
+                raise NoPlanFits(_infeasible_diagnostic(state, exc, attempt, self.loosen),
+                                 None if attempt else getattr(details, "min_peak", None)
+                                 ) from None
             except SolverError as exc:  # e.g. no plan found within the time limit
                 raise HloplanError(Diagnostic(
                     "error", f"no plan found for mesh {options.mesh}", None,
@@ -215,8 +217,8 @@ def _with_copies_held(problem: ShardingProblem, solution: Solution,
     return dataclasses.replace(problem, nodes=tuple(nodes), live_ranges=tuple(ranges))
 
 
-def _infeasible_diagnostic(state: CompileState, exc: InfeasibleError, tightened: int = 0
-                           ) -> Diagnostic:
+def _infeasible_diagnostic(state: CompileState, exc: InfeasibleError, tightened: int = 0,
+                           loosen: tuple[float, ...] = ()) -> Diagnostic:
     options = state.options
     budget = options.plan_budget
     notes = [str(exc)]
@@ -230,10 +232,20 @@ def _infeasible_diagnostic(state: CompileState, exc: InfeasibleError, tightened:
                      "times)")
     details = exc.details
     at_least = "" if details.proven else "at least "
-    notes.append(f"the smallest peak any plan reaches is {at_least}"
-                 f"{format_bytes(details.min_peak)}, {at_least}"
-                 f"{format_bytes(max(details.shortfall, 0))} over the "
-                 f"{format_bytes(details.budget)} it was planned under")
+    if tightened:
+        # The first plan fitted without its copies; with the copies held as the earlier plans
+        # read them, plans whose sources change are charged copies they do not make.
+        notes[notes.index(str(exc))] = (
+            "with the resharded copies held as the earlier plans read them (exact only for "
+            "readers whose sources keep those plans' layouts): " + str(exc))
+        notes.append(f"plans fit the budget without the resharded copies their operands need; "
+                     f"none found fits with them, also planned under up to "
+                     f"{max((1.0, *loosen)):g} x the budget")
+    else:
+        notes.append(f"the smallest peak any plan reaches is {at_least}"
+                     f"{format_bytes(details.min_peak)}, {at_least}"
+                     f"{format_bytes(max(details.shortfall, 0))} over the "
+                     f"{format_bytes(details.budget)} it was planned under")
     dominant = _largest_values(state)
     if dominant:
         notes.append("largest tensors: " + ", ".join(dominant))

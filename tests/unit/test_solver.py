@@ -702,10 +702,17 @@ def test_solve_sharding_loosens_the_budget_when_the_held_copies_rule_out_every_p
     assert state.solution.choice == (0, 0, 0)
     assert evaluate(problem, state.solution).peak_memory == 30.0
     assert state.facts["memory_loosened"] == 1.1
-    # Without loosening the same problem gets no plan.
+    # Without loosening the same problem gets no plan; the error does not pass the held
+    # copies' smallest peak (34 bytes) off as what any plan needs (30 does).
     state = CompileState(program=None, options=make_options("8", device="toy"), problem=problem)
-    with pytest.raises(NoPlanFits):
+    with pytest.raises(NoPlanFits) as info:
         SolveSharding(loosen=()).apply(state)
+    assert info.value.min_peak is None
+    (diagnostic,) = info.value.diagnostics
+    assert any(note.startswith("plans fit the budget without the resharded copies")
+               for note in diagnostic.notes), diagnostic.notes
+    assert not any(note.startswith("the smallest peak any plan reaches")
+                   for note in diagnostic.notes), diagnostic.notes
 
 
 @pytest.mark.parametrize("seed", range(4))
