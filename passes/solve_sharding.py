@@ -166,7 +166,7 @@ class SolveSharding:
                 (f"the plans under it need resharded copies of their operands on top (planned "
                  f"{self.max_tightening + 1} times, counting the copies the previous plans "
                  f"read; last peak {format_bytes(peak)})",
-                 "raise --memory-budget, use a larger mesh, or shrink the program")), peak)
+                 "raise --memory-budget, use a larger mesh, or shrink the program")), None)
         return attempt
 
 
