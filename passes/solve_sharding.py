@@ -12,7 +12,7 @@ from hloplan.canonical import allowed_strategies, restrict, widen
 from hloplan.diagnostics import Diagnostic, HloplanError, NoPlanFits
 from hloplan.solver import axes, clock
 from hloplan.solver.backends import MIP_NODE_LIMIT as NODE_LIMIT
-from hloplan.solver.evaluate import copy_bytes, evaluate
+from hloplan.solver.evaluate import copy_bytes, evaluate, memory_fits
 from hloplan.solver.ilp import InfeasibleError, SolverError
 from hloplan.solver.liveness import Liveness
 from hloplan.solver.problem import LiveRange, Node, ShardingProblem, Solution, Strategy
@@ -100,19 +100,16 @@ class SolveSharding:
                   problem: ShardingProblem, links) -> bool:
         """Solve `problem` (copies held) under looser budgets, keeping the first plan whose
         peak with the copies it reads fits `original`'s budget; whether one did."""
-        options = state.options
         budget = original.memory_budget
         for factor in self.loosen:
             nominal = problem.memory_budget * factor
             try:
-                solution, stats = axes.solve(
-                    dataclasses.replace(problem, memory_budget=nominal),
-                    time_limit=options.time_limit, solver=options.solver,
-                    decompose=options.decompose, links=links, gap=options.gap)
+                solution, stats = _solve_problem(
+                    state, dataclasses.replace(problem, memory_budget=nominal), links)
             except InfeasibleError:
                 continue
             choice = Solution(solution.choice[:len(original.nodes)])
-            if evaluate(original, choice).peak_memory <= budget * (1 + 1e-9):
+            if memory_fits(evaluate(original, choice).peak_memory, budget):
                 state.solution, state.stats = choice, stats
                 state.facts["memory_loosened"] = factor
                 state.log.remark(
@@ -132,9 +129,7 @@ class SolveSharding:
         seen: dict[int, np.ndarray] = {}  # edge -> largest copy bytes per reader strategy yet
         for attempt in range(self.max_tightening + 1):
             try:
-                solution, state.stats = axes.solve(
-                    problem, time_limit=options.time_limit, solver=options.solver,
-                    decompose=options.decompose, links=links, gap=options.gap)
+                solution, state.stats = _solve_problem(state, problem, links)
                 # Without the nodes standing for held copies (_with_copies_held).
                 state.solution = Solution(solution.choice[:len(original.nodes)])
             except InfeasibleError as exc:
@@ -154,7 +149,7 @@ class SolveSharding:
                                     "the budget once the resharded copies they read were "
                                     "counted",) if attempt else ()))) from None
             peak = evaluate(original, state.solution).peak_memory
-            if peak <= budget * (1 + 1e-9):
+            if memory_fits(peak, budget):
                 break
             lowered = problem.memory_budget - (peak - budget) if attempt >= 1 else budget
             problem = dataclasses.replace(_with_copies_held(original, state.solution, seen),
@@ -168,6 +163,13 @@ class SolveSharding:
                  f"read; last peak {format_bytes(peak)})",
                  "raise --memory-budget, use a larger mesh, or shrink the program")), None)
         return attempt
+
+
+def _solve_problem(state: CompileState, problem: ShardingProblem, links):
+    """axes.solve of `problem` with the compile's solver options: (solution, stats)."""
+    options = state.options
+    return axes.solve(problem, time_limit=options.time_limit, solver=options.solver,
+                      decompose=options.decompose, links=links, gap=options.gap)
 
 
 def _gap_text(gap: float) -> str:
@@ -221,7 +223,11 @@ def _infeasible_diagnostic(state: CompileState, exc: InfeasibleError, tightened:
                            loosen: tuple[float, ...] = ()) -> Diagnostic:
     options = state.options
     budget = options.plan_budget
-    notes = [str(exc)]
+    # After the first solve the problem holds the copies the earlier plans read, charging
+    # plans whose sources change copies they do not make: its smallest peak binds only it.
+    notes = [("with the resharded copies held as the earlier plans read them (exact only for "
+              "readers whose sources keep those plans' layouts): " if tightened else "")
+             + str(exc)]
     if options.memory_reserve:
         notes.insert(0, f"planned under {format_bytes(budget)}: the budget less "
                      f"{format_bytes(options.memory_reserve)} that XLA's compiled program "
@@ -233,11 +239,6 @@ def _infeasible_diagnostic(state: CompileState, exc: InfeasibleError, tightened:
     details = exc.details
     at_least = "" if details.proven else "at least "
     if tightened:
-        # The first plan fitted without its copies; with the copies held as the earlier plans
-        # read them, plans whose sources change are charged copies they do not make.
-        notes[notes.index(str(exc))] = (
-            "with the resharded copies held as the earlier plans read them (exact only for "
-            "readers whose sources keep those plans' layouts): " + str(exc))
         notes.append(f"plans fit the budget without the resharded copies their operands need; "
                      f"none found fits with them, also planned under up to "
                      f"{max((1.0, *loosen)):g} x the budget")
